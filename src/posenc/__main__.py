@@ -1,0 +1,7 @@
+"""``python -m posenc``: the same as the ``posenc`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

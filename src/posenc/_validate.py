@@ -1,0 +1,153 @@
+"""Input checks shared by every module.
+
+Every check raises ``ValueError`` or ``TypeError`` with a message that names the
+argument, the value it got, and the fix (DESIGN.md, "Conventions"). Nothing here uses
+``assert``: asserts vanish under ``python -O`` and give no fix.
+
+Shape legend: ``b`` batch, ``n`` sequence length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def positive_int(name: str, value: object, *, hint: str = "") -> int:
+    """Return ``value`` if it is an int >= 1, else raise.
+
+    Raises:
+        TypeError: ``value`` is not an int (bools are rejected too).
+        ValueError: ``value`` < 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}){hint}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}{hint}")
+    return value
+
+
+def even_int(name: str, value: object, *, why: str) -> int:
+    """Return ``value`` if it is an even positive int, else raise with ``why``."""
+    positive_int(name, value)
+    if value % 2:  # type: ignore[operator]
+        raise ValueError(
+            f"{name} must be even ({why}), got {value}; use {value + 1} or {value - 1}"
+        )  # type: ignore[operator]
+    return value  # type: ignore[return-value]
+
+
+def positive_float(name: str, value: object) -> float:
+    """Return ``value`` as a float if it is a finite number > 0, else raise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
+def probability(name: str, value: object) -> float:
+    """Return ``value`` if it is a float in [0, 1), else raise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1), got {value!r}")
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    return float(value)
+
+
+def tensor(name: str, value: object) -> Tensor:
+    """Raise ``TypeError`` unless ``value`` is a tensor."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def floating(name: str, value: object) -> Tensor:
+    """Raise unless ``value`` is a floating-point tensor."""
+    tensor(name, value)
+    if not value.is_floating_point():  # type: ignore[union-attr]
+        raise TypeError(
+            f"{name} must be a floating-point tensor, got dtype {value.dtype}; "  # type: ignore[union-attr]
+            f"convert it with {name}.float()"
+        )
+    return value  # type: ignore[return-value]
+
+
+def last_dim(name: str, x: Tensor, dim: int, *, what: str = "dim") -> None:
+    """Raise unless ``x.shape[-1] == dim``."""
+    if x.ndim == 0 or x.shape[-1] != dim:
+        raise ValueError(
+            f"{name} must have last dimension {what}={dim}, got shape {tuple(x.shape)}; "
+            f"build the module with {what}={x.shape[-1] if x.ndim else '?'} or project {name} first"
+        )
+
+
+def _can_inspect(x: Tensor) -> bool:
+    """True when checking the values of ``x`` costs no graph break or meta error."""
+    return x.numel() > 0 and x.device.type != "meta" and not torch.compiler.is_compiling()
+
+
+def positions(
+    value: object,
+    *,
+    n: int,
+    batch: int | None = None,
+    name: str = "positions",
+    integer: bool = True,
+    nonnegative: bool = False,
+    device: torch.device | None = None,
+) -> Tensor:
+    """Check explicit positions and return them as ``[b or 1, n]``.
+
+    Args:
+        value: a tensor ``[n]`` or ``[b, n]``.
+        n: the sequence length the positions must cover.
+        batch: the batch size ``b`` (a ``[b, n]`` tensor must match it); None: any.
+        name: the argument name used in messages.
+        integer: require an integer dtype (relative schemes index tables with them).
+        nonnegative: require every position >= 0 (tables start at position 0).
+        device: move the result to this device.
+
+    Returns:
+        ``[1, n]`` or ``[b, n]``; integer inputs as ``int64``.
+
+    Raises:
+        TypeError: not a tensor, or float positions where integers are needed.
+        ValueError: wrong rank or shape, or negative positions where forbidden.
+    """
+    tensor(name, value)
+    p: Tensor = value  # type: ignore[assignment]
+    if p.dtype == torch.bool or p.is_complex():
+        raise TypeError(f"{name} must be an integer tensor, got dtype {p.dtype}")
+    if integer and p.is_floating_point():
+        raise TypeError(
+            f"{name} must be an integer tensor (this scheme indexes a table with it), got dtype "
+            f"{p.dtype}; pass {name}.long() if the values are whole numbers"
+        )
+    if p.ndim == 1:
+        p = p.unsqueeze(0)  # [n] -> [1, n]
+    if p.ndim != 2:
+        raise ValueError(
+            f"{name} must have shape [n] or [batch, n] with n={n}, got shape {tuple(p.shape)}"
+        )
+    if p.shape[-1] != n:
+        raise ValueError(
+            f"{name} must cover the sequence: expected last dimension n={n}, got shape "
+            f"{tuple(p.shape)}"
+        )
+    if batch is not None and p.shape[0] not in (1, batch):
+        raise ValueError(
+            f"{name} has batch size {p.shape[0]} but the input has batch size {batch}; pass "
+            f"[{n}] positions shared by the batch or [{batch}, {n}]"
+        )
+    if nonnegative and _can_inspect(p) and bool((p < 0).any()):
+        raise ValueError(
+            f"{name} must be >= 0, got a minimum of {int(p.min())}; positions count from 0 "
+            f"(use positions_from_padding for left-padded batches)"
+        )
+    if not p.is_floating_point():
+        p = p.long()
+    if device is not None:
+        p = p.to(device)
+    return p

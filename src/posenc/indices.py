@@ -1,0 +1,211 @@
+"""Index arithmetic shared by places 3-5: the skew, Swin's index, clipping, T5 buckets.
+
+Pure functions on integer tensors; nothing here holds parameters.
+
+Shape legend: ``b`` batch (or 1, shared), ``n_q`` query length, ``n_k`` key length,
+``L`` sequence length of a square relative matrix.
+
+Relative distance is ``j - i``: key position minus query position (Shaw et al. 2018,
+Raffel et al. 2020). Swin's table layout (query minus key) is kept in
+:func:`relative_position_index` and :func:`window_relative_index`, where checkpoint
+compatibility needs it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _validate as check
+
+__all__ = [
+    "clipped_distance",
+    "relative_distance",
+    "relative_position_index",
+    "relative_to_absolute",
+    "t5_bucket",
+    "window_relative_index",
+    "window_size",
+]
+
+
+def relative_distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """``k_pos[j] - q_pos[i]`` for every pair.
+
+    Args:
+        q_pos: ``[..., n_q]`` integer positions of the queries.
+        k_pos: ``[..., n_k]`` integer positions of the keys (batch dims broadcast).
+
+    Returns:
+        ``[..., n_q, n_k]``.
+    """
+    return k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)  # [..., 1, n_k] - [..., n_q, 1]
+
+
+def clipped_distance(q_pos: Tensor, k_pos: Tensor, max_distance: int) -> Tensor:
+    """Shaw et al.'s row index ``clip(j - i, -k, k) + k`` in ``[0, 2k]``.
+
+    Args:
+        q_pos: ``[..., n_q]`` query positions.
+        k_pos: ``[..., n_k]`` key positions.
+        max_distance: the clipping distance ``k`` >= 0.
+
+    Returns:
+        ``[..., n_q, n_k]`` int64.
+    """
+    rel = relative_distance(q_pos, k_pos)  # [..., n_q, n_k]
+    return rel.clamp(-max_distance, max_distance) + max_distance
+
+
+def relative_to_absolute(x: Tensor) -> Tensor:
+    """The skew: relative logits ``[..., L, 2L-1]`` to absolute ``[..., L, L]``.
+
+    ``out[..., i, j] = x[..., i, j - i + L - 1]``: column ``m`` of ``x`` holds relative
+    offset ``m - (L - 1)``, from ``-(L-1)`` to ``L-1``. Done by padding and reshaping
+    (Huang et al. 2018, Music Transformer; Bello et al. 2019), with no ``[L, L]`` index:
+    after one column of padding each row is ``2L`` long, so reading the flat buffer with
+    rows of ``2L - 1`` shifts row ``i`` left by ``i``.
+
+    Args:
+        x: ``[..., L, 2L-1]``, any dtype; differentiable.
+
+    Returns:
+        ``[..., L, L]``.
+
+    Raises:
+        ValueError: the last dimension is not ``2L - 1``.
+    """
+    check.tensor("x", x)
+    if x.ndim < 2 or x.shape[-1] != 2 * x.shape[-2] - 1:
+        raise ValueError(
+            f"x must have shape [..., L, 2L-1] (one column per relative offset -(L-1)..L-1), "
+            f"got shape {tuple(x.shape)}"
+        )
+    length = x.shape[-2]
+    lead = x.shape[:-2]
+    x = F.pad(x, (0, 1))  # [..., L, 2L]
+    x = x.reshape(*lead, 2 * length * length)  # [..., 2L*L]
+    x = F.pad(x, (0, length - 1))  # [..., (L+1) * (2L-1)]
+    x = x.reshape(*lead, length + 1, 2 * length - 1)  # [..., L+1, 2L-1]
+    return x[..., :length, length - 1 :]  # [..., L, L]
+
+
+def window_size(window: object, name: str = "window") -> tuple[int, ...]:
+    """Normalise a window to ``(W,)`` or ``(Wh, Ww)`` and check it."""
+    if isinstance(window, int) and not isinstance(window, bool):
+        return (check.positive_int(name, window),)
+    if isinstance(window, (tuple, list)) and len(window) in (1, 2):
+        return tuple(check.positive_int(f"{name}[{i}]", w) for i, w in enumerate(window))
+    raise ValueError(f"{name} must be an int W or a pair (Wh, Ww), got {window!r}")
+
+
+def window_relative_index(q_pos: Tensor, k_pos: Tensor, window: tuple[int, ...]) -> Tensor:
+    """Swin's table row for every (query, key) pair of token indices in a window.
+
+    Tokens are numbered row-major, ``p = r * Ww + c``. The row is
+    ``(r_i - r_j + Wh - 1) * (2Ww - 1) + (c_i - c_j + Ww - 1)`` (query minus key: Swin's
+    layout, so that Swin checkpoints load as they are); in 1-D it is ``i - j + W - 1``.
+
+    Args:
+        q_pos: ``[..., n_q]`` token indices in ``[0, N)``.
+        k_pos: ``[..., n_k]`` token indices in ``[0, N)``.
+        window: ``(W,)`` or ``(Wh, Ww)``.
+
+    Returns:
+        ``[..., n_q, n_k]`` int64 rows of a table with ``prod(2w - 1)`` rows.
+    """
+    if len(window) == 1:
+        return q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2) + (window[0] - 1)
+    wh, ww = window
+    dr = (q_pos // ww).unsqueeze(-1) - (k_pos // ww).unsqueeze(-2)  # [..., n_q, n_k]
+    dc = (q_pos % ww).unsqueeze(-1) - (k_pos % ww).unsqueeze(-2)  # [..., n_q, n_k]
+    return (dr + wh - 1) * (2 * ww - 1) + (dc + ww - 1)
+
+
+def relative_position_index(window: int | tuple[int, int]) -> Tensor:
+    """Swin's relative position index for a window (Liu et al. 2021, section 3.2).
+
+    Args:
+        window: ``W`` (1-D) or ``(Wh, Ww)`` (2-D).
+
+    Returns:
+        ``[N, N]`` int64 with ``N = Wh * Ww``: the row of the ``[(2Wh-1)*(2Ww-1), heads]``
+        bias table for each (query, key) pair. For ``(2, 2)``:
+        ``[[4,3,1,0],[5,4,2,1],[7,6,4,3],[8,7,5,4]]``.
+
+    Raises:
+        ValueError: a bad window.
+    """
+    size = window_size(window)
+    tokens = torch.arange(math.prod(size))  # [N]
+    return window_relative_index(tokens, tokens, size)
+
+
+def t5_bucket(
+    relative_position: Tensor,
+    *,
+    bidirectional: bool = True,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> Tensor:
+    """T5's log-spaced bucket of a relative position ``j - i`` (Raffel et al. 2020).
+
+    Half the buckets (of each direction, when bidirectional) hold exact distances
+    ``0 .. max_exact - 1`` with ``max_exact = buckets // 2``; the rest are spaced
+    logarithmically up to ``max_distance``, beyond which everything shares the last
+    bucket. Bidirectional: positive offsets (key after query) use the upper half.
+    Unidirectional (decoders): only ``j <= i`` is distinguished; future keys fall in
+    bucket 0. The float32 arithmetic matches Mesh TensorFlow's and HF's
+    ``_relative_position_bucket`` exactly.
+
+    Args:
+        relative_position: integer tensor of ``j - i``, any shape.
+        bidirectional: encoder (True) or decoder (False) bucketing.
+        num_buckets: the number of buckets.
+        max_distance: the distance from which all offsets share the last bucket.
+
+    Returns:
+        int64 buckets in ``[0, num_buckets)``, same shape.
+
+    Raises:
+        TypeError: float relative positions.
+        ValueError: too few buckets for the log range, or ``max_distance`` too small.
+    """
+    check.tensor("relative_position", relative_position)
+    if relative_position.is_floating_point():
+        raise TypeError(
+            f"relative_position must be an integer tensor, got {relative_position.dtype}"
+        )
+    check.positive_int("num_buckets", num_buckets)
+    check.positive_int("max_distance", max_distance)
+    half = num_buckets // 2 if bidirectional else num_buckets
+    max_exact = half // 2
+    if max_exact < 1:
+        raise ValueError(
+            f"num_buckets={num_buckets} is too small for bidirectional={bidirectional}: it needs "
+            f"at least {4 if bidirectional else 2} buckets"
+        )
+    if max_distance <= max_exact:
+        raise ValueError(
+            f"max_distance must exceed the exact range {max_exact} (num_buckets={num_buckets}), "
+            f"got {max_distance}"
+        )
+    rel = relative_position.long()
+    buckets = torch.zeros_like(rel)
+    if bidirectional:
+        buckets = buckets + (rel > 0).long() * half
+        distance = rel.abs()
+    else:
+        distance = (-rel).clamp(min=0)
+    is_small = distance < max_exact
+    # log-spaced bucket for distances >= max_exact; log(0) = -inf on the small side is
+    # discarded by the where below. Float32, as the reference implementation.
+    scaled = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(
+        max_distance / max_exact
+    )
+    large = max_exact + (scaled * (half - max_exact)).long()
+    large = large.clamp(max=half - 1)
+    return buckets + torch.where(is_small, distance, large)

@@ -1,0 +1,288 @@
+"""Place 1 against independent float64 NumPy references written here."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from posenc import (
+    LearnedEncoding,
+    SinusoidalEncoding,
+    SinusoidalEncoding2D,
+    sinusoidal,
+    sinusoidal_2d,
+    sinusoidal_shift,
+)
+from posenc.absolute import inverse_frequencies
+
+
+def reference_table(positions: np.ndarray, dim: int, base: float = 10000.0) -> np.ndarray:
+    """Vaswani et al. section 3.5, one element at a time, float64."""
+    flat = positions.reshape(-1)
+    out = np.zeros((flat.size, dim))
+    for row, p in enumerate(flat):
+        for j in range(dim // 2):
+            out[row, 2 * j] = math.sin(p / base ** (2 * j / dim))
+            out[row, 2 * j + 1] = math.cos(p / base ** (2 * j / dim))
+    return out.reshape(*positions.shape, dim)
+
+
+# --- sinusoidal -------------------------------------------------------------------------------
+
+
+def test_published_values_dim4():
+    table = sinusoidal(torch.arange(3), 4)
+    expected = [0.84147098, 0.54030231, 0.00999983, 0.99995]
+    np.testing.assert_allclose(table[1].numpy(), expected, atol=1e-7)
+    np.testing.assert_allclose(table[0].numpy(), [0, 1, 0, 1], atol=0)
+
+
+@pytest.mark.parametrize("dim", [2, 4, 16, 62])
+@pytest.mark.parametrize("base", [10000.0, 500.0])
+def test_matches_reference(dim, base):
+    positions = np.arange(50)
+    got = sinusoidal(torch.from_numpy(positions), dim, base=base)
+    assert got.dtype == torch.float32 and got.shape == (50, dim)
+    np.testing.assert_allclose(got.numpy(), reference_table(positions, dim, base), atol=2e-7)
+
+
+def test_batched_and_float_positions():
+    positions = np.array([[0, 3, 7], [5, 5, 100]])
+    got = sinusoidal(torch.from_numpy(positions), 8)
+    assert got.shape == (2, 3, 8)
+    np.testing.assert_allclose(got.numpy(), reference_table(positions, 8), atol=2e-7)
+    halves = np.array([0.5, 2.25])
+    got = sinusoidal(torch.tensor(halves), 6)
+    np.testing.assert_allclose(got.numpy(), reference_table(halves, 6), atol=2e-7)
+
+
+@pytest.mark.parametrize("position", [100_000, 1_000_000])
+def test_large_positions_stay_precise(position):
+    positions = np.array([position, position + 1])
+    got = sinusoidal(torch.from_numpy(positions), 64).numpy()
+    np.testing.assert_allclose(got, reference_table(positions, 64), atol=1e-6)
+    # what float32 angles would have given: off by far more than the 1e-4 target
+    angles32 = (
+        torch.tensor(positions, dtype=torch.float32)[:, None] * inverse_frequencies(64).float()
+    )
+    naive = torch.stack((angles32.sin(), angles32.cos()), -1).flatten(-2).numpy()
+    assert np.abs(naive - reference_table(positions, 64)).max() > 1e-3
+
+
+def test_odd_dim_is_an_error():
+    with pytest.raises(ValueError, match=r"dim must be even \(.*sin.*cos.*\), got 5"):
+        sinusoidal(torch.arange(3), 5)
+    with pytest.raises(TypeError, match="positions must be a torch.Tensor"):
+        sinusoidal([0, 1, 2], 4)
+    with pytest.raises(TypeError, match="integer or float tensor, got torch.bool"):
+        sinusoidal(torch.ones(3, dtype=torch.bool), 4)
+    with pytest.raises(ValueError, match="base must be a finite number > 0, got -1.0"):
+        sinusoidal(torch.arange(3), 4, base=-1.0)
+
+
+# --- the shift identity ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [0, 1, 7, -1, -13, 250])
+def test_shift_moves_the_table(offset):
+    dim = 16
+    positions = torch.arange(-20, 40)
+    shift = sinusoidal_shift(offset, dim).double()
+    moved = sinusoidal(positions + offset, dim).double()
+    predicted = sinusoidal(positions, dim).double() @ shift.T  # M @ P[p], row-wise
+    torch.testing.assert_close(predicted, moved, atol=1e-6, rtol=0)
+
+
+def test_shift_is_block_diagonal_rotation_and_negative_is_transpose():
+    m = sinusoidal_shift(5, 8).double()
+    torch.testing.assert_close(sinusoidal_shift(-5, 8).double(), m.T, atol=1e-7, rtol=0)
+    torch.testing.assert_close(m @ m.T, torch.eye(8, dtype=torch.float64), atol=1e-6, rtol=0)
+    off_block = m.clone()
+    for j in range(4):
+        off_block[2 * j : 2 * j + 2, 2 * j : 2 * j + 2] = 0
+    assert off_block.abs().max() == 0
+    w = 1 / 10000 ** (2 / 8)  # second frequency
+    expected = [[math.cos(5 * w), math.sin(5 * w)], [-math.sin(5 * w), math.cos(5 * w)]]
+    np.testing.assert_allclose(m[2:4, 2:4].numpy(), expected, atol=1e-7)
+    with pytest.raises(TypeError, match="offset must be an int"):
+        sinusoidal_shift(1.5, 8)
+
+
+# --- SinusoidalEncoding ------------------------------------------------------------------------
+
+
+def test_encoding_adds_the_table_without_length_limit():
+    enc = SinusoidalEncoding(8)
+    x = torch.randn(2, 5000, 8)
+    out = enc(x)
+    expected = x.double().numpy() + reference_table(np.arange(5000), 8)
+    np.testing.assert_allclose(out.numpy(), expected, atol=1e-5)
+    assert not list(enc.state_dict())  # nothing stored
+
+
+def test_encoding_positions_batched_and_unbatched():
+    enc = SinusoidalEncoding(6)
+    x = torch.zeros(2, 3, 6)
+    positions = torch.tensor([[4, 5, 6], [0, 2, 9]])
+    out = enc(x, positions)
+    np.testing.assert_allclose(out.numpy(), reference_table(positions.numpy(), 6), atol=2e-7)
+    shared = enc(x, torch.tensor([1, 2, 3]))
+    np.testing.assert_allclose(
+        shared[1].numpy(), reference_table(np.array([1, 2, 3]), 6), atol=2e-7
+    )
+    single = enc(torch.zeros(3, 6), torch.tensor([7, 8, 9]))
+    np.testing.assert_allclose(single.numpy(), reference_table(np.array([7, 8, 9]), 6), atol=2e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_input_keeps_dtype(dtype):
+    enc = SinusoidalEncoding(16)
+    x = torch.randn(2, 300, 16)
+    positions = torch.arange(9700, 10000)
+    out = enc(x.to(dtype), positions)
+    assert out.dtype == dtype
+    exact = x.double() + torch.from_numpy(reference_table(positions.numpy(), 16))
+    tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(out.double(), exact, atol=4 * tol, rtol=tol)
+
+
+def test_dropout_only_in_training():
+    enc = SinusoidalEncoding(8, dropout=0.5)
+    x = torch.randn(4, 20, 8)
+    enc.eval()
+    torch.testing.assert_close(enc(x), enc(x))
+    torch.testing.assert_close(enc(x), SinusoidalEncoding(8)(x))
+    enc.train()
+    torch.manual_seed(0)
+    out = enc(x)
+    assert (out == 0).float().mean() > 0.3
+
+
+def test_encoding_errors():
+    with pytest.raises(ValueError, match="dim must be even"):
+        SinusoidalEncoding(7)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.5"):
+        SinusoidalEncoding(8, dropout=1.5)
+    enc = SinusoidalEncoding(8)
+    with pytest.raises(ValueError, match=r"last dimension dim=8, got shape \(2, 3, 6\)"):
+        enc(torch.zeros(2, 3, 6))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        enc(torch.zeros(2, 3, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"expected last dimension n=3, got shape \(1, 4\)"):
+        enc(torch.zeros(2, 3, 8), torch.arange(4))
+    with pytest.raises(
+        ValueError, match="positions has batch size 3 but the input has batch size 2"
+    ):
+        enc(torch.zeros(2, 3, 8), torch.zeros(3, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"shape \[b, n, dim\] or \[n, dim\]"):
+        enc(torch.zeros(8))
+
+
+@pytest.mark.compile
+def test_compile_fullgraph_parity():
+    enc = SinusoidalEncoding(16)
+    learned = LearnedEncoding(16, 64)
+    x = torch.randn(2, 40, 16)
+
+    def both(x):
+        return learned(enc(x))
+
+    compiled = torch.compile(both, fullgraph=True)
+    torch.testing.assert_close(compiled(x), both(x))
+
+
+# --- LearnedEncoding ----------------------------------------------------------------------------
+
+
+def test_learned_adds_rows_and_is_a_parameter():
+    torch.manual_seed(0)
+    enc = LearnedEncoding(4, 10)
+    assert list(enc.state_dict()) == ["weight"]
+    assert enc.weight.shape == (10, 4)
+    assert 0.01 < enc.weight.std().item() < 0.04  # N(0, 0.02^2)
+    x = torch.randn(3, 6, 4)
+    torch.testing.assert_close(enc(x), x + enc.weight[:6])
+    positions = torch.tensor([[9, 0, 1, 2, 3, 4]])
+    torch.testing.assert_close(enc(x, positions), x + enc.weight[positions[0]])
+    enc(x).sum().backward()
+    assert enc.weight.grad[:6].eq(3).all() and enc.weight.grad[6:].eq(0).all()
+
+
+def test_learned_errors_name_max_len_and_fix():
+    enc = LearnedEncoding(4, 10)
+    with pytest.raises(ValueError, match=r"sequence length 11 exceeds max_len=10.*resize\(11\)"):
+        enc(torch.zeros(1, 11, 4))
+    with pytest.raises(
+        ValueError, match=r"positions reach 10 but this learned table has max_len=10"
+    ):
+        enc(torch.zeros(1, 2, 4), torch.tensor([3, 10]))
+    with pytest.raises(ValueError, match="positions must be >= 0, got a minimum of -1"):
+        enc(torch.zeros(1, 2, 4), torch.tensor([-1, 0]))
+    with pytest.raises(TypeError, match="positions must be an integer tensor"):
+        enc(torch.zeros(1, 2, 4), torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="max_len must be >= 1, got 0"):
+        LearnedEncoding(4, 0)
+    with pytest.raises(TypeError, match="dim must be an int, got 4.0"):
+        LearnedEncoding(4.0, 10)
+
+
+def test_learned_resize_interpolates_linearly():
+    enc = LearnedEncoding(3, 5)
+    with torch.no_grad():
+        enc.weight.copy_(torch.arange(5.0)[:, None] * torch.tensor([1.0, -2.0, 0.5]))
+    enc.resize(9)
+    assert enc.max_len == 9 and enc.weight.shape == (9, 3)
+    expected = (torch.arange(9.0) / 2)[:, None] * torch.tensor([1.0, -2.0, 0.5])
+    torch.testing.assert_close(enc.weight.detach(), expected)
+    assert isinstance(enc.weight, torch.nn.Parameter) and enc.weight.requires_grad
+    enc(torch.zeros(1, 9, 3))  # now fits
+
+
+def test_meta_device_then_materialise():
+    with torch.device("meta"):
+        learned = LearnedEncoding(8, 16)
+        sin = SinusoidalEncoding(8)
+        sin2d = SinusoidalEncoding2D(8)
+    assert learned.weight.is_meta
+    learned.to_empty(device="cpu")
+    learned.reset_parameters()
+    assert torch.isfinite(learned.weight).all()
+    x = torch.zeros(1, 4, 8)
+    torch.testing.assert_close(sin(x), SinusoidalEncoding(8)(x))
+    torch.testing.assert_close(
+        sin2d(torch.zeros(1, 2, 3, 8)), SinusoidalEncoding2D(8)(torch.zeros(1, 2, 3, 8))
+    )
+
+
+# --- SinusoidalEncoding2D -----------------------------------------------------------------------
+
+
+def test_2d_rows_in_first_half_columns_in_second():
+    height, width, dim = 3, 5, 12
+    x = torch.randn(2, height, width, dim)
+    out = SinusoidalEncoding2D(dim)(x)
+    for r in range(height):
+        for c in range(width):
+            expected = np.concatenate(
+                [reference_table(np.array(r), dim // 2), reference_table(np.array(c), dim // 2)]
+            )
+            np.testing.assert_allclose((out - x)[1, r, c].numpy(), expected, atol=1e-6)
+    torch.testing.assert_close(sinusoidal_2d((height, width), dim), (out - x)[0], atol=1e-6, rtol=0)
+
+
+def test_2d_explicit_positions_and_errors():
+    enc = SinusoidalEncoding2D(8)
+    grid = torch.stack(torch.meshgrid(torch.arange(2) + 4, torch.arange(3) + 1, indexing="ij"), -1)
+    out = enc(torch.zeros(2, 3, 8), grid)  # [H, W, dim] input, shifted grid
+    torch.testing.assert_close(out, sinusoidal_2d((6, 4), 8)[4:, 1:])
+    with pytest.raises(ValueError, match="dim must be a multiple of 4.*got 6; use 8"):
+        SinusoidalEncoding2D(6)
+    with pytest.raises(ValueError, match=r"positions must have shape \[H, W, 2\]"):
+        enc(torch.zeros(2, 3, 8), torch.zeros(3, 2, 2))
+    with pytest.raises(ValueError, match=r"x must have shape \[b, H, W, dim\]"):
+        enc(torch.zeros(3, 8))
+    with pytest.raises(ValueError, match=r"size must be a pair \(H, W\)"):
+        sinusoidal_2d(4, 8)
