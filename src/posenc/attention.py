@@ -1,0 +1,314 @@
+"""Multi-head attention that takes one positional scheme and calls its hooks.
+
+Shape legend: ``b`` batch, ``n_q`` queries, ``n_k`` keys, ``dim`` model width,
+``h`` heads, ``d = dim / h`` head dim. Model tensors are ``[b, n, dim]``; inside attention
+``[b, h, n, d]``.
+
+The hook protocol
+-----------------
+A positional scheme is any object (usually an ``nn.Module``, so its tables are trained and
+saved with the model) that defines only the hooks it needs. ``MultiHeadAttention`` calls
+them in this order, with integer positions ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``
+(``B'`` is 1 when the batch shares positions, else ``b``):
+
+=========================================  =====  =============================================
+hook                                       place  what it does
+=========================================  =====  =============================================
+``rotate(q, k, q_pos, k_pos) -> (q, k)``   2      rotate queries and keys (RoPE)
+``score_term(q, q_pos, k_pos)``            4, 5   ``[b, h, n_q, n_k]`` added to ``q k^T``,
+                                                  scaled with it by ``1/sqrt(d)``
+``score_bias(q_pos, k_pos)``               3      ``[B', h or 1, n_q, n_k]`` added after
+                                                  the scaling (Swin, T5, ALiBi)
+``value_term(weights, q_pos, k_pos)``      5      ``[b, h, n_q, d]`` added to
+                                                  ``weights @ v`` (Shaw's ``a^V``)
+=========================================  =====  =============================================
+
+so that the attention computes ``softmax((q k^T + score_term) / sqrt(d) + score_bias) v +
+value_term``. Optional extras: ``reference_score_term`` / ``reference_value_term`` (a
+literal form that ``backend="math"`` prefers), ``flex_score_mod(q_pos, k_pos)`` (the bias
+as a FlexAttention ``score_mod``), and ``validate_attention(heads, head_dim)`` (called once
+at construction, to reject a scheme built for another shape). Hooks must accept any
+positions (a block of queries against all keys, shifted, per-batch), never assume
+``n_q == n_k``. Masks are the attention's job, never a hook's.
+
+A new scheme in a few lines, a learned bias per head that decays with distance::
+
+    class DecayBias(nn.Module):
+        def __init__(self, heads):
+            super().__init__()
+            self.rate = nn.Parameter(torch.full((heads,), 0.1))
+
+        def score_bias(self, q_pos, k_pos):
+            distance = (k_pos[:, None, :] - q_pos[:, :, None]).abs()  # [B', n_q, n_k]
+            return -self.rate[:, None, None] * distance[:, None]  # [B', h, n_q, n_k]
+
+    attn = MultiHeadAttention(64, 4, position=DecayBias(4))
+
+Place 1 (input encodings such as :class:`~posenc.SinusoidalEncoding`) is added to the
+input before attention, not passed here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _validate as check
+from .kernels import BACKENDS, HOOK_NAMES, Mask, attend
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head scaled dot-product attention with one positional scheme.
+
+    Vaswani et al. 2017, section 3.2.2, with the positional scheme's hooks (see the module
+    docstring). Self-attention (``query`` only) and cross-attention (``query, key, value``
+    of other lengths) both work. A query that has no key left to attend to (every key
+    masked) gets a zero attention output before ``out_proj``, on every backend, never NaN.
+
+    Args:
+        dim: model width.
+        heads: number of heads; must divide ``dim``.
+        position: a positional scheme from places 2-5 (``Rotary``, ``ALiBi``,
+            ``RelativePositionBias``, ``RelativeQueryEmbedding``, ``ShawRelativePosition``,
+            ...) or your own object with the hooks, or None for no positions.
+        dropout: dropout probability on the attention weights (training only).
+        bias: whether the four projections have a bias.
+        backend: ``"auto"`` (the fastest correct path for the scheme), ``"math"`` (the
+            readable reference), ``"sdpa"`` (PyTorch's fused kernel, positional terms in
+            its ``attn_mask``) or ``"flex"`` (FlexAttention, biases and rotary only;
+            inference only on CPU).
+
+    Raises:
+        ValueError: ``dim % heads != 0``, an unknown backend, or a scheme built for another
+            number of heads or head dim.
+        TypeError: ``position`` defines no hook (e.g. a place-1 input encoding).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        *,
+        position: Any = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        check.positive_int("dim", dim)
+        check.positive_int("heads", heads)
+        if dim % heads:
+            divisors = [h for h in range(1, dim + 1) if dim % h == 0 and abs(h - heads) <= heads]
+            raise ValueError(
+                f"dim must be divisible by heads, got dim={dim}, heads={heads}; pick heads "
+                f"from {divisors} or change dim to a multiple of {heads}"
+            )
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.dim, self.heads, self.head_dim = dim, heads, dim // heads
+        self.dropout = check.probability("dropout", dropout)
+        self.backend = backend
+        self.q_proj = nn.Linear(dim, dim, bias=bias)
+        self.k_proj = nn.Linear(dim, dim, bias=bias)
+        self.v_proj = nn.Linear(dim, dim, bias=bias)
+        self.out_proj = nn.Linear(dim, dim, bias=bias)
+        if position is not None:
+            if not any(callable(getattr(position, name, None)) for name in HOOK_NAMES):
+                raise TypeError(
+                    f"position={type(position).__name__} defines none of the attention hooks "
+                    f"{HOOK_NAMES}; an input encoding (place 1, e.g. SinusoidalEncoding) is "
+                    f"added to the input before attention, not passed as position="
+                )
+            validate = getattr(position, "validate_attention", None)
+            if callable(validate):
+                validate(heads=heads, head_dim=self.head_dim)
+        self.position = position
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        valid_lens: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        causal: bool = False,
+        positions: Tensor | None = None,
+        key_positions: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend.
+
+        Args:
+            query: ``[b, n_q, dim]``.
+            key: ``[b, n_k, dim]`` for cross-attention; None for self-attention.
+            value: ``[b, n_k, dim]``; defaults to ``key``.
+            valid_lens: ``[b]`` or ``[b, n_q]`` integer lengths (d2l): keys at index >= the
+                length are ignored.
+            key_padding_mask: ``[b, n_k]`` bool, True = padding (PyTorch's convention).
+            causal: query ``i`` sees keys ``j <= i``, aligned at the end when
+                ``n_q < n_k`` (the queries are the last ``n_q`` positions, as in decoding).
+            positions: integer positions ``[n_q]`` or ``[b, n_q]`` of the queries (and of
+                the keys in self-attention). Default ``arange(n_q)``, shifted by
+                ``n_k - n_q`` when ``causal`` and ``n_q < n_k``. Relative schemes use only
+                differences, so a shifted range gives the same output.
+            key_positions: ``[n_k]`` or ``[b, n_k]`` positions of the keys in
+                cross-attention (default ``arange(n_k)``).
+            need_weights: also return the attention weights ``[b, h, n_q, n_k]``
+                (before dropout), computed with the math path.
+
+        Returns:
+            ``[b, n_q, dim]``, and the weights when ``need_weights``.
+
+        Raises:
+            ValueError: shapes that do not fit together (each message names the argument).
+            TypeError: a non-float input, a non-bool padding mask, float positions.
+        """
+        query, key, value = self._check_inputs(query, key, value)
+        b, n_q, _ = query.shape
+        n_k = key.shape[1]
+        q_pos, k_pos = self._positions(positions, key_positions, b, n_q, n_k, causal, query, key)
+        mask = Mask(
+            n_q,
+            n_k,
+            key_padding=self._check_padding(key_padding_mask, b, n_k),
+            lengths=self._check_lengths(valid_lens, b, n_q),
+            causal=bool(causal),
+        )
+        q = self.q_proj(query).view(b, n_q, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(key).view(b, n_k, self.heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(value).view(b, n_k, self.heads, self.head_dim).transpose(1, 2)
+        # [b, n, dim] -> [b, n, h, d] -> [b, h, n, d]
+        rotate = getattr(self.position, "rotate", None)
+        if rotate is not None:
+            q, k = rotate(q, k, q_pos, k_pos)
+        out, weights = attend(
+            q,
+            k,
+            v,
+            scheme=self.position,
+            q_pos=q_pos,
+            k_pos=k_pos,
+            mask=mask,
+            backend=self.backend,
+            dropout_p=self.dropout if self.training else 0.0,
+            need_weights=need_weights,
+        )
+        out = self.out_proj(out.transpose(1, 2).reshape(b, n_q, self.dim))
+        # [b, h, n_q, d] -> [b, n_q, h, d] -> [b, n_q, dim]
+        return (out, weights) if need_weights else out
+
+    # ----- input checks --------------------------------------------------------------------
+
+    def _check_inputs(
+        self, query: Tensor, key: Tensor | None, value: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        check.floating("query", query)
+        if query.ndim != 3:
+            raise ValueError(
+                f"query must have shape [batch, seq, dim={self.dim}], got shape "
+                f"{tuple(query.shape)}; add a batch dimension with query.unsqueeze(0)"
+            )
+        check.last_dim("query", query, self.dim)
+        if key is None:
+            if value is not None:
+                raise ValueError("value was given without key; pass key too (or neither)")
+            return query, query, query
+        value = key if value is None else value
+        for name, x in (("key", key), ("value", value)):
+            check.floating(name, x)
+            if x.ndim != 3:
+                raise ValueError(
+                    f"{name} must have shape [batch, seq, dim={self.dim}], got shape "
+                    f"{tuple(x.shape)}"
+                )
+            check.last_dim(name, x, self.dim)
+            if x.shape[0] != query.shape[0]:
+                raise ValueError(
+                    f"{name} has batch size {x.shape[0]} but query has {query.shape[0]}; "
+                    f"they must match"
+                )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(
+                f"key and value must have the same length, got {key.shape[1]} and {value.shape[1]}"
+            )
+        return query, key, value
+
+    @staticmethod
+    def _check_padding(mask: Tensor | None, b: int, n_k: int) -> Tensor | None:
+        if mask is None:
+            return None
+        check.tensor("key_padding_mask", mask)
+        if mask.dtype != torch.bool:
+            raise TypeError(
+                f"key_padding_mask must be a bool tensor (True = padding), got dtype "
+                f"{mask.dtype}; convert with key_padding_mask.bool() (or == 0 if 1 marks "
+                f"real tokens)"
+            )
+        if tuple(mask.shape) != (b, n_k):
+            raise ValueError(
+                f"key_padding_mask must have shape [batch, n_k] = [{b}, {n_k}], got shape "
+                f"{tuple(mask.shape)}"
+            )
+        return mask
+
+    @staticmethod
+    def _check_lengths(valid_lens: Tensor | None, b: int, n_q: int) -> Tensor | None:
+        if valid_lens is None:
+            return None
+        check.tensor("valid_lens", valid_lens)
+        if valid_lens.is_floating_point() or valid_lens.dtype == torch.bool:
+            raise TypeError(
+                f"valid_lens must be an integer tensor, got dtype {valid_lens.dtype}; "
+                f"pass valid_lens.long()"
+            )
+        if valid_lens.ndim == 1 and valid_lens.shape[0] == b:
+            return valid_lens.long()[:, None].expand(b, n_q)  # [b] -> [b, n_q]
+        if tuple(valid_lens.shape) == (b, n_q):
+            return valid_lens.long()
+        raise ValueError(
+            f"valid_lens must have shape [batch] = [{b}] or [batch, n_q] = [{b}, {n_q}], got "
+            f"shape {tuple(valid_lens.shape)}"
+        )
+
+    def _positions(
+        self,
+        positions: Tensor | None,
+        key_positions: Tensor | None,
+        b: int,
+        n_q: int,
+        n_k: int,
+        causal: bool,
+        query: Tensor,
+        key: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        device = query.device
+        self_attention = key is query
+        if positions is None:
+            start = n_k - n_q if causal and n_q < n_k else 0
+            q_pos = torch.arange(start, start + n_q, device=device)[None]  # [1, n_q]
+        else:
+            q_pos = check.positions(positions, n=n_q, batch=b, device=device)
+        if key_positions is not None:
+            if self_attention:
+                raise ValueError(
+                    "key_positions is for cross-attention; in self-attention pass positions"
+                )
+            k_pos = check.positions(
+                key_positions, n=n_k, batch=b, name="key_positions", device=device
+            )
+        elif self_attention:
+            k_pos = q_pos
+        else:
+            k_pos = torch.arange(n_k, device=device)[None]  # [1, n_k]
+        return q_pos, k_pos
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, "
+            f"dropout={self.dropout}, backend={self.backend!r}"
+        )

@@ -1,0 +1,318 @@
+"""MultiHeadAttention against a row-by-row float64 reference written here.
+
+Scheme-specific parity (every scheme, every backend) lives in tests/test_schemes.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from posenc.attention import MultiHeadAttention
+
+BACKENDS = ["math", "sdpa", "auto"]
+
+
+class DecayBias(nn.Module):
+    """The docstring's example scheme: a learned per-head decay with distance."""
+
+    def __init__(self, heads):
+        super().__init__()
+        self.rate = nn.Parameter(torch.linspace(0.1, 0.5, heads))
+
+    def score_bias(self, q_pos, k_pos):
+        distance = (k_pos[:, None, :] - q_pos[:, :, None]).abs()  # [B', n_q, n_k]
+        return -self.rate[:, None, None] * distance[:, None]  # [B', h, n_q, n_k]
+
+
+class QueryTerm(nn.Module):
+    """A content-dependent term: q_i . r[j - i] with a small learned table."""
+
+    def __init__(self, head_dim, span=16):
+        super().__init__()
+        self.span = span
+        self.table = nn.Parameter(torch.randn(2 * span + 1, head_dim))
+
+    def score_term(self, q, q_pos, k_pos):
+        rel = (k_pos[:, None, :] - q_pos[:, :, None]).clamp(-self.span, self.span) + self.span
+        r = self.table[rel]  # [B', n_q, n_k, d]
+        return torch.einsum("bhid,bijd->bhij", q, r.expand(q.shape[0], -1, -1, -1))
+
+
+def reference(m, query, key=None, *, visible=None, bias=None, term=None):
+    """Multi-head attention one query row at a time, float64.
+
+    visible(b, i, j) -> bool; bias(h, i, j) -> float (after scaling);
+    term(b, h, i, j, q_vec) -> float (before scaling).
+    """
+    key = query if key is None else key
+    wq, wk, wv, wo = (p.weight.detach().double() for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj))
+    bq, bk, bv, bo = (p.bias.detach().double() for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj))
+    q_all = query.double() @ wq.T + bq
+    k_all = key.double() @ wk.T + bk
+    v_all = key.double() @ wv.T + bv
+    b, n_q, dim = query.shape
+    n_k, h, d = key.shape[1], m.heads, m.head_dim
+    heads_out = torch.zeros(b, n_q, dim, dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            cols = slice(hi * d, (hi + 1) * d)
+            for i in range(n_q):
+                qv = q_all[bi, i, cols]
+                js = [j for j in range(n_k) if visible is None or visible(bi, i, j)]
+                if not js:
+                    continue  # no key: zero attention output
+                scores = []
+                for j in js:
+                    s = float(qv @ k_all[bi, j, cols])
+                    if term is not None:
+                        s += term(bi, hi, i, j, qv)
+                    s /= math.sqrt(d)
+                    if bias is not None:
+                        s += bias(hi, i, j)
+                    scores.append(s)
+                top = max(scores)
+                weights = [math.exp(s - top) for s in scores]
+                total = sum(weights)
+                for w, j in zip(weights, js, strict=True):
+                    heads_out[bi, i, cols] += (w / total) * v_all[bi, j, cols]
+    return heads_out @ wo.T + bo
+
+
+def make(backend="auto", position=None, dim=16, heads=4, **kw):
+    torch.manual_seed(0)
+    return MultiHeadAttention(dim, heads, position=position, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plain_self_attention(backend):
+    m = make(backend)
+    x = torch.randn(2, 6, 16)
+    torch.testing.assert_close(m(x).double(), reference(m, x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_valid_lens_both_shapes(backend):
+    m = make(backend)
+    x = torch.randn(2, 5, 16)
+    lens = torch.tensor([3, 1])
+    expected = reference(m, x, visible=lambda b, i, j: j < int(lens[b]))
+    torch.testing.assert_close(m(x, valid_lens=lens).double(), expected, atol=1e-5, rtol=1e-5)
+    per_query = torch.tensor([[1, 2, 3, 4, 5], [5, 4, 0, 2, 1]])
+    expected = reference(m, x, visible=lambda b, i, j: j < int(per_query[b, i]))
+    got = m(x, valid_lens=per_query)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_key_padding_mask_equals_valid_lens(backend):
+    m = make(backend)
+    x = torch.randn(3, 7, 16)
+    lens = torch.tensor([7, 4, 2])
+    padding = torch.arange(7)[None, :] >= lens[:, None]  # True = padding
+    torch.testing.assert_close(m(x, key_padding_mask=padding), m(x, valid_lens=lens))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_and_cross_attention_aligned_at_the_end(backend):
+    m = make(backend)
+    x = torch.randn(2, 6, 16)
+    expected = reference(m, x, visible=lambda b, i, j: j <= i)
+    torch.testing.assert_close(m(x, causal=True).double(), expected, atol=1e-5, rtol=1e-5)
+    memory = torch.randn(2, 9, 16)
+    queries = torch.randn(2, 4, 16)
+    expected = reference(m, queries, memory)
+    torch.testing.assert_close(m(queries, memory).double(), expected, atol=1e-5, rtol=1e-5)
+    # causal with fewer queries than keys: query i is position i + 5 of 9
+    expected = reference(m, queries, memory, visible=lambda b, i, j: j <= i + 5)
+    got = m(queries, memory, causal=True)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_rows_are_zero_never_nan(backend):
+    m = make(backend, bias=False)
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    padding = torch.tensor([[True] * 4, [False, True, True, True]])
+    out = m(x, key_padding_mask=padding, causal=True)
+    assert out[0].eq(0).all()  # batch 0 has no key at all: exactly zero
+    assert torch.isfinite(out).all()
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+    lens = torch.tensor([[0, 2, 0, 1], [4, 4, 4, 4]])
+    out = m(x, valid_lens=lens)
+    assert out[0, 0].eq(0).all() and out[0, 2].eq(0).all() and out[0, 1].ne(0).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bias_scheme_added_after_scaling(backend):
+    scheme = DecayBias(4)
+    m = make(backend, position=scheme)
+    x = torch.randn(2, 5, 16)
+    rate = scheme.rate.detach().double()
+    expected = reference(
+        m, x, visible=lambda b, i, j: j <= i, bias=lambda h, i, j: -float(rate[h]) * abs(j - i)
+    )
+    torch.testing.assert_close(m(x, causal=True).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_score_term_scaled_with_qk(backend):
+    torch.manual_seed(1)
+    scheme = QueryTerm(4)
+    m = make(backend, position=scheme)
+    x = torch.randn(2, 5, 16)
+    table = scheme.table.detach().double()
+
+    def term(b, h, i, j, qv):
+        return float(qv @ table[max(-16, min(16, j - i)) + 16])
+
+    torch.testing.assert_close(m(x).double(), reference(m, x, term=term), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme_cls", [DecayBias, QueryTerm])
+def test_backends_agree_on_outputs_and_gradients(scheme_cls):
+    x = torch.randn(2, 7, 16)
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[1, 5:] = True
+    results = {}
+    for backend in ["math", "sdpa"]:
+        torch.manual_seed(3)
+        scheme = scheme_cls(4)
+        m = MultiHeadAttention(16, 4, position=scheme, backend=backend)
+        xi = x.clone().requires_grad_()
+        out = m(xi, key_padding_mask=padding, causal=True)
+        out.pow(2).sum().backward()
+        results[backend] = (out, xi.grad, [p.grad for p in m.parameters()])
+    (o1, g1, p1), (o2, g2, p2) = results["math"], results["sdpa"]
+    torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-5)
+    for a, b in zip(p1, p2, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permutation_equivariant_without_positions(backend):
+    m = make(backend)
+    x = torch.randn(2, 8, 16)
+    perm = torch.randperm(8)
+    torch.testing.assert_close(m(x[:, perm]), m(x)[:, perm], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_relative_scheme_is_translation_invariant(backend):
+    m = make(backend, position=DecayBias(4))
+    x = torch.randn(2, 6, 16)
+    shifted = torch.arange(6) + 1000
+    torch.testing.assert_close(m(x, positions=shifted), m(x), atol=1e-6, rtol=1e-5)
+    per_batch = torch.stack([torch.arange(6) + 3, torch.arange(6) + 77])
+    torch.testing.assert_close(m(x, positions=per_batch), m(x), atol=1e-6, rtol=1e-5)
+    # but a scheme is not blind to order: reversing positions changes the output
+    assert not torch.allclose(m(x, positions=torch.arange(6).flip(0) * 3), m(x), atol=1e-4)
+
+
+def test_need_weights_rows_sum_to_one_or_zero():
+    m = make("sdpa", position=DecayBias(4))
+    x = torch.randn(2, 5, 16)
+    lens = torch.tensor([[5, 5, 0, 5, 5], [2, 2, 2, 2, 2]])
+    out, weights = m(x, valid_lens=lens, need_weights=True)
+    assert weights.shape == (2, 4, 5, 5)
+    sums = weights.sum(-1)
+    torch.testing.assert_close(sums[0, :, 2], torch.zeros(4))
+    sums[0, :, 2] = 1
+    torch.testing.assert_close(sums, torch.ones_like(sums))
+    assert weights[1, :, :, 2:].eq(0).all()
+    torch.testing.assert_close(out, m(x, valid_lens=lens), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_dropout_only_in_training(backend):
+    m = make(backend, dropout=0.5)
+    x = torch.randn(2, 6, 16)
+    m.eval()
+    torch.testing.assert_close(m(x), m(x))
+    reference_out = reference(m, x)
+    torch.testing.assert_close(m(x).double(), reference_out, atol=1e-5, rtol=1e-5)
+    m.train()
+    torch.manual_seed(0)
+    assert not torch.allclose(m(x).double(), reference_out, atol=1e-3)
+
+
+def test_docstring_example_scheme_runs():
+    import posenc.attention as module
+
+    namespace = {"nn": nn, "torch": torch, "MultiHeadAttention": MultiHeadAttention}
+    example = module.__doc__.split("::\n")[1].split("\nPlace 1")[0]
+    exec(compile(__import__("textwrap").dedent(example), "<docstring>", "exec"), namespace)
+    attn = namespace["attn"]
+    assert attn(torch.randn(1, 3, 64)).shape == (1, 3, 64)
+
+
+def test_errors_name_the_argument_and_fix():
+    with pytest.raises(ValueError, match=r"dim must be divisible by heads, got dim=10, heads=4"):
+        MultiHeadAttention(10, 4)
+    with pytest.raises(ValueError, match=r"backend must be one of .*got 'fast'"):
+        MultiHeadAttention(8, 2, backend="fast")
+    from posenc import SinusoidalEncoding
+
+    with pytest.raises(TypeError, match=r"SinusoidalEncoding defines none of the attention hooks"):
+        MultiHeadAttention(8, 2, position=SinusoidalEncoding(8))
+    m = MultiHeadAttention(8, 2)
+    with pytest.raises(ValueError, match=r"query must have shape \[batch, seq, dim=8\]"):
+        m(torch.randn(5, 8))
+    with pytest.raises(ValueError, match=r"query must have last dimension dim=8, got shape"):
+        m(torch.randn(1, 5, 6))
+    with pytest.raises(TypeError, match="query must be a floating-point tensor"):
+        m(torch.ones(1, 5, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="key has batch size 3 but query has 2"):
+        m(torch.randn(2, 5, 8), torch.randn(3, 4, 8))
+    with pytest.raises(ValueError, match="key and value must have the same length, got 4 and 3"):
+        m(torch.randn(2, 5, 8), torch.randn(2, 4, 8), torch.randn(2, 3, 8))
+    with pytest.raises(TypeError, match=r"key_padding_mask must be a bool tensor.*\.bool\(\)"):
+        m(torch.randn(2, 5, 8), key_padding_mask=torch.zeros(2, 5))
+    with pytest.raises(
+        ValueError, match=r"key_padding_mask must have shape \[batch, n_k\] = \[2, 5\]"
+    ):
+        m(torch.randn(2, 5, 8), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"valid_lens must have shape \[batch\] = \[2\]"):
+        m(torch.randn(2, 5, 8), valid_lens=torch.tensor([1, 2, 3]))
+    with pytest.raises(TypeError, match="valid_lens must be an integer tensor"):
+        m(torch.randn(2, 5, 8), valid_lens=torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError, match="positions must be an integer tensor"):
+        m(torch.randn(2, 5, 8), positions=torch.arange(5.0))
+    with pytest.raises(
+        ValueError, match=r"positions must cover the sequence: expected last dimension n=5"
+    ):
+        m(torch.randn(2, 5, 8), positions=torch.arange(4))
+    with pytest.raises(ValueError, match="key_positions is for cross-attention"):
+        m(torch.randn(2, 5, 8), key_positions=torch.arange(5))
+    with pytest.raises(ValueError, match="value was given without key"):
+        m(torch.randn(2, 5, 8), value=torch.randn(2, 5, 8))
+    with pytest.raises(ValueError, match="backend='sdpa' cannot add a value term"):
+
+        class ValueOnly(nn.Module):
+            def value_term(self, weights, q_pos, k_pos):
+                return 0
+
+        MultiHeadAttention(8, 2, position=ValueOnly(), backend="sdpa")(torch.randn(1, 3, 8))
+
+
+def test_flex_backend_rejects_content_terms():
+    m = make("flex", position=QueryTerm(4))
+    with torch.no_grad(), pytest.raises(ValueError, match="backend='flex' supports rotary"):
+        m(torch.randn(1, 4, 16))
+
+
+@pytest.mark.compile
+def test_compile_fullgraph_parity():
+    m = make("auto", position=DecayBias(4))
+    x = torch.randn(2, 9, 16)
+    lens = torch.tensor([9, 4])
+    compiled = torch.compile(m, fullgraph=True)
+    torch.testing.assert_close(
+        compiled(x, valid_lens=lens, causal=True), m(x, valid_lens=lens, causal=True)
+    )
