@@ -13,7 +13,7 @@ from torch import nn
 
 from posenc.attention import MultiHeadAttention
 
-BACKENDS = ["math", "sdpa", "auto"]
+BACKENDS = ["math", "sdpa", "lean", "auto"]
 
 
 class DecayBias(nn.Module):

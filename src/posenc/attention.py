@@ -77,10 +77,11 @@ class MultiHeadAttention(nn.Module):
             ...) or your own object with the hooks, or None for no positions.
         dropout: dropout probability on the attention weights (training only).
         bias: whether the four projections have a bias.
-        backend: ``"auto"`` (the fastest correct path for the scheme), ``"math"`` (the
-            readable reference), ``"sdpa"`` (PyTorch's fused kernel, positional terms in
-            its ``attn_mask``) or ``"flex"`` (FlexAttention, biases and rotary only;
-            inference only on CPU).
+        backend: ``"auto"`` (the fastest correct path for the scheme, see
+            :func:`posenc.kernels.choose_backend`), ``"math"`` (the readable reference),
+            ``"sdpa"`` (PyTorch's fused kernel, positional terms in its ``attn_mask``),
+            ``"lean"`` (blocks of queries, linear memory, no attention dropout) or
+            ``"flex"`` (FlexAttention, biases and rotary only; inference only on CPU).
 
     Raises:
         ValueError: ``dim % heads != 0``, an unknown backend, or a scheme built for another

@@ -14,6 +14,13 @@ and returns ``out [b, h, n_q, d]``. The paths differ only in how they get there:
   and the bias folded into its ``attn_mask``. Not for schemes with a value term.
 - ``flex``: FlexAttention with the scheme's ``score_mod`` and a ``BlockMask`` for the
   masks. Content-free biases only; no backward on CPU in torch 2.13.
+- ``lean``: the memory-lean engine. Queries are processed in blocks of rows; each block's
+  scores are built with the scheme's hooks, soft-maxed and multiplied by ``v`` (and the
+  value term), and only the block's log-sum-exp is kept. The backward recomputes each
+  block from ``q, k, v`` and the log-sum-exp (as FlashAttention does) and takes the
+  gradients of the hooks' tables with one local autograd call per block. Peak memory is
+  O(block * n_k) instead of O(n_q * n_k); nothing of size ``b*h*n_q*n_k`` is kept for the
+  backward.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim.
 Positions ``q_pos [B', n_q]`` and ``k_pos [B', n_k]`` have ``B'`` 1 (shared) or ``b``.
@@ -30,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["BACKENDS", "Mask", "attend", "choose_backend", "hooks_of"]
+__all__ = ["BACKENDS", "Mask", "attend", "choose_backend", "hooks_of", "lean_block_rows"]
 
-BACKENDS = ("auto", "math", "sdpa", "flex")
+BACKENDS = ("auto", "math", "sdpa", "flex", "lean")
 
 
 @dataclass(frozen=True)
@@ -144,15 +151,32 @@ def hooks_of(scheme: Any) -> Hooks:
     return Hooks(**{name: fn for name, fn in found.items() if callable(fn)})
 
 
-def choose_backend(hooks: Hooks, device: torch.device, *, grad: bool) -> str:
+def choose_backend(hooks: Hooks, q: Tensor, *, dropout_p: float = 0.0) -> str:
     """The path ``backend="auto"`` takes: the fastest correct one for these hooks.
 
-    SDPA whenever the scheme has no value term (its score term and bias fold into
-    ``attn_mask``); the math path otherwise. FlexAttention is never picked automatically:
-    it compiles per shape, and in torch 2.13 has no backward on CPU.
+    - no positional term in the scores (no scheme, or rotary only): ``sdpa``, PyTorch's
+      fused kernel;
+    - a score term, a bias or a value term: ``lean``, the memory-lean engine (linear
+      memory, fused CPU kernels where it can);
+    - with attention dropout in training, which ``lean`` does not do: ``sdpa``, or
+      ``math`` for a value term.
+
+    Under ``torch.compile`` the lean engine is not used (its backward calls
+    ``torch.autograd.grad``, which Dynamo does not trace): ``auto`` takes ``sdpa`` (or
+    ``math`` for a value term) and leaves the fusion to the compiler.
+
+    FlexAttention is never picked automatically: it compiles per shape, and in torch 2.13
+    has no backward on CPU.
     """
-    del device, grad  # the choice does not depend on them yet
-    return "math" if hooks.value_term is not None else "sdpa"
+    del q  # the choice does not depend on the device yet
+    positional = any(
+        fn is not None for fn in (hooks.score_bias, hooks.score_term, hooks.value_term)
+    )
+    if not positional:
+        return "sdpa"
+    if dropout_p > 0 or torch.compiler.is_compiling():
+        return "math" if hooks.value_term is not None else "sdpa"
+    return "lean"
 
 
 def _fold_scores(
@@ -355,8 +379,315 @@ def attend(
         out, weights = _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)
         return out, (weights if need_weights else None)
     if backend == "auto":
-        backend = choose_backend(hooks, q.device, grad=torch.is_grad_enabled())
-    path = {"math": None, "sdpa": _sdpa, "flex": _flex}[backend]
+        backend = choose_backend(hooks, q, dropout_p=dropout_p)
+    path = {"math": None, "sdpa": _sdpa, "flex": _flex, "lean": _lean}[backend]
     if path is None:
         return _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)[0], None
+    if path is _lean:
+        return _lean(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme=scheme), None
     return path(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p), None
+
+
+# ----- the memory-lean engine -------------------------------------------------------------
+
+#: elements of one block of scores ``[b, h, rows, n_k]`` the lean engine aims for
+LEAN_BLOCK_ELEMENTS = 1 << 22
+
+
+def lean_block_rows(b: int, h: int, n_q: int, n_k: int) -> int:
+    """Query rows per block: about :data:`LEAN_BLOCK_ELEMENTS` scores, 16 to 512 rows."""
+    rows = LEAN_BLOCK_ELEMENTS // max(1, b * h * n_k)
+    return max(16, min(512, n_q, 1 << max(4, rows.bit_length() - 1)))
+
+
+def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
+    """Sum ``grad`` over the dimensions that were broadcast from size 1 in ``shape``."""
+    dims = [i for i, (g, s) in enumerate(zip(grad.shape, shape, strict=True)) if s == 1 and g != 1]
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+def _scheme_parameters(scheme: Any) -> list[Tensor]:
+    if isinstance(scheme, torch.nn.Module):
+        return [p for p in scheme.parameters() if p.requires_grad]
+    return []
+
+
+def _block_scores(
+    q_blk: Tensor,
+    k: Tensor,
+    extra: Tensor | None,
+    keep: Tensor | None,
+    scale: float,
+) -> Tensor:
+    """``(q k^T) * scale + extra`` for one block, masked keys at the most negative value.
+
+    ``extra`` is the block's ``score_term * scale + score_bias`` (float32 or wider).
+    """
+    scores = ((q_blk * scale) @ k.transpose(-2, -1)).float()  # [b, h, rows, n_k]
+    if extra is not None:
+        scores = scores.add_(extra)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+    return scores
+
+
+class _LeanAttention(torch.autograd.Function):
+    """Blocked attention that keeps only the log-sum-exp for the backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        hooks: Hooks,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        mask: Mask,
+        scale: float,
+        rows: int,
+        *params: Tensor,
+    ) -> Tensor:
+        out = torch.empty_like(q)  # [b, h, n_q, d]
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # [b, h, n_q]
+        for start in range(0, q.shape[2], rows):
+            blk = slice(start, min(start + rows, q.shape[2]))
+            q_blk, qp = q[:, :, blk], q_pos[:, blk]
+            extra = _fold_scores(hooks, q_blk, qp, k_pos, scale, reference=False)
+            keep = mask.keep(blk, device=q.device)
+            scores = _block_scores(q_blk, k, extra, keep, scale)
+            block_lse = scores.logsumexp(dim=-1, keepdim=True)  # [b, h, rows, 1]
+            probs = scores.sub_(block_lse).exp_()
+            if keep is not None:
+                probs = probs.mul_(keep.any(dim=-1, keepdim=True))
+            probs = probs.to(v.dtype)
+            out_blk = probs @ v
+            if hooks.value_term is not None:
+                out_blk = out_blk + hooks.value_term(probs, qp, k_pos)
+            out[:, :, blk] = out_blk
+            lse[:, :, blk] = block_lse.squeeze(-1)
+        ctx.save_for_backward(q, k, v, out, q_pos, k_pos, lse, *params)
+        ctx.hooks, ctx.mask, ctx.scale, ctx.rows = hooks, mask, scale, rows
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, q_pos, k_pos, lse, *params = ctx.saved_tensors
+        hooks, mask, scale, rows = ctx.hooks, ctx.mask, ctx.scale, ctx.rows
+        grad_q = torch.zeros_like(q)
+        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        grad_params = [torch.zeros_like(p) for p in params]
+        has_hooks = hooks.score_term is not None or hooks.score_bias is not None
+        for start in range(0, q.shape[2], rows):
+            blk = slice(start, min(start + rows, q.shape[2]))
+            qp, g_out = q_pos[:, blk], grad_out[:, :, blk]
+            q_blk = q[:, :, blk].detach().requires_grad_(hooks.score_term is not None)
+            with torch.enable_grad():
+                extra = _fold_scores(hooks, q_blk, qp, k_pos, scale, reference=False)
+            keep = mask.keep(blk, device=q.device)
+            scores = _block_scores(
+                q_blk.detach(), k, None if extra is None else extra.detach(), keep, scale
+            )
+            probs = scores.sub_(lse[:, :, blk, None]).exp_()  # [b, h, rows, n_k]
+            if keep is not None:
+                probs = probs.mul_(keep.any(dim=-1, keepdim=True))
+            grad_probs = (g_out @ v.transpose(-2, -1)).float()  # [b, h, rows, n_k]
+            value_out = None
+            if hooks.value_term is not None:
+                probs_leaf = probs.to(v.dtype).requires_grad_()
+                with torch.enable_grad():
+                    value_out = hooks.value_term(probs_leaf, qp, k_pos)
+                outputs, wrt = [value_out], [probs_leaf, *params]
+                grads = torch.autograd.grad(outputs, wrt, [g_out], allow_unused=True)
+                grad_probs = grad_probs + grads[0].float()
+                for acc, g in zip(grad_params, grads[1:], strict=True):
+                    if g is not None:
+                        acc += g
+            grad_v += probs.transpose(-2, -1) @ g_out.float()
+            # sum_j P_ij dP_ij = dO_i . O_i (FlashAttention's D), O(rows * d) not O(rows * n_k)
+            row_dot = (g_out.float() * out[:, :, blk].float()).sum(dim=-1, keepdim=True)
+            grad_scores = probs.mul_(grad_probs.sub_(row_dot))  # dL/d(scaled scores)
+            gs = grad_scores.to(q.dtype)
+            grad_q[:, :, blk] = (gs @ k) * scale
+            grad_k += (gs.transpose(-2, -1) @ q_blk.detach()).float() * scale
+            if has_hooks and extra is not None and extra.requires_grad:
+                wrt = ([q_blk] if hooks.score_term is not None else []) + list(params)
+                grad_extra = _sum_to(grad_scores, extra.shape)  # undo the broadcast of [B', h|1]
+                grads = torch.autograd.grad([extra], wrt, [grad_extra], allow_unused=True)
+                if hooks.score_term is not None:
+                    grad_q[:, :, blk] += grads[0]
+                    grads = grads[1:]
+                for acc, g in zip(grad_params, grads, strict=True):
+                    if g is not None:
+                        acc += g
+        return (
+            grad_q,
+            grad_k.to(k.dtype),
+            grad_v.to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            *grad_params,
+        )
+
+
+def _fused_cpu_available(q: Tensor, hooks: Hooks) -> bool:
+    """Whether the fused CPU flash kernels can run the lean engine for these inputs."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and hooks.value_term is None
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+    )
+
+
+def _block_mask(
+    hooks: Hooks,
+    q_blk: Tensor,
+    qp: Tensor,
+    k_pos: Tensor,
+    keep: Tensor | None,
+    scale: float,
+    like: Tensor,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """One block's additive mask for the fused kernel.
+
+    Returns ``(extra, attn_mask, has_key)``: ``extra`` is the hooks' term (with its
+    autograd graph when grad is on), ``attn_mask`` the same with masked keys at -inf and
+    in the kernel's dtype and layout, ``has_key [b|1, 1, rows, 1]`` which rows see a key.
+    """
+    extra = _fold_scores(hooks, q_blk, qp, k_pos, scale, reference=False)
+    has_key = None
+    if keep is not None:
+        has_key = keep.any(dim=-1, keepdim=True)
+        keep = keep | ~has_key  # rows with no key attend to all keys, zeroed after
+    if extra is None and keep is None:
+        return None, None, None
+    mask = torch.zeros((), dtype=like.dtype, device=like.device) if extra is None else extra
+    mask = mask.detach().to(like.dtype)
+    if keep is not None:
+        mask = mask.masked_fill(~keep, float("-inf"))
+    # the kernel broadcasts [B'|1, h|1, rows, n_k] itself: no [b, h, rows, n_k] copy
+    return extra, mask.contiguous(), has_key
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
+
+
+class _LeanFusedAttention(torch.autograd.Function):
+    """The lean engine on PyTorch's fused CPU flash kernels, one block of rows at a time.
+
+    Forward and backward of each block run in the fused kernel with the block's bias as
+    its additive mask; only when the scheme has something to differentiate (a learned
+    table, or a score term that depends on ``q``) is the block's ``dS = P (dP - D)``
+    rebuilt, for one local autograd call through the hooks.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        hooks: Hooks,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        mask: Mask,
+        scale: float,
+        rows: int,
+        *params: Tensor,
+    ) -> Tensor:
+        out = torch.empty_like(q)  # [b, h, n_q, d]
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # [b, h, n_q]
+        for start in range(0, q.shape[2], rows):
+            blk = slice(start, min(start + rows, q.shape[2]))
+            q_blk = q[:, :, blk]
+            keep = mask.keep(blk, device=q.device)
+            _, attn_mask, has_key = _block_mask(hooks, q_blk, q_pos[:, blk], k_pos, keep, scale, q)
+            out_blk, lse_blk = _flash_cpu(q_blk, k, v, 0.0, False, attn_mask=attn_mask, scale=scale)
+            if has_key is not None:
+                out_blk = out_blk * has_key
+            out[:, :, blk] = out_blk
+            lse[:, :, blk] = lse_blk
+        ctx.save_for_backward(q, k, v, out, q_pos, k_pos, lse, *params)
+        ctx.hooks, ctx.mask, ctx.scale, ctx.rows = hooks, mask, scale, rows
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, q_pos, k_pos, lse, *params = ctx.saved_tensors
+        hooks, mask, scale, rows = ctx.hooks, ctx.mask, ctx.scale, ctx.rows
+        grad_q = torch.empty_like(q)
+        grad_k = torch.zeros_like(k)
+        grad_v = torch.zeros_like(v)
+        grad_params = [torch.zeros_like(p) for p in params]
+        grad_out = grad_out.contiguous()
+        for start in range(0, q.shape[2], rows):
+            blk = slice(start, min(start + rows, q.shape[2]))
+            qp = q_pos[:, blk]
+            q_blk = q[:, :, blk].detach().requires_grad_(hooks.score_term is not None)
+            keep = mask.keep(blk, device=q.device)
+            with torch.enable_grad():
+                extra, attn_mask, has_key = _block_mask(hooks, q_blk, qp, k_pos, keep, scale, q)
+            g_out = grad_out[:, :, blk]
+            if has_key is not None:
+                g_out = g_out * has_key  # rows with no key contribute nothing
+            out_blk, lse_blk = out[:, :, blk], lse[:, :, blk]
+            gq, gk, gv = _flash_cpu_backward(
+                g_out, q_blk.detach(), k, v, out_blk, lse_blk, 0.0, False,
+                attn_mask=attn_mask, scale=scale,
+            )  # fmt: skip
+            grad_q[:, :, blk] = gq
+            grad_k += gk
+            grad_v += gv
+            if extra is None or not extra.requires_grad:
+                continue
+            # dS for the hooks: P = exp(S - lse), dP = dO v^T, D = dO . O
+            scores = (q_blk.detach() * scale) @ k.transpose(-2, -1)  # [b, h, rows, n_k]
+            probs = scores.add_(attn_mask).sub_(lse_blk.unsqueeze(-1)).exp_()
+            grad_probs = g_out @ v.transpose(-2, -1)  # [b, h, rows, n_k]
+            row_dot = (g_out * out_blk).sum(dim=-1, keepdim=True)  # [b, h, rows, 1]
+            grad_scores = probs.mul_(grad_probs.sub_(row_dot))
+            wrt = ([q_blk] if hooks.score_term is not None else []) + list(params)
+            grads = torch.autograd.grad(
+                [extra], wrt, [_sum_to(grad_scores, extra.shape)], allow_unused=True
+            )
+            if hooks.score_term is not None:
+                grad_q[:, :, blk] += grads[0]
+                grads = grads[1:]
+            for acc, g in zip(grad_params, grads, strict=True):
+                if g is not None:
+                    acc += g
+        return (grad_q, grad_k, grad_v, None, None, None, None, None, None, *grad_params)
+
+
+def _lean(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    hooks: Hooks,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    scale: float,
+    dropout_p: float,
+    *,
+    scheme: Any = None,
+) -> Tensor:
+    if dropout_p > 0:
+        raise ValueError(
+            "backend='lean' has no attention dropout; set dropout=0, or use backend='auto' "
+            "(which takes the math or sdpa path when dropout is on)"
+        )
+    b, h, n_q, _ = q.shape
+    rows = lean_block_rows(b, h, n_q, k.shape[2])
+    params = _scheme_parameters(scheme)
+    engine = _LeanFusedAttention if _fused_cpu_available(q, hooks) else _LeanAttention
+    return engine.apply(q, k, v, hooks, q_pos, k_pos, mask, scale, rows, *params)
