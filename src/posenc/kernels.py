@@ -179,6 +179,11 @@ def choose_backend(hooks: Hooks, q: Tensor, *, dropout_p: float = 0.0) -> str:
     return "lean"
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype for softmax and accumulation: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _fold_scores(
     hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float, *, reference: bool
 ) -> Tensor | None:
@@ -214,7 +219,7 @@ def _math(
     keep = mask.keep(device=q.device)
     if keep is not None:
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
-    weights = scores.float().softmax(dim=-1)  # softmax in float32 at least
+    weights = scores.to(_wide(scores.dtype)).softmax(dim=-1)  # softmax in float32 at least
     if keep is not None:
         # a query with no visible key: its row was uniform over masked keys; make it 0
         weights = weights * keep.any(dim=-1, keepdim=True)
@@ -423,7 +428,7 @@ def _block_scores(
 
     ``extra`` is the block's ``score_term * scale + score_bias`` (float32 or wider).
     """
-    scores = ((q_blk * scale) @ k.transpose(-2, -1)).float()  # [b, h, rows, n_k]
+    scores = ((q_blk * scale) @ k.transpose(-2, -1)).to(_wide(q_blk.dtype))  # [b, h, rows, n_k]
     if extra is not None:
         scores = scores.add_(extra)
     if keep is not None:
@@ -449,7 +454,7 @@ class _LeanAttention(torch.autograd.Function):
         *params: Tensor,
     ) -> Tensor:
         out = torch.empty_like(q)  # [b, h, n_q, d]
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # [b, h, n_q]
+        lse = torch.empty(q.shape[:-1], dtype=_wide(q.dtype), device=q.device)  # [b, h, n_q]
         for start in range(0, q.shape[2], rows):
             blk = slice(start, min(start + rows, q.shape[2]))
             q_blk, qp = q[:, :, blk], q_pos[:, blk]
@@ -475,8 +480,8 @@ class _LeanAttention(torch.autograd.Function):
         q, k, v, out, q_pos, k_pos, lse, *params = ctx.saved_tensors
         hooks, mask, scale, rows = ctx.hooks, ctx.mask, ctx.scale, ctx.rows
         grad_q = torch.zeros_like(q)
-        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        grad_k = torch.zeros(k.shape, dtype=_wide(k.dtype), device=k.device)
+        grad_v = torch.zeros(v.shape, dtype=_wide(v.dtype), device=v.device)
         grad_params = [torch.zeros_like(p) for p in params]
         has_hooks = hooks.score_term is not None or hooks.score_bias is not None
         for start in range(0, q.shape[2], rows):
@@ -492,7 +497,8 @@ class _LeanAttention(torch.autograd.Function):
             probs = scores.sub_(lse[:, :, blk, None]).exp_()  # [b, h, rows, n_k]
             if keep is not None:
                 probs = probs.mul_(keep.any(dim=-1, keepdim=True))
-            grad_probs = (g_out @ v.transpose(-2, -1)).float()  # [b, h, rows, n_k]
+            wide = _wide(q.dtype)
+            grad_probs = (g_out @ v.transpose(-2, -1)).to(wide)  # [b, h, rows, n_k]
             value_out = None
             if hooks.value_term is not None:
                 probs_leaf = probs.to(v.dtype).requires_grad_()
@@ -500,17 +506,17 @@ class _LeanAttention(torch.autograd.Function):
                     value_out = hooks.value_term(probs_leaf, qp, k_pos)
                 outputs, wrt = [value_out], [probs_leaf, *params]
                 grads = torch.autograd.grad(outputs, wrt, [g_out], allow_unused=True)
-                grad_probs = grad_probs + grads[0].float()
+                grad_probs = grad_probs + grads[0].to(wide)
                 for acc, g in zip(grad_params, grads[1:], strict=True):
                     if g is not None:
                         acc += g
-            grad_v += probs.transpose(-2, -1) @ g_out.float()
+            grad_v += probs.transpose(-2, -1) @ g_out.to(wide)
             # sum_j P_ij dP_ij = dO_i . O_i (FlashAttention's D), O(rows * d) not O(rows * n_k)
-            row_dot = (g_out.float() * out[:, :, blk].float()).sum(dim=-1, keepdim=True)
+            row_dot = (g_out.to(wide) * out[:, :, blk].to(wide)).sum(dim=-1, keepdim=True)
             grad_scores = probs.mul_(grad_probs.sub_(row_dot))  # dL/d(scaled scores)
             gs = grad_scores.to(q.dtype)
             grad_q[:, :, blk] = (gs @ k) * scale
-            grad_k += (gs.transpose(-2, -1) @ q_blk.detach()).float() * scale
+            grad_k += (gs.transpose(-2, -1) @ q_blk.detach()).to(wide) * scale
             if has_hooks and extra is not None and extra.requires_grad:
                 wrt = ([q_blk] if hooks.score_term is not None else []) + list(params)
                 grad_extra = _sum_to(grad_scores, extra.shape)  # undo the broadcast of [B', h|1]
@@ -605,7 +611,7 @@ class _LeanFusedAttention(torch.autograd.Function):
         *params: Tensor,
     ) -> Tensor:
         out = torch.empty_like(q)  # [b, h, n_q, d]
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # [b, h, n_q]
+        lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n_q]
         for start in range(0, q.shape[2], rows):
             blk = slice(start, min(start + rows, q.shape[2]))
             q_blk = q[:, :, blk]
