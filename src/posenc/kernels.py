@@ -402,7 +402,7 @@ LEAN_BLOCK_ELEMENTS = 1 << 22
 def lean_block_rows(b: int, h: int, n_q: int, n_k: int) -> int:
     """Query rows per block: about :data:`LEAN_BLOCK_ELEMENTS` scores, 16 to 512 rows."""
     rows = LEAN_BLOCK_ELEMENTS // max(1, b * h * n_k)
-    return max(16, min(512, n_q, 1 << max(4, rows.bit_length() - 1)))
+    return max(1, min(n_q, 512, 1 << max(4, rows.bit_length() - 1)))
 
 
 def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
