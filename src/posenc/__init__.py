@@ -13,13 +13,25 @@ from .absolute import (
     sinusoidal_2d,
     sinusoidal_shift,
 )
-from .indices import relative_position_index, relative_to_absolute, t5_bucket
+from .attention import MultiHeadAttention
+from .cache import KVCache
+from .indices import (
+    positions_from_documents,
+    positions_from_padding,
+    relative_position_index,
+    relative_to_absolute,
+    t5_bucket,
+)
 
 __all__ = [
+    "KVCache",
     "LearnedEncoding",
+    "MultiHeadAttention",
     "SinusoidalEncoding",
     "SinusoidalEncoding2D",
     "__version__",
+    "positions_from_documents",
+    "positions_from_padding",
     "relative_position_index",
     "relative_to_absolute",
     "sinusoidal",

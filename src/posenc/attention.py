@@ -56,6 +56,8 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
+from .cache import KVCache
+from .indices import positions_from_documents
 from .kernels import BACKENDS, HOOK_NAMES, Mask, attend
 
 __all__ = ["MultiHeadAttention"]
@@ -140,6 +142,8 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         positions: Tensor | None = None,
         key_positions: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        cache: KVCache | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend.
@@ -159,6 +163,14 @@ class MultiHeadAttention(nn.Module):
                 differences, so a shifted range gives the same output.
             key_positions: ``[n_k]`` or ``[b, n_k]`` positions of the keys in
                 cross-attention (default ``arange(n_k)``).
+            document_ids: ``[b, n]`` integer document of each token, for packed
+                sequences (self-attention): a token attends only within its document,
+                and the default positions restart at 0 at each document.
+            cache: a :class:`~posenc.KVCache` for decoding (self-attention). The new
+                tokens' keys and values are appended to it, the queries attend to
+                everything cached, and their default positions follow the cached ones.
+                ``key_padding_mask`` then covers the new tokens only (``[b, n_q]``) and is
+                remembered; ``causal=True`` as for the full sequence.
             need_weights: also return the attention weights ``[b, h, n_q, n_k]``
                 (before dropout), computed with the math path.
 
@@ -171,15 +183,15 @@ class MultiHeadAttention(nn.Module):
         """
         query, key, value = self._check_inputs(query, key, value)
         b, n_q, _ = query.shape
+        if cache is not None or document_ids is not None:
+            self._check_cache_and_documents(cache, document_ids, key is query, b, n_q)
+        if document_ids is not None and positions is None:
+            positions = positions_from_documents(document_ids)
+        if cache is not None and positions is None and len(cache):
+            positions = cache.next_position + torch.arange(n_q, device=query.device)
         n_k = key.shape[1]
         q_pos, k_pos = self._positions(positions, key_positions, b, n_q, n_k, causal, query, key)
-        mask = Mask(
-            n_q,
-            n_k,
-            key_padding=self._check_padding(key_padding_mask, b, n_k),
-            lengths=self._check_lengths(valid_lens, b, n_q),
-            causal=bool(causal),
-        )
+        key_padding = self._check_padding(key_padding_mask, b, n_k)
         q = self.q_proj(query).view(b, n_q, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key).view(b, n_k, self.heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(value).view(b, n_k, self.heads, self.head_dim).transpose(1, 2)
@@ -187,6 +199,18 @@ class MultiHeadAttention(nn.Module):
         rotate = getattr(self.position, "rotate", None)
         if rotate is not None:
             q, k = rotate(q, k, q_pos, k_pos)
+        if cache is not None:
+            k, v, k_pos, key_padding = cache.append(k, v, k_pos, key_padding)
+            n_k = k.shape[2]
+        mask = Mask(
+            n_q,
+            n_k,
+            key_padding=key_padding,
+            lengths=self._check_lengths(valid_lens, b, n_q),
+            causal=bool(causal),
+            q_doc=document_ids,
+            k_doc=document_ids,
+        )
         out, weights = attend(
             q,
             k,
@@ -238,6 +262,43 @@ class MultiHeadAttention(nn.Module):
                 f"key and value must have the same length, got {key.shape[1]} and {value.shape[1]}"
             )
         return query, key, value
+
+    def _check_cache_and_documents(
+        self,
+        cache: KVCache | None,
+        document_ids: Tensor | None,
+        self_attention: bool,
+        b: int,
+        n: int,
+    ) -> None:
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be a posenc.KVCache, got {type(cache).__name__}")
+            if not self_attention:
+                raise ValueError("cache is for self-attention decoding; do not pass key/value")
+            if document_ids is not None:
+                raise ValueError(
+                    "document_ids (packed sequences) cannot be combined with a cache; decode "
+                    "each document with its own KVCache"
+                )
+            if getattr(self.position, "supports_cache", True) is False:
+                raise ValueError(
+                    f"{type(self.position).__name__} cannot decode incrementally with a cache; "
+                    f"run the full sequence at each step instead"
+                )
+        if document_ids is not None:
+            if not self_attention:
+                raise ValueError("document_ids is for self-attention over packed sequences")
+            check.tensor("document_ids", document_ids)
+            if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
+                raise TypeError(
+                    f"document_ids must be an integer tensor, got dtype {document_ids.dtype}"
+                )
+            if tuple(document_ids.shape) != (b, n):
+                raise ValueError(
+                    f"document_ids must have shape [batch, n] = [{b}, {n}], got shape "
+                    f"{tuple(document_ids.shape)}"
+                )
 
     @staticmethod
     def _check_padding(mask: Tensor | None, b: int, n_k: int) -> Tensor | None:

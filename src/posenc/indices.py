@@ -23,6 +23,8 @@ from . import _validate as check
 
 __all__ = [
     "clipped_distance",
+    "positions_from_documents",
+    "positions_from_padding",
     "relative_distance",
     "relative_position_index",
     "relative_to_absolute",
@@ -209,3 +211,53 @@ def t5_bucket(
     large = max_exact + (scaled * (half - max_exact)).long()
     large = large.clamp(max=half - 1)
     return buckets + torch.where(is_small, distance, large)
+
+
+def positions_from_padding(key_padding_mask: Tensor) -> Tensor:
+    """Positions that skip padding: the first real token of each row is at position 0.
+
+    For a left-padded batch ``[[pad, pad, a, b], [c, d, e, f]]`` this gives
+    ``[[0, 0, 0, 1], [0, 1, 2, 3]]``, so the row ``a b`` is encoded exactly as ``a b`` alone.
+    Padding slots get the position of the next real token (they are masked as keys; their
+    own outputs are meaningless). Right padding gives ``arange`` on the real tokens.
+
+    Args:
+        key_padding_mask: ``[b, n]`` bool, True = padding (PyTorch's convention).
+
+    Returns:
+        ``[b, n]`` int64 positions.
+
+    Raises:
+        TypeError: the mask is not bool.
+    """
+    check.tensor("key_padding_mask", key_padding_mask)
+    if key_padding_mask.dtype != torch.bool:
+        raise TypeError(
+            f"key_padding_mask must be a bool tensor (True = padding), got dtype "
+            f"{key_padding_mask.dtype}; convert with key_padding_mask.bool()"
+        )
+    real = (~key_padding_mask).long()
+    return (real.cumsum(dim=-1) - real).long()  # real tokens before each slot
+
+
+def positions_from_documents(document_ids: Tensor) -> Tensor:
+    """Positions that restart at 0 at each new document of a packed row.
+
+    ``[[0, 0, 0, 1, 1, 2]] -> [[0, 1, 2, 0, 1, 0]]``: a document starts wherever the id
+    differs from the previous token's.
+
+    Args:
+        document_ids: ``[b, n]`` (or ``[n]``) integer document id of each token.
+
+    Returns:
+        int64 positions, same shape.
+    """
+    check.tensor("document_ids", document_ids)
+    if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
+        raise TypeError(f"document_ids must be an integer tensor, got dtype {document_ids.dtype}")
+    n = document_ids.shape[-1]
+    index = torch.arange(n, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - start_index

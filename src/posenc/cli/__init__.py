@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from .._version import __version__
-from . import plot
+from . import bench, plot
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"posenc {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     plot.add_parser(commands)
+    bench.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,460 @@
+"""``posenc bench``: time and memory of every scheme against plain attention, in one run.
+
+For each scheme and length it measures, interleaved in the same run:
+
+- ``floor``: :func:`torch.nn.functional.scaled_dot_product_attention` with no positions;
+- ``posenc``: the scheme through posenc's attention core with ``backend="auto"`` (or the
+  backend asked for);
+- ``reference``: the same scheme with ``backend="math"``, the literal implementation
+  (the full ``[n, n]`` scores, Shaw's ``[n, n, d]`` relation tensors), where it fits in
+  memory.
+
+Times are medians over repeats after warm-up, forward+backward and forward only. Peak
+memory is the growth of the process's peak resident set during one forward+backward
+(Linux: reset through ``/proc/self/clear_refs``; CUDA: ``max_memory_allocated``). Speed
+is reported as ratios to the floor measured beside it, never as absolute claims.
+
+Shape legend: ``b`` batch, ``h`` heads, ``n`` length, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..kernels import Mask, attend
+
+# ----- the schemes ------------------------------------------------------------------------
+
+
+def _rotary(heads: int, head_dim: int, n: int) -> Any:
+    from ..rotary import Rotary
+
+    return Rotary(head_dim)
+
+
+def _alibi(heads: int, head_dim: int, n: int) -> Any:
+    from ..bias import ALiBi
+
+    return ALiBi(heads)
+
+
+def _t5(heads: int, head_dim: int, n: int) -> Any:
+    from ..bias import T5RelativeBias
+
+    return T5RelativeBias(heads)
+
+
+def _swin_1d(heads: int, head_dim: int, n: int) -> Any:
+    from ..bias import RelativePositionBias
+
+    return RelativePositionBias(n, heads)
+
+
+def _swin_2d(heads: int, head_dim: int, n: int) -> Any:
+    from ..bias import RelativePositionBias
+
+    return RelativePositionBias(_grid(n), heads)
+
+
+def _relative(heads: int, head_dim: int, n: int) -> Any:
+    from ..embedding import RelativeQueryEmbedding
+
+    return RelativeQueryEmbedding(n, head_dim)
+
+
+def _relative_2d(heads: int, head_dim: int, n: int) -> Any:
+    from ..embedding import RelativeQueryEmbedding2D
+
+    return RelativeQueryEmbedding2D(_grid(n), head_dim)
+
+
+def _absolute_query(heads: int, head_dim: int, n: int) -> Any:
+    from ..embedding import AbsoluteQueryEmbedding
+
+    return AbsoluteQueryEmbedding(n, head_dim)
+
+
+def _shaw(heads: int, head_dim: int, n: int) -> Any:
+    from ..shaw import ShawRelativePosition
+
+    return ShawRelativePosition(head_dim, 16)
+
+
+def _grid(n: int) -> tuple[int, int]:
+    """A 2-D grid with ``n`` cells, as square as possible."""
+    height = int(n**0.5)
+    while n % height:
+        height -= 1
+    return height, n // height
+
+
+#: name -> factory(heads, head_dim, n) -> scheme (None: no positions)
+SCHEMES: dict[str, Callable[[int, int, int], Any]] = {
+    "rotary": _rotary,
+    "alibi": _alibi,
+    "t5": _t5,
+    "swin-1d": _swin_1d,
+    "swin-2d": _swin_2d,
+    "relative": _relative,
+    "relative-2d": _relative_2d,
+    "absolute-query": _absolute_query,
+    "shaw": _shaw,
+}
+
+#: bytes a literal reference may need before it is skipped
+REFERENCE_BUDGET = 6 * 2**30
+
+
+def _reference_bytes(scheme_name: str, b: int, h: int, n: int, d: int, itemsize: int) -> int:
+    """What the literal reference keeps for its backward, roughly."""
+    scores = 6 * b * h * n * n * itemsize  # scores, weights, masks and their grads
+    if scheme_name == "shaw":
+        scores += 6 * n * n * d * itemsize  # a^K, a^V and their grads, [n, n, d] each
+    return scores
+
+
+# ----- measuring ---------------------------------------------------------------------------
+
+
+def _status_kib(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """Peak memory growth of one call, in MiB: CUDA allocator or Linux peak RSS."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.available = device.type == "cuda" or _status_kib("VmHWM") is not None
+
+    def measure(self, fn: Callable[[], object]) -> float | None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            start = torch.cuda.memory_allocated(self.device)
+            fn()
+            torch.cuda.synchronize(self.device)
+            return (torch.cuda.max_memory_allocated(self.device) - start) / 2**20
+        if not self.available:
+            fn()
+            return None
+        try:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # reset the peak resident set to the current one
+        except OSError:
+            self.available = False
+            fn()
+            return None
+        start = _status_kib("VmRSS") or 0
+        fn()
+        return ((_status_kib("VmHWM") or 0) - start) / 1024
+
+
+@dataclass
+class Case:
+    """One (scheme, length) row of the benchmark."""
+
+    scheme: str
+    n: int
+    backend: str
+    fwd_bwd_s: dict[str, float] = field(default_factory=dict)
+    fwd_s: dict[str, float] = field(default_factory=dict)
+    peak_mib: dict[str, float | None] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def ratio(self, what: str, variant: str, against: str = "floor") -> float | None:
+        table = {"time": self.fwd_bwd_s, "fwd": self.fwd_s, "memory": self.peak_mib}[what]
+        a, b = table.get(variant), table.get(against)
+        if a is None or b is None or b <= 0:
+            return None
+        return a / b
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.device, grad: bool):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    return [
+        torch.randn(b, h, n, d, generator=gen, dtype=torch.float32)
+        .to(device=device, dtype=dtype)
+        .requires_grad_(grad)
+        for _ in range(3)
+    ]
+
+
+def _core(scheme: Any, backend: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """posenc's attention core: the scheme's rotation, then :func:`attend`."""
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n = q.shape[2]
+        pos = torch.arange(n, device=q.device)[None]
+        rotate = getattr(scheme, "rotate", None)
+        if rotate is not None:
+            q, k = rotate(q, k, pos, pos)
+        out, _ = attend(
+            q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(n, n), backend=backend
+        )
+        return out
+
+    return run
+
+
+def _floor(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def _time_once(fn: Callable[..., Tensor], inputs: list[Tensor], backward: bool, device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    out = fn(*inputs)
+    if backward:
+        out.backward(torch.ones_like(out))
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    for t in inputs:
+        t.grad = None
+    return elapsed
+
+
+def run_bench(
+    schemes: Sequence[str],
+    lengths: Sequence[int],
+    *,
+    batch: int = 2,
+    heads: int = 8,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    backward: bool = True,
+    backend: str = "auto",
+    repeats: int = 3,
+    warmup: int = 1,
+    reference: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> list[Case]:
+    """Benchmark ``schemes`` at ``lengths``; see the module docstring for what is measured.
+
+    Returns:
+        One :class:`Case` per (scheme, length).
+    """
+    device = torch.device(device)
+    memory = PeakMemory(device)
+    cases: list[Case] = []
+    total = len(schemes) * len(lengths)
+    started = time.perf_counter()
+    for index, (n, name) in enumerate((n, s) for n in lengths for s in schemes):
+        if progress is not None:
+            done = index / total
+            eta = (time.perf_counter() - started) / done * (1 - done) if done else float("nan")
+            bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
+            eta_text = f"ETA {eta:4.0f}s" if index else "ETA    ?"
+            progress(f"[{bar}] {index + 1:>3}/{total} {name:<15} n={n:<5} {eta_text}")
+        scheme = SCHEMES[name](heads, head_dim, n)
+        if isinstance(scheme, torch.nn.Module):
+            scheme = scheme.to(device=device)
+        case = Case(name, n, backend)
+        variants: dict[str, Callable[..., Tensor]] = {
+            "floor": _floor,
+            "posenc": _core(scheme, backend),
+        }
+        itemsize = torch.finfo(dtype).bits // 8
+        if (
+            reference
+            and _reference_bytes(name, batch, heads, n, head_dim, itemsize) <= REFERENCE_BUDGET
+        ):
+            variants["reference"] = _core(scheme, "math")
+        elif reference:
+            case.skipped["reference"] = "does not fit the memory budget"
+        inputs = _inputs(batch, heads, n, head_dim, dtype, device, backward)
+        for _ in range(warmup):
+            for fn in variants.values():
+                _time_once(fn, inputs, backward, device)
+        samples: dict[str, list[float]] = {k: [] for k in variants}
+        fwd_samples: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(repeats):  # interleaved: each repeat runs every variant once
+            for key, fn in variants.items():
+                samples[key].append(_time_once(fn, inputs, backward, device))
+                with torch.no_grad():
+                    fwd_samples[key].append(_time_once(fn, inputs, False, device))
+        for key, fn in variants.items():
+            case.fwd_bwd_s[key] = statistics.median(samples[key])
+            case.fwd_s[key] = statistics.median(fwd_samples[key])
+            case.peak_mib[key] = memory.measure(
+                lambda fn=fn, inputs=inputs: _time_once(fn, inputs, backward, device)
+            )
+        cases.append(case)
+    if progress is not None:
+        progress(f"[{'#' * 20}] {total:>3}/{total} done in {time.perf_counter() - started:.0f}s")
+    return cases
+
+
+# ----- reporting -----------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, suffix: str = "x") -> str:
+    return "n/a" if value is None else f"{value:.2f}{suffix}"
+
+
+def format_table(cases: Sequence[Case], *, backward: bool = True) -> str:
+    """A Markdown table: ratios to the floor, and to the literal reference."""
+    what = "fwd+bwd" if backward else "fwd"
+    lines = [
+        f"| scheme | n | {what} time / floor | fwd-only time / floor | peak memory / floor "
+        f"| {what} time / reference | peak memory / reference |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for case in cases:
+        lines.append(
+            f"| {case.scheme} | {case.n} | {_fmt(case.ratio('time', 'posenc'))} "
+            f"| {_fmt(case.ratio('fwd', 'posenc'))} | {_fmt(case.ratio('memory', 'posenc'))} "
+            f"| {_fmt(case.ratio('time', 'posenc', 'reference'))} "
+            f"| {_fmt(case.ratio('memory', 'posenc', 'reference'))} |"
+        )
+    return "\n".join(lines)
+
+
+def _to_json(cases: Sequence[Case], config: dict[str, Any]) -> dict[str, Any]:
+    rows = []
+    for case in cases:
+        row = asdict(case)
+        row["ratios"] = {
+            "time_vs_floor": case.ratio("time", "posenc"),
+            "fwd_time_vs_floor": case.ratio("fwd", "posenc"),
+            "memory_vs_floor": case.ratio("memory", "posenc"),
+            "time_vs_reference": case.ratio("time", "posenc", "reference"),
+            "memory_vs_reference": case.ratio("memory", "posenc", "reference"),
+        }
+        rows.append(row)
+    return {"config": config, "cases": rows}
+
+
+# ----- the command ---------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from err
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _scheme_list(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SCHEMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown scheme(s) {unknown or text!r}; choose from {', '.join(SCHEMES)}"
+        )
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``posenc bench`` and print the table."""
+    dtype = getattr(torch, args.dtype)
+    config = {
+        "schemes": args.schemes,
+        "lengths": args.lengths,
+        "batch": args.batch,
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "dtype": args.dtype,
+        "device": args.device,
+        "backward": not args.no_backward,
+        "backend": args.backend,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print("\r" + line, end="", file=sys.stderr, flush=True)
+
+    cases = run_bench(
+        args.schemes,
+        args.lengths,
+        batch=args.batch,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=dtype,
+        device=args.device,
+        backward=not args.no_backward,
+        backend=args.backend,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        reference=not args.no_reference,
+        progress=progress,
+    )
+    if not args.quiet:
+        print(file=sys.stderr)
+    print(
+        f"posenc bench: b={args.batch} h={args.heads} d={args.head_dim} {args.dtype} on "
+        f"{args.device}, backend={args.backend}, median of {args.repeats}; ratios to plain "
+        f"SDPA without positions (floor) and to the literal implementation (reference)\n"
+    )
+    print(format_table(cases, backward=not args.no_backward))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(_to_json(cases, config), indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``posenc bench``."""
+    parser = commands.add_parser(
+        "bench",
+        help="time and memory of every scheme against plain attention",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    parser.add_argument(
+        "--schemes",
+        type=_scheme_list,
+        default=list(SCHEMES),
+        help=f"comma-separated, from: {', '.join(SCHEMES)}",
+    )
+    parser.add_argument("--lengths", type=_int_list, default=[512, 1024, 2048, 4096])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument(
+        "--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32"
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--backend", choices=["auto", "math", "sdpa", "lean", "flex"], default="auto"
+    )
+    parser.add_argument("--no-backward", action="store_true", help="time the forward only")
+    parser.add_argument("--no-reference", action="store_true", help="skip the literal reference")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
