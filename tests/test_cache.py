@@ -1,0 +1,132 @@
+"""KVCache, left padding and packed sequences, scheme-independent.
+
+Every scheme's decoding parity is in tests/test_decoding.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from posenc import KVCache, MultiHeadAttention, positions_from_documents, positions_from_padding
+
+
+class DecayBias(nn.Module):
+    def __init__(self, heads):
+        super().__init__()
+        self.rate = nn.Parameter(torch.linspace(0.1, 0.5, heads))
+
+    def score_bias(self, q_pos, k_pos):
+        distance = (k_pos[:, None, :] - q_pos[:, :, None]).abs()
+        return -self.rate[:, None, None] * distance[:, None]
+
+
+def model(position=None, backend="auto"):
+    torch.manual_seed(0)
+    return MultiHeadAttention(16, 4, position=position, backend=backend).eval()
+
+
+def test_positions_from_padding():
+    mask = torch.tensor(
+        [[True, True, False, False], [False, False, False, False], [False, False, True, True]]
+    )
+    expected = torch.tensor([[0, 0, 0, 1], [0, 1, 2, 3], [0, 1, 2, 2]])
+    assert torch.equal(positions_from_padding(mask), expected)
+    with pytest.raises(TypeError, match=r"key_padding_mask must be a bool tensor.*\.bool\(\)"):
+        positions_from_padding(mask.long())
+
+
+def test_positions_from_documents():
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2], [5, 5, 5, 5, 5, 5]])
+    assert torch.equal(
+        positions_from_documents(ids), torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
+    )
+    assert torch.equal(positions_from_documents(torch.tensor([3, 3, 4])), torch.tensor([0, 1, 0]))
+    with pytest.raises(TypeError, match="document_ids must be an integer tensor"):
+        positions_from_documents(torch.zeros(3))
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "lean", "auto"])
+@pytest.mark.parametrize("with_scheme", [False, True])
+def test_prefill_then_tokens_equals_full_pass(backend, with_scheme):
+    m = model(DecayBias(4) if with_scheme else None, backend)
+    x = torch.randn(2, 10, 16)
+    full = m(x, causal=True)
+    cache = KVCache()
+    outs = [m(x[:, :3], causal=True, cache=cache)]
+    outs.append(m(x[:, 3:5], causal=True, cache=cache))  # a chunk of two
+    outs += [m(x[:, t : t + 1], causal=True, cache=cache) for t in range(5, 10)]
+    assert len(cache) == 10 and cache.positions.tolist() == [list(range(10))]
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_left_padded_batch_equals_each_sequence_alone():
+    m = model(DecayBias(4))
+    a, b = torch.randn(1, 3, 16), torch.randn(1, 5, 16)
+    pad = torch.zeros(1, 2, 16)
+    batch = torch.cat((torch.cat((pad, a), 1), b))  # [2, 5, 16], row 0 left-padded
+    padding = torch.tensor([[True, True, False, False, False], [False] * 5])
+    positions = positions_from_padding(padding)
+    out = m(batch, key_padding_mask=padding, positions=positions, causal=True)
+    torch.testing.assert_close(out[0, 2:], m(a, causal=True)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], m(b, causal=True)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_left_padded_decoding_with_cache():
+    m = model(DecayBias(4))
+    a = torch.randn(1, 6, 16)
+    alone = m(a, causal=True)
+    padded = torch.cat((torch.zeros(1, 2, 16), a[:, :3]), 1)  # prompt of 3 behind 2 pads
+    padding = torch.tensor([[True, True, False, False, False]])
+    cache = KVCache()
+    first = m(
+        padded,
+        causal=True,
+        key_padding_mask=padding,
+        positions=positions_from_padding(padding),
+        cache=cache,
+    )
+    rest = [m(a[:, t : t + 1], causal=True, cache=cache) for t in range(3, 6)]
+    torch.testing.assert_close(first[:, 2:], alone[:, :3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(rest, 1), alone[:, 3:], atol=1e-5, rtol=1e-5)
+    assert cache.key_padding.tolist() == [[True, True] + [False] * 6]
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "lean"])
+def test_packed_documents_equal_separate_runs(backend):
+    m = model(DecayBias(4), backend)
+    docs = [torch.randn(1, n, 16) for n in (3, 4, 2)]
+    packed = torch.cat(docs, 1)  # [1, 9, 16]
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2]])
+    for causal in (False, True):
+        out = m(packed, document_ids=ids, causal=causal)
+        separate = torch.cat([m(d, causal=causal) for d in docs], 1)
+        torch.testing.assert_close(out, separate, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_and_packing_errors():
+    m = model(DecayBias(4))
+    x = torch.randn(2, 3, 16)
+    with pytest.raises(ValueError, match="cache is for self-attention decoding"):
+        m(x, torch.randn(2, 4, 16), cache=KVCache())
+    with pytest.raises(TypeError, match="cache must be a posenc.KVCache, got dict"):
+        m(x, cache={})
+    with pytest.raises(ValueError, match="document_ids .* cannot be combined with a cache"):
+        m(x, cache=KVCache(), document_ids=torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"document_ids must have shape \[batch, n\] = \[2, 3\]"):
+        m(x, document_ids=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="document_ids must be an integer tensor"):
+        m(x, document_ids=torch.zeros(2, 3))
+    cache = KVCache()
+    m(x, cache=cache)
+    with pytest.raises(ValueError, match=r"the cache holds keys of shape .*cache.reset\(\)"):
+        m(torch.randn(3, 1, 16), cache=cache)
+    cache.reset()
+    assert len(cache) == 0 and cache.next_position == 0
+
+    class NoCache(DecayBias):
+        supports_cache = False
+
+    with pytest.raises(ValueError, match="NoCache cannot decode incrementally"):
+        model(NoCache(4))(x, cache=KVCache())
