@@ -49,7 +49,9 @@ def reference(m, query, key=None, *, visible=None, bias=None, term=None):
     term(b, h, i, j, q_vec) -> float (before scaling).
     """
     key = query if key is None else key
-    wq, wk, wv, wo = (p.weight.detach().double() for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj))
+    wq, wk, wv, wo = (
+        p.weight.detach().double() for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj)
+    )
     bq, bk, bv, bo = (p.bias.detach().double() for p in (m.q_proj, m.k_proj, m.v_proj, m.out_proj))
     q_all = query.double() @ wq.T + bq
     k_all = key.double() @ wk.T + bk
