@@ -21,8 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/posenc plot sinusoidal --out $(OUT)/
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests tools
+	$(VENV)/bin/ruff format --check src tests tools
 
 test: lint
 	$(PY) -m pytest -q
