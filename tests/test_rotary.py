@@ -1,0 +1,279 @@
+"""Place 2 against float64 references written here, rotary-embedding-torch and HF Llama."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posenc import sinusoidal_shift
+from posenc.rotary import (
+    DynamicNTKScaling,
+    LinearScaling,
+    NTKScaling,
+    Rotary,
+    Rotary2D,
+    YaRNScaling,
+)
+
+
+def reference_rope(x, positions, *, base=10000.0, interleaved=False, rotary_dim=None):
+    """Rotate each pair by p * theta_i with an explicit 2x2 matrix, float64, loops."""
+    n, d = x.shape[2:]
+    r = d if rotary_dim is None else rotary_dim
+    out = x.double().clone()
+    for i in range(r // 2):
+        theta = base ** (-2 * i / r)
+        a, c = (2 * i, 2 * i + 1) if interleaved else (i, i + r // 2)
+        for t in range(n):
+            angle = float(positions[t]) * theta
+            rot = torch.tensor(
+                [[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]],
+                dtype=torch.float64,
+            )
+            pair = torch.stack((x[:, :, t, a], x[:, :, t, c]), -1).double()  # [b, h, 2]
+            new = pair @ rot.T
+            out[:, :, t, a], out[:, :, t, c] = new[..., 0], new[..., 1]
+    return out
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [None, 4])
+def test_matches_float64_reference(interleaved, rotary_dim):
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    rq, rk = Rotary(8, interleaved=interleaved, rotary_dim=rotary_dim)(q, k, offset=3)
+    positions = torch.arange(7) + 3
+    expected = reference_rope(q, positions, interleaved=interleaved, rotary_dim=rotary_dim)
+    torch.testing.assert_close(rq.double(), expected, atol=1e-6, rtol=1e-6)
+    expected_k = reference_rope(k, positions, interleaved=interleaved, rotary_dim=rotary_dim)
+    torch.testing.assert_close(rk.double(), expected_k, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_interleaved_matches_rotary_embedding_torch(rotary_dim):
+    rotary_embedding_torch = pytest.importorskip("rotary_embedding_torch")
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 20, 16)
+    oracle = rotary_embedding_torch.RotaryEmbedding(dim=rotary_dim)
+    got, _ = Rotary(16, interleaved=True, rotary_dim=rotary_dim)(q, q)
+    torch.testing.assert_close(got, oracle.rotate_queries_or_keys(q), atol=1e-5, rtol=1e-5)
+
+
+def _llama(rope_parameters, heads=3, head_dim=16, max_len=32):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = transformers.LlamaConfig(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        max_position_embeddings=max_len,
+        rope_parameters={"rope_theta": 10000.0, **rope_parameters},
+    )
+    return LlamaRotaryEmbedding(config), apply_rotary_pos_emb
+
+
+@pytest.mark.parametrize(
+    ("rope_parameters", "scaling"),
+    [
+        ({"rope_type": "default"}, None),
+        ({"rope_type": "linear", "factor": 4.0}, LinearScaling(4.0)),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+            YaRNScaling(4.0, 32),
+        ),
+        ({"rope_type": "dynamic", "factor": 2.0}, DynamicNTKScaling(2.0, 32)),
+    ],
+    ids=["default", "linear", "yarn", "dynamic"],
+)
+def test_half_split_matches_hf_llama(rope_parameters, scaling):
+    embedding, apply = _llama(rope_parameters)
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 3, 20, 16), torch.randn(2, 3, 20, 16)
+    positions = torch.arange(20)[None].expand(2, 20) + torch.tensor([[0], [40]])
+    cos, sin = embedding(q, positions)
+    hq, hk = apply(q, k, cos, sin)
+    if scaling is not None and scaling.dynamic:
+        for row in range(2):  # HF's dynamic length is per call: compare row by row
+            cos, sin = embedding(q[row : row + 1], positions[row : row + 1])
+            hq_row, hk_row = apply(q[row : row + 1], k[row : row + 1], cos, sin)
+            rq, rk = Rotary(16, scaling=scaling)(
+                q[row : row + 1], k[row : row + 1], positions[row], positions[row]
+            )
+            torch.testing.assert_close(rq, hq_row, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(rk, hk_row, atol=1e-5, rtol=1e-5)
+        return
+    rq, rk = Rotary(16, scaling=scaling)(q, k, positions, positions)
+    torch.testing.assert_close(rq, hq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rk, hk, atol=1e-5, rtol=1e-5)
+
+
+def test_ntk_scaling_is_a_larger_base():
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 5, 8)
+    got, _ = Rotary(8, scaling=NTKScaling(4.0))(q, q)
+    expected = reference_rope(q, torch.arange(5), base=10000.0 * 4.0 ** (8 / 6))
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_relative_property(interleaved):
+    """(R_m q) . (R_n k) depends only on n - m."""
+    torch.manual_seed(0)
+    rope = Rotary(16, interleaved=interleaved)
+    q, k = (
+        torch.randn(1, 1, 1, 16, dtype=torch.float64),
+        torch.randn(1, 1, 1, 16, dtype=torch.float64),
+    )
+    scores = {}
+    for m, n in [(0, 5), (10, 15), (1000, 1005), (3, 1), (103, 101)]:
+        rq, rk = rope(q, k, torch.tensor([m]), torch.tensor([n]))
+        scores.setdefault(n - m, []).append(float((rq * rk).sum()))
+    for values in scores.values():
+        assert max(values) - min(values) < 1e-9
+
+
+def test_pairs_are_the_sinusoidal_shift_blocks():
+    """Interleaved RoPE at offset t is the transpose of sinusoidal_shift(t), pair by pair."""
+    x = torch.randn(1, 1, 1, 8, dtype=torch.float64)
+    rotated, _ = Rotary(8, interleaved=True)(x, x, offset=7)
+    shift = sinusoidal_shift(7, 8).double()
+    torch.testing.assert_close(rotated[0, 0, 0], shift.T @ x[0, 0, 0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_keeps_dtype_and_accuracy(dtype):
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 6, 32)
+    positions = torch.arange(6) + 100_000
+    got, _ = Rotary(32)(q.to(dtype), q.to(dtype), positions, positions)
+    assert got.dtype == dtype
+    expected = reference_rope(q.to(dtype).double(), positions)
+    tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(got.double(), expected, atol=4 * tol, rtol=2 * tol)
+
+
+def test_large_positions_accurate_in_float32():
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 3, 16)
+    positions = torch.tensor([999_998, 999_999, 1_000_000])
+    got, _ = Rotary(16)(q, q, positions, positions)
+    torch.testing.assert_close(got.double(), reference_rope(q, positions), atol=1e-5, rtol=1e-5)
+
+
+def test_module_cast_to_bf16_stays_accurate():
+    rope = Rotary(16).to(torch.bfloat16)
+    assert not list(rope.state_dict())
+    q = torch.randn(1, 1, 4, 16)
+    positions = torch.arange(4) + 5000
+    got, _ = rope(q, q, positions, positions)
+    torch.testing.assert_close(got.double(), reference_rope(q, positions), atol=1e-5, rtol=1e-5)
+
+
+def test_offset_decoding_equals_rows_of_full_rotation():
+    torch.manual_seed(0)
+    rope = Rotary(8)
+    q = torch.randn(2, 2, 10, 8)
+    full, _ = rope(q, q)
+    for t in (0, 4, 9):
+        step, _ = rope(q[:, :, t : t + 1], q[:, :, t : t + 1], offset=t)
+        torch.testing.assert_close(step, full[:, :, t : t + 1])
+
+
+def test_hook_with_batched_positions():
+    torch.manual_seed(0)
+    rope = Rotary(8)
+    q = torch.randn(2, 2, 5, 8)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    rq, _ = rope.rotate(q, q, positions, positions)
+    for row in range(2):
+        expected = reference_rope(q[row : row + 1], positions[row])
+        torch.testing.assert_close(rq[row : row + 1].double(), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_yarn_attention_factor_and_dynamic_below_length():
+    yarn = YaRNScaling(4.0, 64)
+    assert yarn.attention_factor == pytest.approx(0.1 * math.log(4) + 1)
+    q = torch.randn(1, 1, 8, 16)
+    plain, _ = Rotary(16)(q, q)
+    dynamic, _ = Rotary(16, scaling=DynamicNTKScaling(2.0, 64))(q, q)
+    torch.testing.assert_close(dynamic, plain)  # 8 tokens < 64: unchanged
+    assert not Rotary(16, scaling=DynamicNTKScaling(2.0, 64)).supports_cache
+    assert Rotary(16, scaling=NTKScaling(2.0)).supports_cache
+
+
+# ----- Rotary2D ---------------------------------------------------------------------------------
+
+
+def test_rotary2d_rows_then_columns():
+    torch.manual_seed(0)
+    height, width, d = 3, 4, 8
+    q = torch.randn(1, 2, height * width, d)
+    got, _ = Rotary2D(d)(q, q, size=(height, width))
+    pos = torch.arange(height * width)
+    rows = reference_rope(q[..., : d // 2], pos // width)
+    cols = reference_rope(q[..., d // 2 :], pos % width)
+    torch.testing.assert_close(got.double(), torch.cat((rows, cols), -1), atol=1e-6, rtol=1e-6)
+
+
+def test_rotary2d_scores_depend_on_2d_offsets_only():
+    torch.manual_seed(0)
+    rope = Rotary2D(8, size=(5, 5))
+    q, k = (
+        torch.randn(1, 1, 25, 8, dtype=torch.float64),
+        torch.randn(1, 1, 25, 8, dtype=torch.float64),
+    )
+    q = q[:, :, :1].expand(-1, -1, 25, -1)  # the same vector at every cell
+    k = k[:, :, :1].expand(-1, -1, 25, -1)
+    rq, rk = rope(q, k)
+    score = (rq @ rk.transpose(-1, -2))[0, 0]
+    # cell (0,0)->(1,2) and (2,1)->(3,3) share the offset (1, 2)
+    assert abs(float(score[0, 1 * 5 + 2] - score[2 * 5 + 1, 3 * 5 + 3])) < 1e-9
+
+
+def test_rotary2d_hook_and_errors():
+    rope = Rotary2D(8, size=(2, 3))
+    q = torch.randn(1, 1, 6, 8)
+    pos = torch.arange(6)[None]
+    hooked, _ = rope.rotate(q, q, pos, pos)
+    torch.testing.assert_close(hooked, rope(q, q)[0])
+    with pytest.raises(ValueError, match=r"size=\(2, 2\) has 4 cells but q has 6 tokens"):
+        rope(q, q, size=(2, 2))
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 4"):
+        Rotary2D(6)
+    with pytest.raises(ValueError, match="Rotary2D needs the grid size"):
+        Rotary2D(8).rotate(q, q, pos, pos)
+
+
+def test_errors():
+    with pytest.raises(
+        ValueError, match=r"head_dim must be even \(channels are rotated in pairs\), got 7"
+    ):
+        Rotary(7)
+    with pytest.raises(ValueError, match="rotary_dim must be <= head_dim=8, got 10"):
+        Rotary(8, rotary_dim=10)
+    with pytest.raises(TypeError, match="scaling must be a RotaryScaling"):
+        Rotary(8, scaling="yarn")
+    with pytest.raises(ValueError, match=r"factor must be >= 1 .*got 0.5"):
+        LinearScaling(0.5)
+    rope = Rotary(8)
+    with pytest.raises(ValueError, match=r"q must have last dimension head_dim=8"):
+        rope(torch.randn(1, 1, 3, 6), torch.randn(1, 1, 3, 6))
+    with pytest.raises(ValueError, match=r"q must have shape \[b, h, n, d\]"):
+        rope(torch.randn(3, 8), torch.randn(3, 8))
+    with pytest.raises(
+        ValueError, match="Rotary was built for head_dim=8 but the attention has head_dim=4"
+    ):
+        rope.validate_attention(heads=2, head_dim=4)
+    with pytest.raises(ValueError, match="q_positions must cover the sequence"):
+        rope(torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8), torch.arange(4))
+
+
+@pytest.mark.compile
+def test_compile_fullgraph_parity():
+    rope = Rotary(16, scaling=YaRNScaling(2.0, 16))
+    q, k = torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    compiled = torch.compile(rope, fullgraph=True)
+    for a, b in zip(compiled(q, k, offset=3), rope(q, k, offset=3), strict=True):
+        torch.testing.assert_close(a, b)
