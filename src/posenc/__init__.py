@@ -14,6 +14,14 @@ from .absolute import (
     sinusoidal_shift,
 )
 from .attention import MultiHeadAttention
+from .bias import (
+    ALiBi,
+    RelativePositionBias,
+    T5RelativeBias,
+    alibi_slopes,
+    load_relative_position_bias,
+    resize_relative_position_table,
+)
 from .cache import KVCache
 from .indices import (
     positions_from_documents,
@@ -22,18 +30,40 @@ from .indices import (
     relative_to_absolute,
     t5_bucket,
 )
+from .rotary import (
+    DynamicNTKScaling,
+    LinearScaling,
+    NTKScaling,
+    Rotary,
+    Rotary2D,
+    RotaryScaling,
+    YaRNScaling,
+)
 
 __all__ = [
+    "ALiBi",
+    "DynamicNTKScaling",
     "KVCache",
     "LearnedEncoding",
+    "LinearScaling",
     "MultiHeadAttention",
+    "NTKScaling",
+    "RelativePositionBias",
+    "Rotary",
+    "Rotary2D",
+    "RotaryScaling",
     "SinusoidalEncoding",
     "SinusoidalEncoding2D",
+    "T5RelativeBias",
+    "YaRNScaling",
     "__version__",
+    "alibi_slopes",
+    "load_relative_position_bias",
     "positions_from_documents",
     "positions_from_padding",
     "relative_position_index",
     "relative_to_absolute",
+    "resize_relative_position_table",
     "sinusoidal",
     "sinusoidal_2d",
     "sinusoidal_shift",

@@ -1,0 +1,420 @@
+"""Place 3: content-free biases added to the scores, ``s_ij += B[h, i, j]``.
+
+- :class:`RelativePositionBias`: Swin's learned table over 2-D (or 1-D) window offsets
+  (Liu et al. 2021, "Swin Transformer"), in Swin's layout so checkpoints load as they are.
+- :class:`T5RelativeBias`: T5's learned bias per log-spaced distance bucket (Raffel et al.
+  2020, "Exploring the Limits of Transfer Learning with a Unified Text-to-Text
+  Transformer").
+- :class:`ALiBi`: a fixed linear penalty ``-slope_h * |j - i|`` (Press et al. 2022, "Train
+  Short, Test Long").
+
+Each is an ``nn.Module`` usable on its own (``forward`` returns the dense bias), and a
+scheme for :class:`~posenc.MultiHeadAttention` through the hooks ``score_bias`` (the bias
+for any query and key positions, added *after* the ``1/sqrt(d)`` scaling) and
+``flex_score_mod`` (the same bias computed on the fly by FlexAttention).
+
+Shape legend: ``B'`` batch of positions (1 when shared), ``h`` heads, ``n_q`` queries,
+``n_k`` keys, ``N = Wh * Ww`` tokens of a window, ``R`` rows of a table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _validate as check
+from .indices import relative_distance, t5_bucket, window_relative_index, window_size
+
+__all__ = [
+    "ALiBi",
+    "RelativePositionBias",
+    "T5RelativeBias",
+    "alibi_slopes",
+    "load_relative_position_bias",
+    "resize_relative_position_table",
+]
+
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def _check_heads(scheme: str, built: int, heads: int) -> None:
+    if heads != built:
+        raise ValueError(
+            f"{scheme} was built for heads={built} but the attention has heads={heads}; "
+            f"build it with heads={heads}"
+        )
+
+
+def _check_range(name: str, pos: Tensor, stop: int, what: str) -> None:
+    if check._can_inspect(pos) and (int(pos.min()) < 0 or int(pos.max()) >= stop):
+        raise ValueError(
+            f"{name} must be in [0, {stop}) ({what}), got values from {int(pos.min())} to "
+            f"{int(pos.max())}"
+        )
+
+
+# ----- Swin ------------------------------------------------------------------------------------
+
+
+def _table_grid(window: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(2 * w - 1 for w in window)
+
+
+def resize_relative_position_table(
+    table: Tensor, old_window: int | tuple[int, int], new_window: int | tuple[int, int]
+) -> Tensor:
+    """Interpolate a Swin table ``[(2Wh-1)*(2Ww-1), heads]`` to another window.
+
+    The table is a function on the grid of offsets ``(dr, dc)``; it is resampled bicubically
+    over that grid (``F.interpolate``, ``align_corners=False``, as timm does for Swin
+    fine-tuning at a new window size), linearly for 1-D windows. The same window returns
+    the table unchanged.
+
+    Args:
+        table: ``[R, heads]``.
+        old_window: the window the table was trained for.
+        new_window: the window to produce.
+
+    Returns:
+        ``[R', heads]`` in ``table``'s dtype.
+
+    Raises:
+        ValueError: the table's length does not fit ``old_window``, or the windows differ
+            in dimension.
+    """
+    old, new = window_size(old_window, "old_window"), window_size(new_window, "new_window")
+    if len(old) != len(new):
+        raise ValueError(f"old_window {old} and new_window {new} must both be 1-D or both 2-D")
+    old_grid, new_grid = _table_grid(old), _table_grid(new)
+    if table.ndim != 2 or table.shape[0] != math.prod(old_grid):
+        raise ValueError(
+            f"table must have shape [{math.prod(old_grid)}, heads] for window {old}, got shape "
+            f"{tuple(table.shape)}"
+        )
+    if old == new:
+        return table
+    heads = table.shape[1]
+    grid = table.float().t().reshape(1, heads, *old_grid)  # [R, h] -> [1, h, 2Wh-1, 2Ww-1]
+    mode = "bicubic" if len(old) == 2 else "linear"
+    resized = F.interpolate(grid, size=new_grid, mode=mode, align_corners=False)
+    return resized.reshape(heads, -1).t().contiguous().to(table.dtype)  # [R', h]
+
+
+class RelativePositionBias(nn.Module):
+    """Swin's relative position bias: one learned value per (window offset, head).
+
+    ``B[h, i, j] = table[index[i, j], h]`` with Swin's index (query minus key,
+    :func:`~posenc.relative_position_index`), so a Swin checkpoint's
+    ``relative_position_bias_table`` loads as it is. Tokens are numbered row-major inside
+    the window. The table is initialised from a truncated ``N(0, 0.02**2)`` (Swin).
+
+    Args:
+        window: ``W`` (1-D) or ``(Wh, Ww)``.
+        heads: number of heads.
+
+    Raises:
+        ValueError: a bad window or head count.
+    """
+
+    def __init__(self, window: int | tuple[int, int], heads: int) -> None:
+        super().__init__()
+        self.window = window_size(window)
+        self.heads = check.positive_int("heads", heads)
+        self.table = nn.Parameter(torch.empty(math.prod(_table_grid(self.window)), heads))
+        self.register_buffer("index", torch.empty(0, dtype=torch.long), persistent=False)
+        self.reset_parameters()
+
+    @property
+    def tokens(self) -> int:
+        """``N``: the number of tokens in a window."""
+        return math.prod(self.window)
+
+    def reset_parameters(self) -> None:
+        """Draw the table from a truncated ``N(0, 0.02**2)`` and rebuild the index."""
+        nn.init.trunc_normal_(self.table, std=0.02)
+        self._build_index()
+
+    def _build_index(self) -> None:
+        tokens = torch.arange(self.tokens, device=self.table.device)
+        self.index = window_relative_index(tokens, tokens, self.window)  # [N, N]
+
+    def forward(self) -> Tensor:
+        """The dense bias ``[heads, N, N]``."""
+        return F.embedding(self.index, self.table).permute(2, 0, 1)  # [N, N, h] -> [h, N, N]
+
+    def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """The bias for token indices ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``.
+
+        Returns:
+            ``[B', heads, n_q, n_k]``.
+
+        Raises:
+            ValueError: a token index outside the window ``[0, N)``.
+        """
+        for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
+            _check_range(name, pos, self.tokens, f"token indices of a {self.window} window")
+        index = window_relative_index(q_pos, k_pos, self.window)  # [B', n_q, n_k]
+        return F.embedding(index, self.table).permute(0, 3, 1, 2)  # -> [B', h, n_q, n_k]
+
+    def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
+        """``score + table[index(q, k), h]`` as a FlexAttention ``score_mod``."""
+        table, window = self.table, self.window
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            qp, kp = q_pos[b, q_idx], k_pos[b, kv_idx]
+            if len(window) == 1:
+                row = qp - kp + (window[0] - 1)
+            else:
+                wh, ww = window
+                row = (qp // ww - kp // ww + wh - 1) * (2 * ww - 1) + (qp % ww - kp % ww + ww - 1)
+            return score + table[row, h]
+
+        return score_mod
+
+    def validate_attention(self, heads: int, head_dim: int) -> None:
+        """Reject an attention with another number of heads."""
+        _check_heads("RelativePositionBias", self.heads, heads)
+
+    @torch.no_grad()
+    def resize(self, new_window: int | tuple[int, int]) -> RelativePositionBias:
+        """Interpolate the table to ``new_window`` (see :func:`resize_relative_position_table`).
+
+        The parameter is replaced: build the optimizer after resizing.
+
+        Returns:
+            ``self``.
+        """
+        new = window_size(new_window, "new_window")
+        table = resize_relative_position_table(self.table.detach(), self.window, new)
+        self.window = new
+        self.table = nn.Parameter(table, requires_grad=self.table.requires_grad)
+        self._build_index()
+        return self
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}, heads={self.heads}"
+
+
+def load_relative_position_bias(
+    module: RelativePositionBias,
+    table: Tensor,
+    old_window: int | tuple[int, int] | None = None,
+) -> RelativePositionBias:
+    """Load a checkpoint's ``relative_position_bias_table`` trained at another window size.
+
+    The classic failure is a size mismatch when a 7x7-window Swin checkpoint is loaded into
+    a 12x12-window model; this resizes the checkpoint's table to the module's window first.
+
+    Args:
+        module: the module to load into (its window is kept).
+        table: ``[(2Wh-1)*(2Ww-1), heads]`` from the checkpoint.
+        old_window: the checkpoint's window; inferred from the table length when the window
+            is square (or 1-D for a 1-D module).
+
+    Returns:
+        ``module``, with the resized table copied in.
+
+    Raises:
+        ValueError: the heads differ, or the old window cannot be inferred.
+    """
+    check.tensor("table", table)
+    if table.ndim != 2 or table.shape[1] != module.heads:
+        raise ValueError(
+            f"table must have shape [rows, heads={module.heads}], got shape {tuple(table.shape)}; "
+            f"the checkpoint was trained with another number of heads"
+        )
+    if old_window is None:
+        side = math.isqrt(table.shape[0]) if len(module.window) == 2 else table.shape[0]
+        if (len(module.window) == 2 and side * side != table.shape[0]) or side % 2 == 0:
+            raise ValueError(
+                f"cannot infer the window of a table with {table.shape[0]} rows; pass "
+                f"old_window=(Wh, Ww)"
+            )
+        width = (side + 1) // 2
+        old_window = (width, width) if len(module.window) == 2 else width
+    resized = resize_relative_position_table(table, old_window, module.window)
+    with torch.no_grad():
+        module.table.copy_(resized)
+    return module
+
+
+# ----- T5 ------------------------------------------------------------------------------------------
+
+
+class T5RelativeBias(nn.Module):
+    """T5's bucketed relative position bias: ``B[h, i, j] = embedding[bucket(j - i), h]``.
+
+    ``forward(q_len, k_len, offset)`` equals HF transformers'
+    ``T5Attention.compute_bias(q_len, k_len, past_seen_tokens=offset)[0]``.
+
+    Scaling: T5 itself does not divide ``q.k`` by ``sqrt(d)`` (it folds the factor into the
+    initialisation of its query projection), and adds this bias to the unscaled logits.
+    posenc's :class:`~posenc.MultiHeadAttention` scales ``q.k`` by ``1/sqrt(d)`` and adds the
+    bias after the scaling, which is the same model if the query projection is
+    ``sqrt(d)`` times larger: to load T5 weights, multiply ``q_proj.weight`` by
+    ``sqrt(head_dim)``. The table is initialised from ``N(0, 0.02**2)``.
+
+    Args:
+        heads: number of heads.
+        num_buckets: number of buckets (32 in T5).
+        max_distance: distance from which all offsets share the last bucket (128 in T5).
+        bidirectional: True for encoders; False for decoders (only ``j <= i`` is
+            distinguished).
+
+    Raises:
+        ValueError: bad counts (see :func:`~posenc.t5_bucket`).
+    """
+
+    def __init__(
+        self,
+        heads: int,
+        *,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool = True,
+    ) -> None:
+        super().__init__()
+        self.heads = check.positive_int("heads", heads)
+        self.num_buckets = check.positive_int("num_buckets", num_buckets)
+        self.max_distance = check.positive_int("max_distance", max_distance)
+        self.bidirectional = bool(bidirectional)
+        t5_bucket(torch.zeros(1, dtype=torch.long), **self._bucket_args())  # validates counts
+        self.embedding = nn.Embedding(num_buckets, heads)
+        self.reset_parameters()
+
+    def _bucket_args(self) -> dict[str, int | bool]:
+        return dict(
+            bidirectional=self.bidirectional,
+            num_buckets=self.num_buckets,
+            max_distance=self.max_distance,
+        )
+
+    def reset_parameters(self) -> None:
+        """Draw the table from ``N(0, 0.02**2)``."""
+        nn.init.normal_(self.embedding.weight, std=0.02)
+
+    def forward(self, q_len: int, k_len: int, offset: int = 0) -> Tensor:
+        """The dense bias ``[heads, q_len, k_len]``; queries at ``offset + arange(q_len)``."""
+        q_pos, k_pos = _lengths(q_len, k_len, offset, self.embedding.weight.device)
+        return self.score_bias(q_pos, k_pos)[0]
+
+    def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """The bias for positions ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
+        buckets = t5_bucket(
+            relative_distance(q_pos, k_pos), **self._bucket_args()
+        )  # [B', n_q, n_k]
+        return self.embedding(buckets).permute(0, 3, 1, 2)  # [B', n_q, n_k, h] -> [B', h, n_q, n_k]
+
+    def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
+        """``score + embedding[bucket(k - q), h]`` as a FlexAttention ``score_mod``."""
+        weight, args = self.embedding.weight, self._bucket_args()
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            bucket = t5_bucket(k_pos[b, kv_idx] - q_pos[b, q_idx], **args)
+            return score + weight[bucket, h]
+
+        return score_mod
+
+    def validate_attention(self, heads: int, head_dim: int) -> None:
+        """Reject an attention with another number of heads."""
+        _check_heads("T5RelativeBias", self.heads, heads)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
+            f"bidirectional={self.bidirectional}"
+        )
+
+
+# ----- ALiBi -----------------------------------------------------------------------------------
+
+
+def alibi_slopes(heads: int, *, device: torch.device | str | None = None) -> Tensor:
+    """ALiBi's head slopes (Press et al. 2022, section 3).
+
+    For ``n`` heads, a power of two, the slopes are the geometric sequence that starts at
+    ``2**(-8/n)`` with that ratio (8 heads: 1/2, 1/4, ..., 1/256). Otherwise the paper takes
+    the slopes of the closest lower power of two ``m``, then every other slope of ``2m``
+    heads until there are ``n``.
+
+    Args:
+        heads: number of heads.
+        device: where to build the result.
+
+    Returns:
+        ``[heads]`` float32 (computed in float64).
+    """
+    check.positive_int("heads", heads)
+
+    def geometric(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    lower = 1 << (heads.bit_length() - 1)  # the largest power of two <= heads
+    slopes = geometric(lower)
+    if lower != heads:
+        slopes += geometric(2 * lower)[0::2][: heads - lower]
+    return torch.tensor(slopes, dtype=torch.float64, device=device).float()
+
+
+def _lengths(q_len: int, k_len: int, offset: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    for name, value in (("q_len", q_len), ("k_len", k_len), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    q_pos = torch.arange(q_len, device=device)[None] + offset  # [1, q_len]
+    return q_pos, torch.arange(k_len, device=device)[None]  # [1, k_len]
+
+
+class ALiBi(nn.Module):
+    """Attention with linear biases: ``B[h, i, j] = -slope_h * |j - i|``.
+
+    Press et al. 2022. Below the diagonal this is the paper's causal bias
+    ``-slope * (i - j)``; above it the penalty is symmetric, which is the usual encoder
+    form. No parameters, and no stored slopes: they are recomputed from ``heads`` in
+    float32, so ``module.to(torch.bfloat16)`` cannot round them (a bf16 bias at distance
+    1,000 would lose the difference between neighbouring keys).
+
+    Args:
+        heads: number of heads.
+    """
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.heads = check.positive_int("heads", heads)
+
+    def slopes(self, device: torch.device | None = None) -> Tensor:
+        """``[heads]`` float32 slopes."""
+        return alibi_slopes(self.heads, device=device)
+
+    def forward(self, q_len: int, k_len: int, offset: int = 0) -> Tensor:
+        """The dense bias ``[heads, q_len, k_len]``; queries at ``offset + arange(q_len)``."""
+        q_pos, k_pos = _lengths(q_len, k_len, offset, torch.device("cpu"))
+        return self.score_bias(q_pos, k_pos)[0]
+
+    def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """``-slope_h * |k - q|`` for ``q_pos [B', n_q]``, ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
+        distance = relative_distance(q_pos, k_pos).abs().float()  # [B', n_q, n_k]
+        return -self.slopes(q_pos.device)[:, None, None] * distance[:, None]
+
+    def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
+        """``score - slope_h * |k - q|`` as a FlexAttention ``score_mod``."""
+        slopes = self.slopes(q_pos.device)
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            distance = (k_pos[b, kv_idx] - q_pos[b, q_idx]).abs()
+            return score - slopes[h] * distance
+
+        return score_mod
+
+    def validate_attention(self, heads: int, head_dim: int) -> None:
+        """Reject an attention with another number of heads."""
+        _check_heads("ALiBi", self.heads, heads)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}"

@@ -1,0 +1,324 @@
+"""Place 3 against HF transformers (Swin, T5), the ALiBi paper's rule, and loops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posenc import (
+    ALiBi,
+    RelativePositionBias,
+    T5RelativeBias,
+    alibi_slopes,
+    load_relative_position_bias,
+    resize_relative_position_table,
+    t5_bucket,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+# ----- Swin ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [(3, 3), (2, 5), (7, 7)])
+def test_swin_bias_equals_hf(window):
+    from transformers.models.swin.modeling_swin import SwinRelativePositionBias
+
+    torch.manual_seed(0)
+    oracle = SwinRelativePositionBias(4, window)
+    torch.nn.init.normal_(oracle.relative_position_bias_table)
+    ours = RelativePositionBias(window, 4)
+    ours.load_state_dict({"table": oracle.relative_position_bias_table.detach()})
+    torch.testing.assert_close(ours(), oracle()[0], atol=0, rtol=0)
+
+
+def test_swin_bias_by_definition_loop_and_1d():
+    torch.manual_seed(0)
+    wh, ww, heads = 2, 3, 2
+    bias = RelativePositionBias((wh, ww), heads)
+    dense = bias()
+    for i in range(wh * ww):
+        for j in range(wh * ww):
+            dr, dc = i // ww - j // ww, i % ww - j % ww  # query minus key (Swin)
+            row = (dr + wh - 1) * (2 * ww - 1) + dc + ww - 1
+            torch.testing.assert_close(dense[:, i, j], bias.table[row])
+    one = RelativePositionBias(4, heads)
+    assert one.table.shape == (7, heads)
+    for i in range(4):
+        for j in range(4):
+            torch.testing.assert_close(one()[:, i, j], one.table[i - j + 3])
+
+
+def test_swin_hook_positions_block_and_errors():
+    torch.manual_seed(0)
+    bias = RelativePositionBias((3, 4), 2)
+    dense = bias()
+    tokens = torch.arange(12)[None]
+    torch.testing.assert_close(bias.score_bias(tokens, tokens)[0], dense)
+    block = bias.score_bias(tokens[:, 4:8], tokens)  # a block of queries against all keys
+    torch.testing.assert_close(block[0], dense[:, 4:8])
+    with pytest.raises(
+        ValueError, match=r"q_pos must be in \[0, 12\) \(token indices of a \(3, 4\) window\)"
+    ):
+        bias.score_bias(torch.tensor([[12]]), tokens)
+    with pytest.raises(
+        ValueError, match="RelativePositionBias was built for heads=2 but the attention has heads=4"
+    ):
+        bias.validate_attention(heads=4, head_dim=8)
+    with pytest.raises(ValueError, match=r"window must be an int W or a pair \(Wh, Ww\)"):
+        RelativePositionBias((1, 2, 3), 2)
+
+
+def test_swin_gradient_reaches_table():
+    bias = RelativePositionBias((2, 2), 2).double()
+    tokens = torch.arange(4)[None]
+    table = bias.table.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda t: _with_table(bias, t).score_bias(tokens, tokens), (table,)
+    )
+
+
+def _with_table(module, table):
+    clone = RelativePositionBias(module.window, module.heads).double()
+    del clone.table
+    clone.table = table
+    return clone
+
+
+def test_resize_identity_and_smooth():
+    torch.manual_seed(0)
+    bias = RelativePositionBias((7, 7), 3)
+    before = bias.table.detach().clone()
+    bias.resize((7, 7))
+    torch.testing.assert_close(bias.table.detach(), before, atol=0, rtol=0)
+
+    def surface(u, v):  # a smooth function of the old grid's (row, column) index
+        return torch.sin(u / 4.0)[:, None] + torch.cos(v / 3.0)[None, :]
+
+    old = surface(torch.arange(13.0), torch.arange(13.0))  # [13, 13] offsets of a 7x7 window
+    table = old.reshape(-1, 1).expand(-1, 3).contiguous()
+    resized = resize_relative_position_table(table, (7, 7), (12, 12))
+    assert resized.shape == (23 * 23, 3)
+    # align_corners=False: new index k samples the old grid at (k + 0.5) * 13 / 23 - 0.5
+    where = (torch.arange(23.0) + 0.5) * 13 / 23 - 0.5
+    expected = surface(where, where)
+    got = resized[:, 0].reshape(23, 23)
+    inner = slice(2, -2)  # bicubic clamps at the border
+    assert (got[inner, inner] - expected[inner, inner]).abs().max() < 0.03  # bicubic, a=-0.75
+    assert (got[11, 11] - old[6, 6]).abs() < 1e-6  # offset (0, 0) stays exact
+    constant = resize_relative_position_table(torch.full((169, 2), 0.7), (7, 7), (12, 12))
+    torch.testing.assert_close(constant, torch.full((529, 2), 0.7))
+    bias.resize((12, 12))
+    assert (
+        bias.window == (12, 12) and bias.index.shape == (144, 144) and bias().shape == (3, 144, 144)
+    )
+
+
+def test_load_7x7_checkpoint_into_12x12_module():
+    torch.manual_seed(0)
+    checkpoint = RelativePositionBias((7, 7), 4).state_dict()["table"]
+    module = RelativePositionBias((12, 12), 4)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        module.load_state_dict({"table": checkpoint})  # the classic complaint
+    load_relative_position_bias(module, checkpoint)
+    torch.testing.assert_close(
+        module.table.detach(), resize_relative_position_table(checkpoint, (7, 7), (12, 12))
+    )
+    # the centre offset (0, 0) keeps its value: it sits on both grids' centre
+    centre_old, centre_new = (13 * 6 + 6), (23 * 11 + 11)
+    assert (module.table[centre_new] - checkpoint[centre_old]).abs().max() < 0.05
+    with pytest.raises(ValueError, match=r"table must have shape \[rows, heads=4\]"):
+        load_relative_position_bias(module, torch.zeros(169, 3))
+    with pytest.raises(ValueError, match="cannot infer the window of a table with 170 rows"):
+        load_relative_position_bias(module, torch.zeros(170, 4))
+    load_relative_position_bias(
+        RelativePositionBias((6, 8), 4), torch.zeros(11 * 9, 4), old_window=(6, 5)
+    )
+
+
+# ----- T5 ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize(("num_buckets", "max_distance"), [(32, 128), (8, 20), (16, 64)])
+def test_t5_bucket_equals_hf_for_every_offset(bidirectional, num_buckets, max_distance):
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    rel = torch.arange(-300, 301)[:, None] + torch.zeros(1, 3, dtype=torch.long)
+    expected = T5Attention._relative_position_bucket(
+        rel, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
+    got = t5_bucket(
+        rel, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_t5_compute_bias_equals_hf(decoder):
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(d_model=32, d_kv=8, num_heads=4, is_decoder=decoder)
+    oracle = T5Attention(config, has_relative_attention_bias=True, layer_idx=0)
+    ours = T5RelativeBias(4, num_buckets=32, max_distance=128, bidirectional=not decoder)
+    ours.embedding.load_state_dict(oracle.relative_attention_bias.state_dict())
+    for q_len, k_len, offset in [(10, 10, 0), (1, 21, 20), (5, 300, 295), (3, 7, 0)]:
+        expected = oracle.compute_bias(q_len, k_len, past_seen_tokens=offset)[0]
+        torch.testing.assert_close(ours(q_len, k_len, offset), expected, atol=0, rtol=0)
+
+
+def test_t5_hook_translation_and_block():
+    torch.manual_seed(0)
+    bias = T5RelativeBias(2, num_buckets=8, max_distance=16)
+    pos = torch.arange(20)[None]
+    full = bias.score_bias(pos, pos)
+    torch.testing.assert_close(bias.score_bias(pos + 1000, pos + 1000), full)
+    torch.testing.assert_close(bias.score_bias(pos[:, 5:9], pos), full[:, :, 5:9])
+    batched = bias.score_bias(torch.stack([pos[0], pos[0] + 3]), torch.stack([pos[0], pos[0] + 3]))
+    assert batched.shape == (2, 2, 20, 20)
+    torch.testing.assert_close(batched[1:], full)
+
+
+def test_t5_gradcheck():
+    bias = T5RelativeBias(2, num_buckets=8, max_distance=16).double()
+    pos = torch.arange(6)[None]
+    weight = bias.embedding.weight.detach().clone().requires_grad_()
+
+    def f(w):
+        buckets = t5_bucket(pos[0][None, :] - pos[0][:, None], num_buckets=8, max_distance=16)
+        return torch.nn.functional.embedding(buckets, w)
+
+    assert torch.autograd.gradcheck(f, (weight,))
+    bias.score_bias(pos, pos).sum().backward()
+    assert bias.embedding.weight.grad.abs().sum() > 0
+
+
+def test_t5_errors():
+    with pytest.raises(ValueError, match="num_buckets=2 is too small for bidirectional=True"):
+        T5RelativeBias(2, num_buckets=2)
+    with pytest.raises(ValueError, match="max_distance must exceed the exact range 8"):
+        T5RelativeBias(2, num_buckets=32, max_distance=8)
+    with pytest.raises(ValueError, match="offset must be >= 0, got -1"):
+        T5RelativeBias(2)(3, 3, -1)
+    with pytest.raises(TypeError, match="q_len must be an int"):
+        T5RelativeBias(2)(3.0, 3)
+
+
+# ----- ALiBi ------------------------------------------------------------------------------------------
+
+
+def reference_slopes(n):
+    """The paper's rule, float64."""
+
+    def power_of_two(m):
+        start = 2 ** (-(2 ** -(math.log2(m) - 3)))
+        return [start * start**i for i in range(m)]
+
+    if math.log2(n).is_integer():
+        return power_of_two(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_two(closest) + reference_slopes(2 * closest)[0::2][: n - closest]
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 8, 16, 6, 12, 20, 3])
+def test_alibi_slopes_follow_the_paper(heads):
+    torch.testing.assert_close(
+        alibi_slopes(heads).double(),
+        torch.tensor(reference_slopes(heads), dtype=torch.float64),
+        atol=1e-7,
+        rtol=1e-6,
+    )
+
+
+def test_alibi_published_slopes_for_8_heads():
+    assert alibi_slopes(8).tolist() == [1 / 2**i for i in range(1, 9)]
+
+
+def test_alibi_bias_and_offset_decoding():
+    alibi = ALiBi(4)
+    dense = alibi(6, 6)
+    slopes = alibi_slopes(4)
+    for h in range(4):
+        for i in range(6):
+            for j in range(6):
+                assert dense[h, i, j] == pytest.approx(-float(slopes[h]) * abs(j - i))
+    for t in range(6):
+        torch.testing.assert_close(alibi(1, t + 1, offset=t)[:, 0], dense[:, t, : t + 1])
+    pos = torch.arange(6)[None]
+    torch.testing.assert_close(alibi.score_bias(pos + 77, pos + 77)[0], dense)
+    assert not list(alibi.state_dict())
+
+
+def test_alibi_survives_bf16_cast():
+    alibi = ALiBi(8).to(torch.bfloat16)
+    bias = alibi(1, 1001, offset=1000)
+    assert bias.dtype == torch.float32
+    assert bias[0, 0, 0] == pytest.approx(-0.5 * 1000) and bias[0, 0, 1] == pytest.approx(
+        -0.5 * 999
+    )
+
+
+def test_alibi_errors():
+    with pytest.raises(ValueError, match="heads must be >= 1, got 0"):
+        ALiBi(0)
+    with pytest.raises(
+        ValueError, match="ALiBi was built for heads=4 but the attention has heads=8"
+    ):
+        ALiBi(4).validate_attention(heads=8, head_dim=8)
+
+
+# ----- FlexAttention score_mods -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        ALiBi(3),
+        T5RelativeBias(3, num_buckets=8, max_distance=16),
+        RelativePositionBias((2, 4), 3),
+        RelativePositionBias(8, 3),
+    ],
+    ids=["alibi", "t5", "swin-2d", "swin-1d"],
+)
+def test_score_mod_equals_dense_bias(scheme):
+    torch.manual_seed(0)
+    b, h, n = 2, 3, 8
+    q_pos = torch.stack([torch.arange(n), torch.arange(n)])
+    score = torch.randn(b, h, n, n)
+    mod = scheme.flex_score_mod(q_pos, q_pos)
+    bi = torch.arange(b)[:, None, None, None]
+    hi = torch.arange(h)[None, :, None, None]
+    qi = torch.arange(n)[None, None, :, None]
+    ki = torch.arange(n)[None, None, None, :]
+    got = mod(score, bi, hi, qi, ki)
+    torch.testing.assert_close(got, score + scheme.score_bias(q_pos, q_pos), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.compile
+def test_flex_attention_with_t5_score_mod():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.manual_seed(0)
+    bias = T5RelativeBias(2, num_buckets=8, max_distance=16)
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    pos = torch.arange(16)[None]
+    with torch.no_grad():
+        got = torch.compile(flex_attention)(q, k, v, score_mod=bias.flex_score_mod(pos, pos))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(8) + bias.score_bias(pos, pos)
+        expected = scores.softmax(-1) @ v
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_meta_construction_and_state():
+    with torch.device("meta"):
+        swin = RelativePositionBias((3, 3), 2)
+        t5 = T5RelativeBias(2)
+    swin.to_empty(device="cpu")
+    swin.reset_parameters()
+    torch.testing.assert_close(swin.index, RelativePositionBias((3, 3), 2).index)
+    assert list(swin.state_dict()) == ["table"]
+    assert list(t5.state_dict()) == ["embedding.weight"]
