@@ -155,8 +155,18 @@ class RelativePositionBias(nn.Module):
         Raises:
             ValueError: a token index outside the window ``[0, N)``.
         """
-        for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
-            _check_range(name, pos, self.tokens, f"token indices of a {self.window} window")
+        if len(self.window) == 2:
+            for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
+                _check_range(name, pos, self.tokens, f"token indices of a {self.window} window")
+        elif check._can_inspect(q_pos) and check._can_inspect(k_pos):
+            # 1-D: only i - j matters, which must fit the table's 2W - 1 offsets
+            span = max(int(q_pos.max() - k_pos.min()), int(k_pos.max() - q_pos.min()))
+            if span >= self.window[0]:
+                raise ValueError(
+                    f"positions are up to {span} apart but this 1-D RelativePositionBias has "
+                    f"window={self.window[0]} (offsets up to {self.window[0] - 1}); build it "
+                    f"with a window of at least {span + 1} or .resize({span + 1})"
+                )
         index = window_relative_index(q_pos, k_pos, self.window)  # [B', n_q, n_k]
         return F.embedding(index, self.table).permute(0, 3, 1, 2)  # -> [B', h, n_q, n_k]
 
