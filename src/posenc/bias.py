@@ -312,12 +312,22 @@ class T5RelativeBias(nn.Module):
         q_pos, k_pos = _lengths(q_len, k_len, offset, self.embedding.weight.device)
         return self.score_bias(q_pos, k_pos)[0]
 
+    def offset_table(self) -> Tensor:
+        """The bias of each offset ``-max_distance .. max_distance``: ``[2 * max_distance + 1, h]``.
+
+        Offsets beyond ``max_distance`` share the last bucket, so this table is the whole
+        bias: computing the buckets (a logarithm) once per offset instead of once per
+        (query, key) pair is what makes the bias cheap at long lengths.
+        """
+        reach = self.max_distance
+        offsets = torch.arange(-reach, reach + 1, device=self.embedding.weight.device)
+        return self.embedding(t5_bucket(offsets, **self._bucket_args()))  # [2 reach + 1, h]
+
     def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """The bias for positions ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
-        buckets = t5_bucket(
-            relative_distance(q_pos, k_pos), **self._bucket_args()
-        )  # [B', n_q, n_k]
-        return self.embedding(buckets).permute(0, 3, 1, 2)  # [B', n_q, n_k, h] -> [B', h, n_q, n_k]
+        """The bias for ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
+        reach = self.max_distance
+        rows = relative_distance(q_pos, k_pos).clamp(-reach, reach) + reach  # [B', n_q, n_k]
+        return self.offset_table().t()[:, rows].transpose(0, 1)  # [h, B', ...] -> [B', h, ...]
 
     def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
         """``score + embedding[bucket(k - q), h]`` as a FlexAttention ``score_mod``."""

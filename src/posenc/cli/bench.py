@@ -139,12 +139,30 @@ def _status_kib(field_name: str) -> int | None:
     return None
 
 
+def _fixed_mmap_threshold(threshold: int = 1 << 16) -> None:
+    """Make glibc serve every block >= 64 KiB with its own mmap, returned on free.
+
+    By default glibc raises its mmap threshold as large blocks are freed and keeps them in
+    its heap, so the resident set stops following what is live and a peak reads as 0.
+    ``mallopt(M_MMAP_THRESHOLD)`` fixes the threshold (and turns that adjustment off).
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: peaks may read low
+        pass
+
+
 class PeakMemory:
     """Peak memory growth of one call, in MiB: CUDA allocator or Linux peak RSS."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.available = device.type == "cuda" or _status_kib("VmHWM") is not None
+        if device.type != "cuda" and self.available:
+            _fixed_mmap_threshold()
 
     def measure(self, fn: Callable[[], object]) -> float | None:
         if self.device.type == "cuda":
