@@ -23,6 +23,7 @@ from .bias import (
     resize_relative_position_table,
 )
 from .cache import KVCache
+from .embedding import AbsoluteQueryEmbedding, RelativeQueryEmbedding, RelativeQueryEmbedding2D
 from .indices import (
     positions_from_documents,
     positions_from_padding,
@@ -39,9 +40,11 @@ from .rotary import (
     RotaryScaling,
     YaRNScaling,
 )
+from .shaw import ShawRelativePosition
 
 __all__ = [
     "ALiBi",
+    "AbsoluteQueryEmbedding",
     "DynamicNTKScaling",
     "KVCache",
     "LearnedEncoding",
@@ -49,9 +52,12 @@ __all__ = [
     "MultiHeadAttention",
     "NTKScaling",
     "RelativePositionBias",
+    "RelativeQueryEmbedding",
+    "RelativeQueryEmbedding2D",
     "Rotary",
     "Rotary2D",
     "RotaryScaling",
+    "ShawRelativePosition",
     "SinusoidalEncoding",
     "SinusoidalEncoding2D",
     "T5RelativeBias",

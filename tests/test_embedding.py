@@ -1,0 +1,487 @@
+"""Place 4 (embedding.py): content-dependent score terms against their definitions.
+
+Every class is compared with a float64 loop over (i, j) written from its definition:
+absolute ``q_i . R[k_pos_j]``, relative ``q_i . R[j - i + L - 1]`` and 2-D
+``q_i . (height[r_j - r_i + H - 1] + width[c_j - c_i + W - 1])``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import posenc.embedding as embedding
+from posenc import MultiHeadAttention
+from posenc.embedding import (
+    AbsoluteQueryEmbedding,
+    RelativeQueryEmbedding,
+    RelativeQueryEmbedding2D,
+    absolute_query_term,
+    relative_query_logits,
+    relative_query_logits_2d,
+    relative_query_term,
+    relative_query_term_2d,
+)
+from posenc.indices import relative_to_absolute
+
+# ----- references: slow, obvious loops over the definitions ---------------------------------
+
+
+def table_of(table, head):
+    """The table head ``head`` uses: shared ``[R, d]`` or per-head ``[h, R, d]``."""
+    return table if table.ndim == 2 else table[head]
+
+
+def ref_absolute(q, weight, k_pos):
+    b, h, n_q, _ = q.shape
+    k_pos = k_pos.expand(b, -1)
+    out = torch.zeros(b, h, n_q, k_pos.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(n_q):
+                for j in range(k_pos.shape[-1]):
+                    out[bi, hi, i, j] = q[bi, hi, i].double() @ weight[int(k_pos[bi, j])].double()
+    return out
+
+
+def ref_relative(q, weight, q_pos, k_pos, max_len):
+    b, h, n_q, _ = q.shape
+    q_pos, k_pos = q_pos.expand(b, -1), k_pos.expand(b, -1)
+    out = torch.zeros(b, h, n_q, k_pos.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            table = table_of(weight, hi).double()
+            for i in range(n_q):
+                for j in range(k_pos.shape[-1]):
+                    offset = int(k_pos[bi, j]) - int(q_pos[bi, i])
+                    out[bi, hi, i, j] = q[bi, hi, i].double() @ table[offset + max_len - 1]
+    return out
+
+
+def ref_2d(q, height, width, size, q_pos, k_pos):
+    rows, cols = size
+    b, h, n_q, _ = q.shape
+    q_pos, k_pos = q_pos.expand(b, -1), k_pos.expand(b, -1)
+    out = torch.zeros(b, h, n_q, k_pos.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            hgt, wid = table_of(height, hi).double(), table_of(width, hi).double()
+            for i in range(n_q):
+                r_i, c_i = divmod(int(q_pos[bi, i]), cols)
+                for j in range(k_pos.shape[-1]):
+                    r_j, c_j = divmod(int(k_pos[bi, j]), cols)
+                    r = hgt[r_j - r_i + rows - 1] + wid[c_j - c_i + cols - 1]
+                    out[bi, hi, i, j] = q[bi, hi, i].double() @ r
+    return out
+
+
+def arange(n):
+    return torch.arange(n)[None]  # [1, n]
+
+
+def rand(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+# ----- AbsoluteQueryEmbedding --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 4, 6])
+def test_absolute_forward_matches_definition(n):
+    torch.manual_seed(0)
+    module = AbsoluteQueryEmbedding(6, 4).double()
+    q = rand(2, 3, n, 4)
+    expected = ref_absolute(q, module.weight, arange(n))
+    torch.testing.assert_close(module(q), expected)
+    torch.testing.assert_close(module.score_term(q, arange(n), arange(n)), expected)
+
+
+def test_absolute_score_term_any_key_positions_and_batch_rows():
+    torch.manual_seed(1)
+    module = AbsoluteQueryEmbedding(10, 4).double()
+    q = rand(2, 2, 3, 4)
+    q_pos = torch.tensor([[7, 8, 9], [0, 1, 2]])
+    k_pos = torch.tensor([[9, 0, 4, 4, 2], [1, 1, 3, 8, 0]])  # [b, n_k], n_k != n_q, any order
+    got = module.score_term(q, q_pos, k_pos)
+    torch.testing.assert_close(got, ref_absolute(q, module.weight, k_pos))
+    # the query position does not enter an absolute key embedding
+    torch.testing.assert_close(module.score_term(q, q_pos + 100, k_pos), got)
+
+
+def test_absolute_is_not_translation_invariant():
+    torch.manual_seed(2)
+    module = AbsoluteQueryEmbedding(10, 4)
+    q = torch.randn(1, 1, 3, 4)
+    moved = module.score_term(q, arange(3) + 2, arange(3) + 2)
+    assert not torch.allclose(moved, module.score_term(q, arange(3), arange(3)))
+
+
+def test_absolute_gradcheck():
+    torch.manual_seed(3)
+    q = rand(1, 2, 3, 4).requires_grad_()
+    weight = rand(5, 4).requires_grad_()
+    k_pos = torch.tensor([[4, 0, 2]])
+    assert torch.autograd.gradcheck(lambda q, w: absolute_query_term(q, w, k_pos), (q, weight))
+
+
+# ----- RelativeQueryEmbedding ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads", [None, 3])
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_relative_forward_matches_definition(heads, n):
+    torch.manual_seed(4)
+    module = RelativeQueryEmbedding(5, 4, heads=heads).double()
+    q = rand(2, 3, n, 4)
+    expected = ref_relative(q, module.weight, arange(n), arange(n), 5)
+    torch.testing.assert_close(module(q), expected)
+    torch.testing.assert_close(module.score_term(q, arange(n), arange(n)), expected)
+
+
+def test_relative_forward_is_the_skew_of_the_offset_logits(monkeypatch):
+    torch.manual_seed(5)
+    module = RelativeQueryEmbedding(6, 4)
+    q = torch.randn(2, 3, 4, 4)
+    seen = []
+
+    def spy(x):
+        seen.append(tuple(x.shape))
+        return relative_to_absolute(x)
+
+    monkeypatch.setattr(embedding, "relative_to_absolute", spy)
+    got = module(q)
+    assert seen == [(2, 3, 4, 7)]  # [b, h, n, 2n-1]: offsets -(n-1)..n-1 only
+    rows = module.weight[6 - 4 : 6 + 4 - 1]  # rows of offsets -3..3
+    torch.testing.assert_close(got, relative_to_absolute(q @ rows.T))
+
+
+def test_per_head_tables_really_differ_per_head():
+    torch.manual_seed(6)
+    module = RelativeQueryEmbedding(4, 2, heads=3)
+    assert module.weight.shape == (3, 7, 2)
+    q = torch.randn(1, 3, 4, 2)
+    before = module(q)
+    with torch.no_grad():
+        module.weight[1].add_(1.0)  # only head 1's table changes
+    after = module(q)
+    torch.testing.assert_close(after[:, [0, 2]], before[:, [0, 2]])
+    assert not torch.allclose(after[:, 1], before[:, 1])
+    # and head h uses exactly table h
+    for h in range(3):
+        shared = ref_relative(q[:, h : h + 1], module.weight[h], arange(4), arange(4), 4)
+        torch.testing.assert_close(after[:, h : h + 1].double(), shared)
+
+
+@pytest.mark.parametrize("heads", [None, 2])
+def test_relative_score_term_any_positions(heads):
+    torch.manual_seed(7)
+    module = RelativeQueryEmbedding(10, 4, heads=heads).double()
+    q = rand(2, 2, 3, 4)
+    q_pos = torch.tensor([[5, 2, 9], [100, 103, 101]])
+    k_pos = torch.tensor([[3, 4, 9, 11, 2], [104, 100, 98, 101, 107]])  # [b, n_k]
+    expected = ref_relative(q, module.weight, q_pos, k_pos, 10)
+    torch.testing.assert_close(module.score_term(q, q_pos, k_pos), expected)
+
+
+@pytest.mark.parametrize("heads", [None, 2])
+def test_relative_score_term_is_translation_invariant(heads):
+    torch.manual_seed(8)
+    module = RelativeQueryEmbedding(6, 4, heads=heads)
+    q = torch.randn(2, 2, 6, 4)
+    full = module(q)
+    for shift in (1, 37, 10_000, -50):
+        pos = arange(6) + shift
+        torch.testing.assert_close(module.score_term(q, pos, pos), full)
+
+
+def test_relative_gradcheck():
+    torch.manual_seed(9)
+    q = rand(1, 2, 3, 2).requires_grad_()
+    shared = rand(7, 2).requires_grad_()
+    per_head = rand(2, 7, 2).requires_grad_()
+    q_pos, k_pos = torch.tensor([[1, 3, 2]]), torch.tensor([[0, 4, 2, 3]])
+    for weight in (shared, per_head):
+        assert torch.autograd.gradcheck(relative_query_logits, (q, weight))
+        assert torch.autograd.gradcheck(
+            lambda q, w: relative_query_term(q, w, q_pos, k_pos), (q, weight)
+        )
+
+
+# ----- RelativeQueryEmbedding2D ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [(3, 5), (4, 2), (3, 3), (1, 4)])
+@pytest.mark.parametrize("heads", [None, 2])
+def test_2d_forward_matches_definition(size, heads):
+    torch.manual_seed(10)
+    module = RelativeQueryEmbedding2D(size, 4, heads=heads).double()
+    n = size[0] * size[1]
+    q = rand(2, 2, n, 4)
+    expected = ref_2d(q, module.height, module.width, size, arange(n), arange(n))
+    torch.testing.assert_close(module(q), expected)
+    torch.testing.assert_close(module.score_term(q, arange(n), arange(n)), expected)
+
+
+def transposed_height_order(q, height, width, size):
+    """The widely copied bug: the height term left in column-major (transposed) order."""
+    rows, cols = size
+    b, h, n, d = q.shape
+    grid = q.reshape(b, h, rows, cols, d)
+    width_term = relative_to_absolute(grid @ width.T)  # [b, h, H, W, W]
+    height_term = relative_to_absolute(grid.transpose(2, 3) @ height.T)  # [b, h, W, H, H]
+    height_term = height_term.reshape(b, h, rows, cols, rows)  # wrong: no transpose back
+    return (height_term.unsqueeze(-1) + width_term.unsqueeze(-2)).reshape(b, h, n, n)
+
+
+def test_2d_reference_catches_transposed_height_order():
+    """The brute-force test above can fail: it rejects the transposed-order variant on
+    non-square maps (on square ones the bug is not always visible either)."""
+    torch.manual_seed(11)
+    for size in [(3, 5), (4, 2)]:
+        n = size[0] * size[1]
+        q, height, width = rand(1, 1, n, 4), rand(2 * size[0] - 1, 4), rand(2 * size[1] - 1, 4)
+        expected = ref_2d(q, height, width, size, arange(n), arange(n))
+        torch.testing.assert_close(relative_query_logits_2d(q, height, width, size), expected)
+        assert not torch.allclose(transposed_height_order(q, height, width, size), expected)
+
+
+@pytest.mark.parametrize("heads", [None, 3])
+def test_2d_score_term_any_token_subsets(heads):
+    torch.manual_seed(12)
+    size = (3, 5)
+    module = RelativeQueryEmbedding2D(size, 4, heads=heads).double()
+    q = rand(2, 3, 4, 4)
+    q_pos = torch.tensor([[14, 0, 7, 3], [5, 6, 10, 11]])
+    k_pos = torch.tensor([[2, 9, 14, 0, 12, 6], [13, 1, 4, 8, 5, 10]])
+    expected = ref_2d(q, module.height, module.width, size, q_pos, k_pos)
+    torch.testing.assert_close(module.score_term(q, q_pos, k_pos), expected)
+
+
+def test_2d_per_head_tables_really_differ_per_head():
+    torch.manual_seed(13)
+    module = RelativeQueryEmbedding2D((2, 3), 2, heads=2)
+    assert module.height.shape == (2, 3, 2) and module.width.shape == (2, 5, 2)
+    q = torch.randn(1, 2, 6, 2)
+    before = module(q)
+    with torch.no_grad():
+        module.width[0].mul_(-2.0)
+    after = module(q)
+    torch.testing.assert_close(after[:, 1], before[:, 1])
+    assert not torch.allclose(after[:, 0], before[:, 0])
+
+
+def test_2d_gradcheck():
+    torch.manual_seed(14)
+    size = (2, 3)
+    q = rand(1, 2, 6, 2).requires_grad_()
+    height, width = rand(2, 3, 2).requires_grad_(), rand(2, 5, 2).requires_grad_()
+    q_pos, k_pos = torch.tensor([[5, 0, 3]]), torch.tensor([[1, 2, 4, 0]])
+    assert torch.autograd.gradcheck(
+        lambda q, hh, ww: relative_query_logits_2d(q, hh, ww, size), (q, height, width)
+    )
+    assert torch.autograd.gradcheck(
+        lambda q, hh, ww: relative_query_term_2d(q[:, :, :3], hh, ww, size, q_pos, k_pos),
+        (q, height, width),
+    )
+
+
+# ----- all three: hooks, blocks, construction, errors -------------------------------------
+
+
+def build(name, heads=None):
+    if name == "absolute":
+        return AbsoluteQueryEmbedding(12, 4)
+    if name == "relative":
+        return RelativeQueryEmbedding(12, 4, heads=heads)
+    return RelativeQueryEmbedding2D((3, 4), 4, heads=heads)
+
+
+@pytest.mark.parametrize("name", ["absolute", "relative", "2d"])
+def test_block_of_queries_equals_rows_of_full_term(name):
+    torch.manual_seed(15)
+    module = build(name, heads=2 if name != "absolute" else None)
+    q = torch.randn(2, 2, 12, 4)
+    pos = torch.stack([torch.arange(12), torch.arange(12)])  # [b, n]
+    full = module.score_term(q, pos, pos)
+    for start, stop in [(0, 5), (5, 12), (11, 12)]:
+        block = module.score_term(q[:, :, start:stop], pos[:, start:stop], pos)
+        torch.testing.assert_close(block, full[:, :, start:stop])
+
+
+@pytest.mark.parametrize("name", ["absolute", "relative", "2d"])
+def test_positions_per_batch_row_equal_each_row_alone(name):
+    torch.manual_seed(16)
+    module = build(name)
+    q = torch.randn(2, 2, 5, 4)
+    pos = torch.stack([torch.arange(5), torch.tensor([7, 1, 3, 11, 0])])  # [b, n]
+    both = module.score_term(q, pos, pos)
+    for row in range(2):
+        alone = module.score_term(q[row : row + 1], pos[row], pos[row])  # [n] positions
+        torch.testing.assert_close(both[row : row + 1], alone)
+
+
+@pytest.mark.parametrize(
+    ("name", "heads", "keys"),
+    [
+        ("absolute", None, {"weight"}),
+        ("relative", None, {"weight"}),
+        ("relative", 3, {"weight"}),
+        ("2d", None, {"height", "width"}),
+        ("2d", 3, {"height", "width"}),
+    ],
+)
+def test_meta_construction_to_empty_and_state_dict(name, heads, keys):
+    with torch.device("meta"):
+        module = build(name, heads)
+    assert all(p.is_meta for p in module.parameters())
+    module.to_empty(device="cpu")
+    torch.manual_seed(17)
+    module.reset_parameters()
+    torch.manual_seed(17)
+    reference = build(name, heads)
+    assert set(module.state_dict()) == keys  # exactly the learned tables
+    assert not list(module.buffers())
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(module.state_dict()[key], value)
+
+
+def test_initialisation_scale_is_inverse_sqrt_head_dim():
+    torch.manual_seed(18)
+    for table in (
+        AbsoluteQueryEmbedding(2048, 16).weight,
+        RelativeQueryEmbedding(1024, 16, heads=2).weight,
+        RelativeQueryEmbedding2D((512, 512), 16).height,
+    ):
+        assert abs(table.std().item() - 0.25) < 0.01
+        assert abs(table.mean().item()) < 0.01
+
+
+@pytest.mark.parametrize("name", ["absolute", "relative", "2d"])
+def test_inside_attention_the_term_is_scaled_with_qk(name):
+    """MultiHeadAttention computes softmax((q k^T + term) / sqrt(d)) v."""
+    torch.manual_seed(19)
+    module = build(name, heads=2 if name != "absolute" else None).double()
+    attn = MultiHeadAttention(8, 2, position=module, backend="math").double()
+    x = rand(2, 12, 8)
+
+    def split(t):
+        return t.view(2, 12, 2, 4).transpose(1, 2)  # [b, n, dim] -> [b, h, n, d]
+
+    q, k, v = split(attn.q_proj(x)), split(attn.k_proj(x)), split(attn.v_proj(x))
+    pos = arange(12)
+    scores = (q @ k.transpose(-2, -1) + module.score_term(q, pos, pos)) / 2.0  # sqrt(4)
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 12, 8)
+    torch.testing.assert_close(attn(x), attn.out_proj(out))
+
+
+# ----- errors ------------------------------------------------------------------------------
+
+
+def test_longer_sequence_than_max_len_raises():
+    q = torch.randn(1, 2, 7, 4)
+    with pytest.raises(ValueError, match=r"sequence length 7 exceeds max_len=6.*max_len >= 7"):
+        AbsoluteQueryEmbedding(6, 4)(q)
+    with pytest.raises(ValueError, match=r"sequence length 7 exceeds max_len=6.*max_len >= 7"):
+        RelativeQueryEmbedding(6, 4)(q)
+
+
+def test_hook_positions_out_of_the_table_raise():
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"k_pos must lie in \[0, 6\), got values from 0 to 6"):
+        AbsoluteQueryEmbedding(6, 4).score_term(q, arange(3), torch.tensor([[0, 6, 2]]))
+    with pytest.raises(ValueError, match=r"k_pos must lie in \[0, 6\).*-1"):
+        AbsoluteQueryEmbedding(6, 4).score_term(q, arange(3), torch.tensor([[0, -1, 2]]))
+    with pytest.raises(ValueError, match=r"offsets k_pos - q_pos range from -2 to 6.*max_len >= 7"):
+        RelativeQueryEmbedding(6, 4).score_term(q, arange(3), torch.tensor([[0, 6, 3]]))
+    with pytest.raises(ValueError, match=r"offsets .* from -8 to -4.*max_len >= 9"):
+        RelativeQueryEmbedding(6, 4).score_term(q, arange(3) + 6, arange(3))
+    with pytest.raises(ValueError, match=r"q_pos must lie in \[0, 12\).*3x4 map"):
+        RelativeQueryEmbedding2D((3, 4), 4).score_term(q, arange(3) + 10, arange(3))
+
+
+def test_far_rows_of_a_batch_do_not_trip_the_offset_check():
+    """Offsets are checked per row: two rows far apart are fine."""
+    q = torch.randn(2, 2, 3, 4)
+    pos = torch.stack([torch.arange(3), torch.arange(3) + 1000])  # [b, n]
+    RelativeQueryEmbedding(3, 4).score_term(q, pos, pos)
+
+
+def test_bad_shapes_heads_and_head_dim_raise():
+    with pytest.raises(
+        ValueError, match=r"q must have last dimension head_dim=4.*shape \(1, 2, 3, 5\)"
+    ):
+        RelativeQueryEmbedding(6, 4)(torch.randn(1, 2, 3, 5))
+    with pytest.raises(ValueError, match=r"q must have shape \[b, h, n, d\]"):
+        AbsoluteQueryEmbedding(6, 4)(torch.randn(3, 4))
+    with pytest.raises(TypeError, match="q must be a floating-point tensor"):
+        AbsoluteQueryEmbedding(6, 4)(torch.ones(1, 1, 3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"q has 3 heads but .* heads=2; build it with heads=3"):
+        RelativeQueryEmbedding(6, 4, heads=2)(torch.randn(1, 3, 3, 4))
+    with pytest.raises(ValueError, match=r"q has 3 heads but .* heads=2; build it with heads=3"):
+        RelativeQueryEmbedding2D((2, 2), 4, heads=2)(torch.randn(1, 3, 4, 4))
+    with pytest.raises(ValueError, match=r"3x4 map as 12 row-major tokens, got n=11"):
+        RelativeQueryEmbedding2D((3, 4), 4)(torch.randn(1, 1, 11, 4))
+
+
+def test_hook_position_arguments_are_checked():
+    q = torch.randn(2, 2, 3, 4)
+    module = RelativeQueryEmbedding(6, 4)
+    with pytest.raises(TypeError, match=r"q_pos must be an integer tensor.*q_pos.long\(\)"):
+        module.score_term(q, torch.arange(3.0), torch.arange(3))
+    with pytest.raises(ValueError, match=r"q_pos must have shape \[3\] or \[1 or 2, 3\]"):
+        module.score_term(q, torch.arange(4), torch.arange(3))
+    with pytest.raises(ValueError, match=r"k_pos must have shape \[3\] or \[1 or 2, 3\]"):
+        module.score_term(q, torch.arange(3), torch.zeros(3, 3, dtype=torch.long))
+
+
+def test_validate_attention_names_both_values_and_the_fix():
+    with pytest.raises(
+        ValueError, match=r"head_dim=4 but the attention has head_dim=8.*head_dim=8"
+    ):
+        AbsoluteQueryEmbedding(6, 4).validate_attention(heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"heads=3 but the attention has heads=2.*heads=2"):
+        RelativeQueryEmbedding(6, 4, heads=3).validate_attention(heads=2, head_dim=4)
+    RelativeQueryEmbedding(6, 4).validate_attention(heads=5, head_dim=4)  # shared: any heads
+    with pytest.raises(ValueError, match=r"heads=3 but the attention has heads=2"):
+        MultiHeadAttention(8, 2, position=RelativeQueryEmbedding2D((2, 2), 4, heads=3))
+    with pytest.raises(ValueError, match=r"head_dim=4 but the attention has head_dim=2"):
+        MultiHeadAttention(8, 4, position=RelativeQueryEmbedding2D((2, 2), 4))
+
+
+def test_constructor_arguments_are_checked():
+    with pytest.raises(ValueError, match="max_len must be >= 1, got 0"):
+        AbsoluteQueryEmbedding(0, 4)
+    with pytest.raises(TypeError, match="head_dim must be an int"):
+        RelativeQueryEmbedding(4, 4.0)
+    with pytest.raises(ValueError, match=r"heads must be >= 1, got 0 \(or None"):
+        RelativeQueryEmbedding(4, 4, heads=0)
+    with pytest.raises(ValueError, match=r"size must be a pair \(H, W\)"):
+        RelativeQueryEmbedding2D(4, 4)
+    with pytest.raises(ValueError, match=r"size\[1\] must be >= 1"):
+        RelativeQueryEmbedding2D((4, 0), 4)
+
+
+# ----- torch.compile -----------------------------------------------------------------------
+
+
+@pytest.mark.compile
+def test_compile_fullgraph_parity():
+    torch.manual_seed(20)
+    absolute = AbsoluteQueryEmbedding(12, 4)
+    relative = RelativeQueryEmbedding(12, 4, heads=2)
+    grid = RelativeQueryEmbedding2D((3, 4), 4, heads=2)
+
+    def terms(q, q_pos, k_pos):
+        return (
+            absolute.score_term(q, q_pos, k_pos),
+            relative.score_term(q, q_pos, k_pos),
+            grid.score_term(q, q_pos, k_pos),
+            relative(q),
+            grid(q),
+        )
+
+    q = torch.randn(2, 2, 12, 4)
+    pos = torch.stack([torch.arange(12), torch.arange(12).flip(0)])  # [b, n]
+    compiled = torch.compile(terms, fullgraph=True)
+    for got, expected in zip(compiled(q, pos, pos), terms(q, pos, pos), strict=True):
+        torch.testing.assert_close(got, expected)
