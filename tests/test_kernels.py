@@ -162,6 +162,27 @@ def test_fully_masked_rows_give_zero_and_finite_grads(small_blocks):
     assert q.grad[0].eq(0).all()
 
 
+@pytest.mark.parametrize("scheme_name", ["none", "bias"])
+def test_lean_accepts_a_strided_last_dimension(small_blocks, scheme_name):
+    # a rotation written as a view can leave q and k with stride(-1) != 1 (2-D RoPE does):
+    # the fused CPU kernel reads the last dimension as dense, so the engine must not pass
+    # such a tensor through as it is
+    scheme = SCHEMES[scheme_name](2, 4)
+    q, k, v = (torch.randn(2, 9, 4, 2).transpose(-1, -2).transpose(1, 2) for _ in range(3))
+    assert q.shape == (2, 2, 9, 4) and q.stride(-1) != 1
+    pos = torch.arange(9)[None]
+    mask = Mask(9, 9)
+    for x in (q, k, v):
+        x.requires_grad_()
+    expected = run("math", scheme, q, k, v, pos, pos, mask)
+    got = run("lean", scheme, q, k, v, pos, pos, mask)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
 def test_block_rows():
     rows = lean_block_rows(2, 8, 4096, 4096)
     assert rows * 2 * 8 * 4096 <= kernels.LEAN_BLOCK_ELEMENTS < 2 * rows * 2 * 8 * 4096

@@ -82,8 +82,7 @@ class KVCache:
             n_old, b = self.keys.shape[2], keys.shape[0]
             self.keys = torch.cat((self.keys, keys), dim=2)  # [b, h, n + m, d]
             self.values = torch.cat((self.values, values), dim=2)  # type: ignore[arg-type]
-            assert self.positions is not None  # set together with keys
-            if self.positions.shape[0] != positions.shape[0]:
+            if self.positions.shape[0] != positions.shape[0]:  # type: ignore[union-attr]
                 self.positions = self.positions.expand(b, -1)
                 positions = positions.expand(b, -1)
             self.positions = torch.cat((self.positions, positions), dim=1)  # [b|1, n + m]
@@ -95,8 +94,7 @@ class KVCache:
                 if new is None:
                     new = torch.zeros(b, keys.shape[2], dtype=torch.bool, device=keys.device)
                 self.key_padding = torch.cat((old, new), dim=1)  # [b, n + m]
-        assert self.values is not None and self.positions is not None
-        return self.keys, self.values, self.positions, self.key_padding
+        return self.keys, self.values, self.positions, self.key_padding  # type: ignore[return-value]
 
     def __repr__(self) -> str:
         shape = None if self.keys is None else tuple(self.keys.shape)

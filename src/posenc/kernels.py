@@ -336,8 +336,8 @@ def _flex(
             mask.flex_mask_mod(), b, None, mask.n_q, mask.n_k, device=q.device
         )
         keep = mask.keep(device=q.device)
-        assert keep is not None  # mask.empty is False
-        has_key = keep.any(dim=-1, keepdim=True)
+        if keep is not None:
+            has_key = keep.any(dim=-1, keepdim=True)
     out = _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
     if has_key is not None:
         out = out * has_key
@@ -695,5 +695,10 @@ def _lean(
     b, h, n_q, _ = q.shape
     rows = lean_block_rows(b, h, n_q, k.shape[2])
     params = _scheme_parameters(scheme)
-    engine = _LeanFusedAttention if _fused_cpu_available(q, hooks) else _LeanAttention
+    engine = _LeanAttention
+    if _fused_cpu_available(q, hooks):
+        engine = _LeanFusedAttention
+        # the fused kernels read the last dimension as dense: a rotation written as a view
+        # (e.g. the channels of a 2-D RoPE re-interleaved) can leave it strided
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     return engine.apply(q, k, v, hooks, q_pos, k_pos, mask, scale, rows, *params)
