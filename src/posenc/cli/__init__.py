@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from .._version import __version__
-from . import bench, plot
+from . import bench, compare, plot
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     plot.add_parser(commands)
     bench.add_parser(commands)
+    compare.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,198 @@
+"""``posenc compare``: the command end to end on tiny sizes, the pieces, and DDP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from posenc.cli import main
+from posenc.cli.compare import (
+    SCHEMES,
+    Config,
+    build_model,
+    compare,
+    format_markdown,
+    load_checkpoint,
+    logits_of,
+    positions_for,
+    schemes_for,
+    setting_for,
+    train,
+)
+from posenc.tasks import TASKS, GridTask
+
+TINY = ["--steps", "3", "--batch", "4", "--dim", "16", "--heads", "2", "--layers", "1"]
+TINY_CONFIG = Config(steps=3, batch=4, dim=16, heads=2, layers=1, eval_examples=4)
+
+
+def test_compare_writes_table_plot_json_and_checkpoints(tmp_path, capsys):
+    out, record = tmp_path / "out", tmp_path / "r.json"
+    argv = ["compare", "--tasks", "shift,grid", "--schemes", "none,learned,rotary-2d"]
+    argv += ["--lengths", "8,16", "--grid-lengths", "2x3,3x4", "--seeds", "2", "--quiet"]
+    argv += ["--jobs", "1", "--eval-examples", "4", "--out", str(out), "--json", str(record)]
+    code = main([*argv, *TINY])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "| `learned` |" in text and "n/a" in text  # a learned table cannot go past 8
+    assert "rotary-2d" in text.split("### grid")[1]  # 2-D schemes only on the grid
+    assert "rotary-2d" not in text.split("### grid")[0]
+    assert (out / "compare.md").read_text() in text
+    for name in ("compare_shift.png", "compare_grid.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(record.read_text())
+    runs = data["runs"]
+    # shift: none + learned, grid: none + learned + rotary-2d; 2 seeds each
+    assert len(runs) == 2 * 2 + 3 * 2
+    assert {(r["task"], r["scheme"], r["seed"]) for r in runs} >= {("grid", "rotary-2d", 1)}
+    learned = next(r for r in runs if r["task"] == "shift" and r["scheme"] == "learned")
+    assert learned["accuracy"]["16"] is None and 0 <= learned["accuracy"]["8"] <= 1
+    assert data["config"]["steps"] == 3 and data["config"]["seeds"] == 2
+    assert data["config"]["tasks"]["grid"]["test_lengths"] == ["2x3", "3x4"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "grid-learned.pt",
+        "grid-none.pt",
+        "grid-rotary-2d.pt",
+        "shift-learned.pt",
+        "shift-none.pt",
+    ]
+
+
+def test_checkpoint_round_trip(tmp_path):
+    task = TASKS["shift"]
+    runs = compare([task], ["t5"], 1, TINY_CONFIG, quiet=True, checkpoints=tmp_path)
+    model, task_again, scheme, config = load_checkpoint(tmp_path / "shift-t5.pt")
+    assert task_again == task and scheme == "t5" and config == TINY_CONFIG
+    tokens = torch.randint(0, task.vocab, (2, 32))
+    trained, _ = train(task, "t5", 0, TINY_CONFIG)
+    torch.testing.assert_close(model(tokens), trained(tokens))
+    assert runs[0].parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_workers_give_the_same_results_as_one_process():
+    task = TASKS["shift"]
+    kwargs = dict(quiet=True)
+    alone = compare([task], ["none", "alibi"], 1, TINY_CONFIG, jobs=1, **kwargs)
+    workers = compare([task], ["none", "alibi"], 1, TINY_CONFIG, jobs=2, **kwargs)
+    assert [(r.scheme, r.accuracy, r.final_loss) for r in alone] == [
+        (r.scheme, r.accuracy, r.final_loss) for r in workers
+    ]
+
+
+def test_schemes_for_each_task():
+    assert "rotary-2d" in schemes_for(TASKS["grid"]) and "rotary-2d" not in schemes_for(
+        TASKS["shift"]
+    )
+    assert schemes_for(TASKS["grid"]) == list(SCHEMES)
+
+
+def test_2d_schemes_number_cells_in_the_largest_grid():
+    task = GridTask(train_length=(2, 3), test_lengths=((2, 3), (4, 5)))
+    batch = task.sample(1, (2, 3), torch.Generator().manual_seed(0))
+    config = Config()
+    # cell (r, c) of a 2x3 grid is r * 5 + c in the largest (4x5) grid
+    assert positions_for(task, "swin-2d", config, batch).tolist() == [0, 1, 2, 5, 6, 7]
+    assert positions_for(task, "swin", config, batch) is None  # 1-D: the flat sequence
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_every_scheme_builds_and_runs(scheme):
+    task = TASKS["grid"]
+    torch.manual_seed(0)
+    model = build_model(task, scheme, TINY_CONFIG)
+    for length in task.test_lengths:
+        if not SCHEMES[scheme].serves(setting_for(task, TINY_CONFIG), task.tokens_of(length)):
+            continue
+        batch = task.sample(2, length, torch.Generator().manual_seed(0))
+        logits = logits_of(model, task, scheme, TINY_CONFIG, batch)
+        assert logits.shape == (2, task.tokens_of(length), task.vocab)
+        assert torch.isfinite(logits).all()
+
+
+def test_markdown_shows_mean_and_spread():
+    task = TASKS["shift"]
+    runs = compare([task], ["none"], 2, TINY_CONFIG, quiet=True)
+    text = format_markdown(runs, [task], 2)
+    values = [r.accuracy["32"] for r in runs]
+    mean = sum(values) / 2
+    assert f"{mean:.2f} ± " in text
+    assert "chance is 0.06" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--schemes", "rope"], "unknown scheme(s) 'rope'; choose from none,"),
+        (["--tasks", "sort"], "unknown task(s) 'sort'; choose from shift, copy, grid"),
+        (["--lengths", "8,x"], "lengths are positive integers or HxW grids"),
+        (["--seeds", "0"], "expected a positive integer, got '0'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tasks", "grid", "--grid-lengths", "36"], "--grid-lengths for task 'grid' must be HxW"),
+        (["--tasks", "shift", "--lengths", "4x4"], "--lengths for task 'shift' must be token"),
+        (["--tasks", "copy", "--lengths", "8,9"], "copy needs an even length"),
+        (["--dim", "12", "--heads", "2"], "must give a head dim that is a multiple of 4"),
+    ],
+)
+def test_inconsistent_arguments_are_clean_errors(argv, message, capsys):
+    assert main(["compare", "--quiet", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from posenc.cli.compare import Config, TASKS, _init_distributed, train
+
+    assert _init_distributed("cpu")
+    torch.set_num_threads(1)
+    rank = torch.distributed.get_rank()
+    config = Config(steps=4, batch=8, dim=16, heads=2, layers=1)
+    model, losses = train(TASKS["shift"], "t5", 0, config)
+    torch.save({"state": model.state_dict(), "losses": losses}, f"{sys.argv[1]}/rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_ddp_two_gloo_processes_match_one_process(tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    result = subprocess.run(
+        [*torchrun, "--nproc_per_node", "2", str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for key, value in ranks[0]["state"].items():
+        torch.testing.assert_close(ranks[1]["state"][key], value, rtol=0, atol=0)
+    # one process on the whole global batch: the same parameters, and its loss is the
+    # mean of the ranks' losses (each rank scores the same number of tokens)
+    model, losses = train(
+        TASKS["shift"], "t5", 0, Config(steps=4, batch=8, dim=16, heads=2, layers=1)
+    )
+    # (AdamW moves a parameter by ~lr whatever the size of its gradient, so a gradient
+    # that is ~0 up to the order of a float sum can move it either way: atol 0.05 * lr)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-3, atol=1.5e-4)
+    rank_mean = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
+    torch.testing.assert_close(torch.tensor(rank_mean), torch.tensor(losses), rtol=1e-5, atol=1e-5)
