@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from .._version import __version__
-from . import bench, compare, plot
+from . import bench, compare, demo, plot
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_parser(commands)
     bench.add_parser(commands)
     compare.add_parser(commands)
+    demo.add_parser(commands)
     return parser
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import Mask, attend
+from ._progress import Progress
 
 # ----- the schemes ------------------------------------------------------------------------
 
@@ -270,7 +270,7 @@ def run_bench(
     repeats: int = 3,
     warmup: int = 1,
     reference: bool = True,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> list[Case]:
     """Benchmark ``schemes`` at ``lengths``; see the module docstring for what is measured.
 
@@ -280,15 +280,9 @@ def run_bench(
     device = torch.device(device)
     memory = PeakMemory(device)
     cases: list[Case] = []
-    total = len(schemes) * len(lengths)
-    started = time.perf_counter()
     for index, (n, name) in enumerate((n, s) for n in lengths for s in schemes):
         if progress is not None:
-            done = index / total
-            eta = (time.perf_counter() - started) / done * (1 - done) if done else float("nan")
-            bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
-            eta_text = f"ETA {eta:4.0f}s" if index else "ETA    ?"
-            progress(f"[{bar}] {index + 1:>3}/{total} {name:<15} n={n:<5} {eta_text}")
+            progress.update(index, f"{name:<15} n={n:<5}")
         scheme = SCHEMES[name](heads, head_dim, n)
         if isinstance(scheme, torch.nn.Module):
             scheme = scheme.to(device=device)
@@ -324,7 +318,7 @@ def run_bench(
             )
         cases.append(case)
     if progress is not None:
-        progress(f"[{'#' * 20}] {total:>3}/{total} done in {time.perf_counter() - started:.0f}s")
+        progress.finish("cases measured")
     return cases
 
 
@@ -411,10 +405,6 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
     }
 
-    def progress(line: str) -> None:
-        if not args.quiet:
-            print("\r" + line, end="", file=sys.stderr, flush=True)
-
     cases = run_bench(
         args.schemes,
         args.lengths,
@@ -428,10 +418,8 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         warmup=args.warmup,
         reference=not args.no_reference,
-        progress=progress,
+        progress=Progress(len(args.schemes) * len(args.lengths), quiet=args.quiet),
     )
-    if not args.quiet:
-        print(file=sys.stderr)
     print(
         f"posenc bench: b={args.batch} h={args.heads} d={args.head_dim} {args.dtype} on "
         f"{args.device}, backend={args.backend}, median of {args.repeats}; ratios to plain "

@@ -28,7 +28,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -446,8 +446,15 @@ def save_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{task.name}-{scheme}.pt"
     config_dict = {k: getattr(config, k) for k in Config.__dataclass_fields__}
+    lengths = {"train_length": task.train_length, "test_lengths": task.test_lengths}
     torch.save(
-        {"task": task.name, "scheme": scheme, "config": config_dict, "state": model.state_dict()},
+        {
+            "task": task.name,
+            "lengths": lengths,
+            "scheme": scheme,
+            "config": config_dict,
+            "state": model.state_dict(),
+        },
         path,
     )
     return path
@@ -457,10 +464,20 @@ def load_checkpoint(path: Path) -> tuple[TinyTransformer, Task, str, Config]:
     """``(model in eval mode, task, scheme, config)`` from :func:`save_checkpoint`."""
     saved = torch.load(path, map_location="cpu", weights_only=True)
     config = Config(**{**saved["config"], "device": "cpu"})
-    task = TASKS[saved["task"]]
+    lengths = saved["lengths"]
+    task = replace(
+        TASKS[saved["task"]],
+        train_length=_length(lengths["train_length"]),
+        test_lengths=tuple(_length(x) for x in lengths["test_lengths"]),
+    )
     model = build_model(task, saved["scheme"], config)
     model.load_state_dict(saved["state"])
     return model.eval(), task, saved["scheme"], config
+
+
+def _length(value: Any) -> int | tuple[int, int]:
+    """A length read back from a checkpoint (grids may come back as lists)."""
+    return int(value) if isinstance(value, int) else (int(value[0]), int(value[1]))
 
 
 def _mean_spread(values: list[float]) -> tuple[float, float]:
@@ -635,8 +652,6 @@ def _lengths(text: str) -> list[int | tuple[int, int]]:
 
 def _tasks(args: argparse.Namespace) -> list[Task]:
     """The tasks with the lengths of the command line."""
-    from dataclasses import replace
-
     tasks = []
     for name in args.tasks:
         task = TASKS[name]

@@ -1,0 +1,67 @@
+"""``posenc demo``: the report exists, links only files that exist, and renders offline."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from posenc.cli import main
+from posenc.cli.compare import TASKS, Config
+from posenc.cli.demo import DemoPlan, markdown_to_html, plan_for, run_demo
+
+TINY = DemoPlan(
+    seeds=1,
+    config=Config(steps=2, batch=4, dim=16, heads=2, layers=1, eval_examples=2),
+    tasks=(
+        replace(TASKS["shift"], test_lengths=(32, 40)),
+        replace(TASKS["grid"], train_length=(2, 3), test_lengths=((2, 3), (3, 4))),
+    ),
+    bench_lengths=(16,),
+    bench={"batch": 1, "heads": 2, "head_dim": 8, "repeats": 1, "warmup": 0},
+)
+
+
+@pytest.mark.slow
+def test_demo_report_links_only_files_that_exist(tmp_path):
+    report_md, report_html = run_demo(tmp_path, TINY, log=lambda line: None, quiet=True)
+    text = report_md.read_text()
+    for heading in ("What each scheme is", "Which scheme", "trained models learned", "costs"):
+        assert heading in text
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert len(links) >= 10
+    for link in links:
+        path = tmp_path / link
+        assert path.is_file() and path.stat().st_size > 0, link
+    for kind in ("attention_shift", "attention_grid", "compare_grid", "similarity"):
+        assert any(kind in link for link in links), kind
+    page = report_html.read_text()
+    assert page.count("<img ") == len(links) and "data:image/png;base64," in page
+    assert 'src="plots/' not in page  # every image is inline: the page opens offline
+    assert "<table>" in page
+
+
+def test_markdown_to_html(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"\x89PNG\r\n\x1a\nrest")
+    page = markdown_to_html(
+        "# Title\n\nSome `code` and **bold** & _it_.\n\n| a | b |\n|---|---:|\n| x | 1 |\n\n"
+        "![pic](a.png)\n",
+        tmp_path,
+    )
+    assert "<h1>Title</h1>" in page
+    assert "<p>Some <code>code</code> and <strong>bold</strong> &amp; <em>it</em>.</p>" in page
+    assert '<td>x</td><td class="num">1</td>' in page
+    assert '<img alt="pic" src="data:image/png;base64,iVBORw0KGgpyZXN0">' in page
+
+
+def test_plans():
+    quick, full = plan_for(True), plan_for(False)
+    assert quick.seeds <= full.seeds and quick.config.steps < full.config.steps
+    assert max(full.bench_lengths) == 1024 and max(quick.bench_lengths) < 1024
+
+
+def test_demo_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "--quick" in capsys.readouterr().out

@@ -1,0 +1,59 @@
+"""Pictures of trained ``compare`` models: attention maps and learned-table similarity."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from posenc.cli import main
+from posenc.cli.compare import TASKS, Config, compare
+from posenc.cli.plot_trained import attention_of, checkpoints_in, learned_tables
+
+PNG = b"\x89PNG\r\n\x1a\n"
+CONFIG = Config(steps=2, batch=4, dim=16, heads=2, layers=2, eval_examples=2)
+SHIFT = replace(TASKS["shift"], train_length=8, test_lengths=(8, 12))
+GRID = replace(TASKS["grid"], train_length=(2, 3), test_lengths=((2, 3), (3, 3)))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("checkpoints")
+    compare(
+        [SHIFT, GRID], ["none", "learned", "swin-2d"], 1, CONFIG, quiet=True, checkpoints=folder
+    )
+    return folder
+
+
+def test_checkpoints_per_task_in_scheme_order(checkpoints):
+    found = checkpoints_in(checkpoints)
+    assert [p.name for p in found["shift"]] == ["shift-none.pt", "shift-learned.pt"]
+    assert [p.name for p in found["grid"]] == ["grid-none.pt", "grid-learned.pt", "grid-swin-2d.pt"]
+
+
+def test_attention_maps_are_head_averaged_distributions(checkpoints):
+    scheme, maps = attention_of(checkpoints / "grid-swin-2d.pt")
+    assert scheme == "swin-2d" and maps.shape == (2, 6, 6)  # layers, 2x3 grid
+    torch.testing.assert_close(torch.from_numpy(maps.sum(-1)), torch.ones(2, 6))
+
+
+def test_plot_attention_and_learned_similarity(checkpoints, tmp_path, capsys):
+    assert (
+        main(["plot", "attention", "--checkpoints", str(checkpoints), "--out", str(tmp_path)]) == 0
+    )
+    for name in ("attention_shift.png", "attention_grid.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG
+    argv = ["plot", "similarity", "--dim", "8", "--length", "10", "--checkpoints"]
+    assert main([*argv, str(checkpoints), "--out", str(tmp_path)]) == 0
+    for name in ("similarity_sinusoidal", "similarity_learned_shift", "similarity_learned_grid"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG
+    tables = dict(learned_tables(checkpoints))
+    assert tables["shift"].shape == (8, 16) and tables["grid"].shape == (6, 16)
+
+
+def test_missing_checkpoints_are_a_clean_error(tmp_path, capsys):
+    assert main(["plot", "attention", "--out", str(tmp_path)]) == 2
+    assert "--checkpoints is needed for this kind" in capsys.readouterr().err
+    assert main(["plot", "attention", "--checkpoints", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
