@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/posenc plot sinusoidal --out $(OUT)/
+	$(VENV)/bin/posenc demo --out $(OUT)/
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests tools
