@@ -142,6 +142,13 @@ class RelativePositionBias(nn.Module):
         tokens = torch.arange(self.tokens, device=self.table.device)
         self.index = window_relative_index(tokens, tokens, self.window)  # [N, N]
 
+    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+        # The index is derived and not saved. Rebuild it with the loaded table, so that a
+        # module built on the meta device and then loaded (after ``to_empty``, or with
+        # ``load_state_dict(assign=True)``) has a real index, not uninitialised memory.
+        super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
+        self._build_index()
+
     def forward(self) -> Tensor:
         """The dense bias ``[heads, N, N]``."""
         return F.embedding(self.index, self.table).permute(2, 0, 1)  # [N, N, h] -> [h, N, N]
