@@ -1,6 +1,6 @@
 """KVCache, left padding and packed sequences, scheme-independent.
 
-Every scheme's decoding parity is in tests/test_decoding.py.
+Every scheme's decoding parity with the full pass is in tests/test_schemes.py.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def schemes_for(task: Task, names: Sequence[str] | None = None) -> list[str]:
 class Config:
     """Training set-up shared by every run."""
 
-    steps: int = 250
+    steps: int = 200
     batch: int = 32
     dim: int = 64
     layers: int = 2
@@ -283,7 +283,7 @@ def train(
     net: nn.Module = model
     if world > 1:
         net = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(parameter_groups(model, config), weight_decay=0.01)
+    optimizer = torch.optim.AdamW(parameter_groups(model, config), weight_decay=0.01, fused=True)
     warmup = max(1, config.steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -809,7 +809,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="grid task: train at the first, test at all (default 6x6,9x9,12x12)",
     )
     parser.add_argument("--seeds", type=_positive, default=None, help="seeds per scheme (3)")
-    parser.add_argument("--steps", type=_positive, default=None, help="training steps (250)")
+    parser.add_argument("--steps", type=_positive, default=None, help="training steps (200)")
     parser.add_argument("--batch", type=_positive, default=32, help="global batch (32)")
     parser.add_argument("--dim", type=_positive, default=64, help="model width (64)")
     parser.add_argument("--layers", type=_positive, default=2, help="blocks (2)")
