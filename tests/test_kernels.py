@@ -183,6 +183,31 @@ def test_lean_accepts_a_strided_last_dimension(small_blocks, scheme_name):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_strong_biases_agree_with_math(monkeypatch, fused):
+    # ALiBi over 300 tokens: biases down to -150, past BIAS_SPAN and EXP_FLOOR, where the
+    # engine raises far biases (fused) or floors exp's argument (plain) to avoid denormals
+    from posenc import ALiBi
+
+    if not fused:
+        monkeypatch.setattr(kernels, "_fused_cpu_available", lambda q, hooks: False)
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 2 * 4 * 300 * 64)  # several blocks
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 300, 16, requires_grad=True) for _ in range(3))
+    pos = torch.arange(300)[None]
+    padding = torch.zeros(2, 300, dtype=torch.bool)
+    padding[1, :250] = True  # row 1: the best keys of the first queries are masked
+    mask = Mask(300, 300, key_padding=padding)
+    scheme = ALiBi(4)
+    got = run("lean", scheme, q, k, v, pos, pos, mask)
+    expected = run("math", scheme, q, k, v, pos, pos, mask)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
 def test_block_rows():
     rows = lean_block_rows(2, 8, 4096, 4096)
     assert rows * 2 * 8 * 4096 <= kernels.LEAN_BLOCK_ELEMENTS < 2 * rows * 2 * 8 * 4096

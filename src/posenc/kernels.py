@@ -395,6 +395,20 @@ def attend(
 
 # ----- the memory-lean engine -------------------------------------------------------------
 
+#: ``exp(x)`` is taken of ``max(x, -EXP_FLOOR)``: below -87, float32's ``exp`` gives denormal
+#: numbers (1e-45 to 1e-38), on which x86 arithmetic is tens of times slower, for a
+#: probability that float32 cannot add to a row summing to 1 anyway (it moves by < 2e-35).
+EXP_FLOOR = 80.0
+
+#: in the fused CPU kernel, whose ``exp`` posenc cannot reach, a bias more than
+#: ``BIAS_SPAN`` below the best bias of its row is raised to that level. A strong bias
+#: (ALiBi's ``-slope * |j - i|`` reaches -1000 at 2048 tokens) otherwise sends most of a
+#: row into the denormal range: measured here, the fused backward of ALiBi at n = 2048 took
+#: 2.5x as long. A key so far below the best changes nothing a float32 softmax can show
+#: unless its content score makes up more than 60 - 17 = 43 (``exp(-17)`` is float32's
+#: resolution); scaled ``q.k`` rarely spans that much within a row.
+BIAS_SPAN = 60.0
+
 #: elements of one block of scores ``[b, h, rows, n_k]`` the lean engine aims for
 LEAN_BLOCK_ELEMENTS = 1 << 22
 
@@ -462,7 +476,7 @@ class _LeanAttention(torch.autograd.Function):
             keep = mask.keep(blk, device=q.device)
             scores = _block_scores(q_blk, k, extra, keep, scale)
             block_lse = scores.logsumexp(dim=-1, keepdim=True)  # [b, h, rows, 1]
-            probs = scores.sub_(block_lse).exp_()
+            probs = scores.sub_(block_lse).clamp_(min=-EXP_FLOOR).exp_()
             if keep is not None:
                 probs = probs.mul_(keep.any(dim=-1, keepdim=True))
             probs = probs.to(v.dtype)
@@ -494,7 +508,7 @@ class _LeanAttention(torch.autograd.Function):
             scores = _block_scores(
                 q_blk.detach(), k, None if extra is None else extra.detach(), keep, scale
             )
-            probs = scores.sub_(lse[:, :, blk, None]).exp_()  # [b, h, rows, n_k]
+            probs = scores.sub_(lse[:, :, blk, None]).clamp_(min=-EXP_FLOOR).exp_()
             if keep is not None:
                 probs = probs.mul_(keep.any(dim=-1, keepdim=True))
             wide = _wide(q.dtype)
@@ -575,6 +589,10 @@ def _block_mask(
         return None, None, None
     mask = torch.zeros((), dtype=like.dtype, device=like.device) if extra is None else extra
     mask = mask.detach().to(like.dtype)
+    if extra is not None:
+        # no visible key more than BIAS_SPAN below the row's best bias (see BIAS_SPAN)
+        best = mask if keep is None else mask.masked_fill(~keep, float("-inf"))
+        mask = torch.maximum(mask, best.amax(dim=-1, keepdim=True) - BIAS_SPAN)
     if keep is not None:
         mask = mask.masked_fill(~keep, float("-inf"))
     # the kernel broadcasts [B'|1, h|1, rows, n_k] itself: no [b, h, rows, n_k] copy
@@ -657,7 +675,8 @@ class _LeanFusedAttention(torch.autograd.Function):
                 continue
             # dS for the hooks: P = exp(S - lse), dP = dO v^T, D = dO . O
             scores = (q_blk.detach() * scale) @ k.transpose(-2, -1)  # [b, h, rows, n_k]
-            probs = scores.add_(attn_mask).sub_(lse_blk.unsqueeze(-1)).exp_()
+            probs = scores.add_(attn_mask).sub_(lse_blk.unsqueeze(-1))
+            probs = probs.clamp_(min=-EXP_FLOOR).exp_()  # [b, h, rows, n_k]
             grad_probs = g_out @ v.transpose(-2, -1)  # [b, h, rows, n_k]
             row_dot = (g_out * out_blk).sum(dim=-1, keepdim=True)  # [b, h, rows, 1]
             grad_scores = probs.mul_(grad_probs.sub_(row_dot))
