@@ -78,9 +78,12 @@ def test_workers_give_the_same_results_as_one_process():
     kwargs = dict(quiet=True)
     alone = compare([task], ["none", "alibi"], 1, TINY_CONFIG, jobs=1, **kwargs)
     workers = compare([task], ["none", "alibi"], 1, TINY_CONFIG, jobs=2, **kwargs)
-    assert [(r.scheme, r.accuracy, r.final_loss) for r in alone] == [
-        (r.scheme, r.accuracy, r.final_loss) for r in workers
+    # the same models; only the float summation order may differ (1 thread vs 2)
+    assert [(r.scheme, r.seed, r.accuracy) for r in alone] == [
+        (r.scheme, r.seed, r.accuracy) for r in workers
     ]
+    for a, w in zip(alone, workers, strict=True):
+        assert abs(a.final_loss - w.final_loss) <= 1e-5 * abs(a.final_loss)
 
 
 def test_schemes_for_each_task():

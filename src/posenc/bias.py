@@ -27,7 +27,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _validate as check
-from .indices import relative_distance, t5_bucket, window_relative_index, window_size
+from .indices import (
+    gather_rows,
+    relative_distance,
+    t5_bucket,
+    window_relative_index,
+    window_size,
+)
 
 __all__ = [
     "ALiBi",
@@ -175,7 +181,7 @@ class RelativePositionBias(nn.Module):
                     f"with a window of at least {span + 1} or .resize({span + 1})"
                 )
         index = window_relative_index(q_pos, k_pos, self.window)  # [B', n_q, n_k]
-        return F.embedding(index, self.table).permute(0, 3, 1, 2)  # -> [B', h, n_q, n_k]
+        return gather_rows(self.table, index)  # [B', h, n_q, n_k]
 
     def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
         """``score + table[index(q, k), h]`` as a FlexAttention ``score_mod``."""
@@ -334,7 +340,7 @@ class T5RelativeBias(nn.Module):
         """The bias for ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
         reach = self.max_distance
         rows = relative_distance(q_pos, k_pos).clamp(-reach, reach) + reach  # [B', n_q, n_k]
-        return self.offset_table().t()[:, rows].transpose(0, 1)  # [h, B', ...] -> [B', h, ...]
+        return gather_rows(self.offset_table(), rows)  # [B', h, n_q, n_k]
 
     def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
         """``score + embedding[bucket(k - q), h]`` as a FlexAttention ``score_mod``."""

@@ -14,6 +14,7 @@ compatibility needs it.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from . import _validate as check
 
 __all__ = [
     "clipped_distance",
+    "gather_rows",
     "positions_from_documents",
     "positions_from_padding",
     "relative_distance",
@@ -60,6 +62,42 @@ def clipped_distance(q_pos: Tensor, k_pos: Tensor, max_distance: int) -> Tensor:
     """
     rel = relative_distance(q_pos, k_pos)  # [..., n_q, n_k]
     return rel.clamp(-max_distance, max_distance) + max_distance
+
+
+class _GatherRows(torch.autograd.Function):
+    """``table.t()[:, index]`` with a backward by ``index_add_`` (no sorting scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, table: Tensor, index: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index)
+        ctx.rows = table.shape[0]
+        return table.t()[:, index].transpose(0, 1)  # [h, B', n_q, n_k] -> [B', h, n_q, n_k]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        heads = grad.shape[1]
+        flat = grad.transpose(0, 1).reshape(heads, -1)  # [h, B' * n_q * n_k]
+        table_grad = grad.new_zeros(heads, ctx.rows).index_add_(1, index.flatten(), flat)
+        return table_grad.t(), None  # [rows, h]
+
+
+def gather_rows(table: Tensor, index: Tensor) -> Tensor:
+    """A per-pair bias read from a table: ``out[b, h, i, j] = table[index[b, i, j], h]``.
+
+    The same as ``table[index].permute(0, 3, 1, 2)``, but its gradient is accumulated
+    with ``index_add_``, several times faster on CPU than the sorting scatter that
+    advanced indexing and ``F.embedding`` use in their backward (the lean engine calls
+    this once per block of queries).
+
+    Args:
+        table: ``[rows, h]``, e.g. a Swin table or T5's bias per clipped offset.
+        index: ``[B', n_q, n_k]`` int64 rows.
+
+    Returns:
+        ``[B', h, n_q, n_k]``.
+    """
+    return _GatherRows.apply(table, index)
 
 
 def relative_to_absolute(x: Tensor) -> Tensor:

@@ -590,9 +590,11 @@ def _block_mask(
     mask = torch.zeros((), dtype=like.dtype, device=like.device) if extra is None else extra
     mask = mask.detach().to(like.dtype)
     if extra is not None:
-        # no visible key more than BIAS_SPAN below the row's best bias (see BIAS_SPAN)
-        best = mask if keep is None else mask.masked_fill(~keep, float("-inf"))
-        mask = torch.maximum(mask, best.amax(dim=-1, keepdim=True) - BIAS_SPAN)
+        low, high = torch.aminmax(mask)
+        if float(high - low) > BIAS_SPAN:
+            # no visible key more than BIAS_SPAN below the row's best bias (see BIAS_SPAN)
+            best = mask if keep is None else mask.masked_fill(~keep, float("-inf"))
+            mask = torch.maximum(mask, best.amax(dim=-1, keepdim=True) - BIAS_SPAN)
     if keep is not None:
         mask = mask.masked_fill(~keep, float("-inf"))
     # the kernel broadcasts [B'|1, h|1, rows, n_k] itself: no [b, h, rows, n_k] copy
