@@ -133,6 +133,7 @@ def test_markdown_shows_mean_and_spread():
         (["--tasks", "sort"], "unknown task(s) 'sort'; choose from shift, copy, grid"),
         (["--lengths", "8,x"], "lengths are positive integers or HxW grids"),
         (["--seeds", "0"], "expected a positive integer, got '0'"),
+        (["--device", "gpu0"], "unknown device 'gpu0'; use cpu, cuda or cuda:N"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
@@ -149,6 +150,9 @@ def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
         (["--tasks", "shift", "--lengths", "4x4"], "--lengths for task 'shift' must be token"),
         (["--tasks", "copy", "--lengths", "8,9"], "copy needs an even length"),
         (["--dim", "12", "--heads", "2"], "must give a head dim that is a multiple of 4"),
+        (["--tasks", "shift", "--lengths", "3,8"], "shift needs a length > delta = 3"),
+        (["--tasks", "shift", "--schemes", "rotary-2d"], "the 2-D schemes need --tasks grid"),
+        (["--dim", "10", "--heads", "4"], "--dim 10 must be divisible by --heads 4"),
     ],
 )
 def test_inconsistent_arguments_are_clean_errors(argv, message, capsys):
@@ -199,3 +203,23 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
         torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-3, atol=1.5e-4)
     rank_mean = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
     torch.testing.assert_close(torch.tensor(rank_mean), torch.tensor(losses), rtol=1e-5, atol=1e-5)
+
+
+def test_head_dim_multiple_of_4_only_matters_for_2d_schemes(capsys):
+    argv = ["compare", "--tasks", "shift", "--schemes", "none", "--dim", "24", "--heads", "4"]
+    argv += ["--steps", "1", "--batch", "2", "--layers", "1", "--seeds", "1", "--quiet"]
+    assert main([*argv, "--eval-examples", "1", "--jobs", "1"]) == 0  # head dim 6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a CPU-only build")
+def test_cuda_on_a_cpu_build_is_a_clean_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--device", "cuda"])
+    assert "sees no CUDA GPU; use cpu" in capsys.readouterr().err
+
+
+def test_a_foreign_checkpoint_is_a_clean_error(tmp_path):
+    path = tmp_path / "shift-none.pt"
+    torch.save({"something": "else"}, path)
+    with pytest.raises(ValueError, match=r"shift-none.pt is not a checkpoint of this posenc"):
+        load_checkpoint(path)

@@ -208,6 +208,24 @@ def test_strong_biases_agree_with_math(monkeypatch, fused):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("scheme_name", ["none", "bias", "value"])
+def test_masked_keys_have_exactly_no_influence(small_blocks, monkeypatch, fused, scheme_name):
+    if not fused:
+        monkeypatch.setattr(kernels, "_fused_cpu_available", lambda q, hooks: False)
+    torch.manual_seed(0)
+    scheme = SCHEMES[scheme_name](2, 4)
+    q, k, v = (torch.randn(2, 2, 9, 4) for _ in range(3))
+    pos = torch.arange(9)[None]
+    padding = torch.zeros(2, 9, dtype=torch.bool)
+    padding[:, 6:] = True
+    mask = Mask(9, 9, key_padding=padding)
+    out = run("lean", scheme, q, k, v, pos, pos, mask)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 6:], v2[:, :, 6:] = -3.0, 1e30  # a masked value must not leak, not even 1e-35 of it
+    torch.testing.assert_close(run("lean", scheme, q, k2, v2, pos, pos, mask), out, rtol=0, atol=0)
+
+
 def test_block_rows():
     rows = lean_block_rows(2, 8, 4096, 4096)
     assert rows * 2 * 8 * 4096 <= kernels.LEAN_BLOCK_ELEMENTS < 2 * rows * 2 * 8 * 4096

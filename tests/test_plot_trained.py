@@ -9,7 +9,12 @@ import torch
 
 from posenc.cli import main
 from posenc.cli.compare import TASKS, Config, compare
-from posenc.cli.plot_trained import attention_of, checkpoints_in, learned_tables
+from posenc.cli.plot_trained import (
+    attention_of,
+    attention_to_offset,
+    checkpoints_in,
+    learned_tables,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CONFIG = Config(steps=2, batch=4, dim=16, heads=2, layers=2, eval_examples=2)
@@ -33,8 +38,9 @@ def test_checkpoints_per_task_in_scheme_order(checkpoints):
 
 
 def test_attention_maps_are_head_averaged_distributions(checkpoints):
-    scheme, maps = attention_of(checkpoints / "grid-swin-2d.pt")
+    task, scheme, maps = attention_of(checkpoints / "grid-swin-2d.pt")
     assert scheme == "swin-2d" and maps.shape == (2, 6, 6)  # layers, 2x3 grid
+    assert task.train_length == (2, 3)  # the checkpoint's lengths, not the defaults
     torch.testing.assert_close(torch.from_numpy(maps.sum(-1)), torch.ones(2, 6))
 
 
@@ -57,3 +63,18 @@ def test_missing_checkpoints_are_a_clean_error(tmp_path, capsys):
     assert "--checkpoints is needed for this kind" in capsys.readouterr().err
     assert main(["plot", "attention", "--checkpoints", str(tmp_path), "--out", str(tmp_path)]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_attention_to_offset_against_the_maps(checkpoints):
+    from posenc.cli.compare import load_checkpoint
+
+    path = checkpoints / "shift-none.pt"
+    got = attention_to_offset(path, -3, 10, examples=4)
+    model, task, _, _ = load_checkpoint(path)
+    batch = task.sample(4, 10, torch.Generator().manual_seed(0))
+    best = 0.0
+    for weights in model.attention_maps(batch.tokens):  # [4, h, 10, 10]
+        for h in range(weights.shape[1]):
+            values = [float(weights[e, h, i, i - 3]) for e in range(4) for i in range(3, 10)]
+            best = max(best, sum(values) / len(values))
+    assert abs(got - best) < 1e-6

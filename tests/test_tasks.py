@@ -86,3 +86,21 @@ def test_unknown_task():
 def test_bad_length():
     with pytest.raises(ValueError, match="length"):
         ShiftTask().sample(1, 0, gen())
+
+
+@pytest.mark.parametrize(
+    ("task", "length", "message"),
+    [
+        (ShiftTask(delta=3), 3, "shift needs a length > delta = 3"),
+        (GridTask(), (1, 4), "grid needs at least 2 rows"),
+        (GridTask(), (3, 0), "size\\[1\\]|1 column"),
+    ],
+)
+def test_lengths_that_score_nothing_are_rejected(task, length, message):
+    with pytest.raises(ValueError, match=message):
+        task.sample(1, length, gen())
+
+
+def test_chance():
+    assert ShiftTask().chance == 1 / 16 and GridTask().chance == 1 / 16
+    assert CopyTask().chance == 1 / 15  # the answers are the symbols 1..15

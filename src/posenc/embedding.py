@@ -237,9 +237,10 @@ def relative_query_term(q: Tensor, weight: Tensor, q_pos: Tensor, k_pos: Tensor)
     length = (weight.shape[-2] + 1) // 2
     rows = relative_distance(q_pos, k_pos) + (length - 1)  # [B', n_q, n_k]
     rows = rows.clamp(0, 2 * length - 2)  # offsets beyond L-1 share the last row
-    if check._can_inspect(rows):
+    if rows.device.type == "cpu" and check._can_inspect(rows):
         # only the offsets these positions meet: a block of queries of the lean engine
-        # meets n_k + rows - 1 of the 2L - 1, about half of them
+        # meets n_k + rows - 1 of the 2L - 1, about half of them (on CPU only: reading the
+        # range is a device sync elsewhere)
         first, last = int(rows.min()), int(rows.max())
         weight = weight[..., first : last + 1, :]  # [(h,) used offsets, d]
         rows = rows - first

@@ -395,10 +395,17 @@ def attend(
 
 # ----- the memory-lean engine -------------------------------------------------------------
 
-#: ``exp(x)`` is taken of ``max(x, -EXP_FLOOR)``: below -87, float32's ``exp`` gives denormal
-#: numbers (1e-45 to 1e-38), on which x86 arithmetic is tens of times slower, for a
-#: probability that float32 cannot add to a row summing to 1 anyway (it moves by < 2e-35).
+#: a probability ``exp(x)`` with ``x < -EXP_FLOOR`` is taken as exactly 0: below -87,
+#: float32's ``exp`` gives denormal numbers (1e-45 to 1e-38), on which x86 arithmetic is
+#: tens of times slower, for a probability that a float32 row summing to 1 cannot show.
+#: Masked keys (at the most negative float) get exactly 0, as before.
 EXP_FLOOR = 80.0
+
+
+def _exp_no_denormals(x: Tensor) -> Tensor:
+    """``exp(x)`` in place, exactly 0 where ``x < -EXP_FLOOR`` (see :data:`EXP_FLOOR`)."""
+    return x.masked_fill_(x < -EXP_FLOOR, float("-inf")).exp_()
+
 
 #: in the fused CPU kernel, whose ``exp`` posenc cannot reach, a bias more than
 #: ``BIAS_SPAN`` below the best bias of its row is raised to that level. A strong bias
@@ -476,7 +483,7 @@ class _LeanAttention(torch.autograd.Function):
             keep = mask.keep(blk, device=q.device)
             scores = _block_scores(q_blk, k, extra, keep, scale)
             block_lse = scores.logsumexp(dim=-1, keepdim=True)  # [b, h, rows, 1]
-            probs = scores.sub_(block_lse).clamp_(min=-EXP_FLOOR).exp_()
+            probs = _exp_no_denormals(scores.sub_(block_lse))
             if keep is not None:
                 probs = probs.mul_(keep.any(dim=-1, keepdim=True))
             probs = probs.to(v.dtype)
@@ -508,7 +515,7 @@ class _LeanAttention(torch.autograd.Function):
             scores = _block_scores(
                 q_blk.detach(), k, None if extra is None else extra.detach(), keep, scale
             )
-            probs = scores.sub_(lse[:, :, blk, None]).clamp_(min=-EXP_FLOOR).exp_()
+            probs = _exp_no_denormals(scores.sub_(lse[:, :, blk, None]))
             if keep is not None:
                 probs = probs.mul_(keep.any(dim=-1, keepdim=True))
             wide = _wide(q.dtype)
@@ -678,7 +685,7 @@ class _LeanFusedAttention(torch.autograd.Function):
             # dS for the hooks: P = exp(S - lse), dP = dO v^T, D = dO . O
             scores = (q_blk.detach() * scale) @ k.transpose(-2, -1)  # [b, h, rows, n_k]
             probs = scores.add_(attn_mask).sub_(lse_blk.unsqueeze(-1))
-            probs = probs.clamp_(min=-EXP_FLOOR).exp_()  # [b, h, rows, n_k]
+            probs = _exp_no_denormals(probs)  # [b, h, rows, n_k]
             grad_probs = g_out @ v.transpose(-2, -1)  # [b, h, rows, n_k]
             row_dot = (g_out * out_blk).sum(dim=-1, keepdim=True)  # [b, h, rows, 1]
             grad_scores = probs.mul_(grad_probs.sub_(row_dot))

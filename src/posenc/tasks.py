@@ -8,7 +8,7 @@ answer (it is left out of the loss and of the accuracy).
   offset ``-delta``; without positions the model cannot tell which token is ``delta``
   back, and is at chance (``1 / vocab``).
 - ``copy``: a causal language model on ``a_1 .. a_m SEP a_1 .. a_m``, scored on the second
-  half. Needs to find, for each token after ``SEP``, the token ``m + 1`` places back:
+  half. Needs to find, for each token after ``SEP``, the token ``m`` places back:
   content (``SEP``) plus relative position (an induction head), or absolute positions
   that only cover the trained length.
 - ``grid``: random tokens on an ``H x W`` grid (row-major), output the token of the cell
@@ -70,6 +70,11 @@ class Task:
         """Draw ``batch`` examples of ``length`` (seeded by ``generator``)."""
         raise NotImplementedError
 
+    @property
+    def chance(self) -> float:
+        """The accuracy of a uniform guess among the possible answers."""
+        return 1 / self.vocab
+
     def tokens_of(self, length: int | tuple[int, int]) -> int:
         """The number of tokens of an example of ``length``."""
         return length[0] * length[1] if isinstance(length, tuple) else int(length)
@@ -91,6 +96,10 @@ class ShiftTask(Task):
         self, batch: int, length: int | tuple[int, int], generator: torch.Generator
     ) -> Batch:
         n = check.positive_int("length", length)
+        if n <= self.delta:
+            raise ValueError(
+                f"shift needs a length > delta = {self.delta} (else nothing is scored), got {n}"
+            )
         tokens = torch.randint(0, self.vocab, (batch, n), generator=generator)  # [b, n]
         targets = torch.full_like(tokens, IGNORE)
         targets[:, self.delta :] = tokens[:, : n - self.delta]
@@ -109,6 +118,11 @@ class CopyTask(Task):
     name: str = "copy"
     causal: bool = True
     summary: str = field(default="causal LM on `a b c d SEP a b c d`: predict the copy")
+
+    @property
+    def chance(self) -> float:
+        """The answers are the symbols ``1 .. vocab-1``."""
+        return 1 / (self.vocab - 1)
 
     def sample(
         self, batch: int, length: int | tuple[int, int], generator: torch.Generator
@@ -141,6 +155,10 @@ class GridTask(Task):
         if not isinstance(length, tuple):
             raise ValueError(f"grid lengths are (H, W) pairs, got {length!r}")
         h, w = length
+        if h < 2 or w < 1:
+            raise ValueError(
+                f"grid needs at least 2 rows (row 0 has no cell above) and 1 column, got {h}x{w}"
+            )
         tokens = torch.randint(0, self.vocab, (batch, h, w), generator=generator)  # [b, H, W]
         targets = torch.full_like(tokens, IGNORE)
         targets[:, 1:] = tokens[:, :-1]  # the cell above

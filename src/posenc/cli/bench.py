@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import Mask, attend
+from ._options import device
 from ._progress import Progress
 
 # ----- the schemes ------------------------------------------------------------------------
@@ -453,7 +454,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32"
     )
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument(
         "--backend", choices=["auto", "math", "sdpa", "lean", "flex"], default="auto"
     )

@@ -16,7 +16,9 @@ same table row.
 
 Launched with ``torchrun --nproc_per_node N -m posenc compare ...`` it trains with
 DistributedDataParallel (gloo on CPU, nccl on CUDA): each rank takes its share of every
-global batch, and rank 0 evaluates and writes the results.
+global batch; every rank evaluates (the same numbers), and rank 0 prints and writes.
+
+Shape legend: ``b`` batch, ``n`` tokens, ``H x W`` a grid (row-major, ``n = H * W``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,8 @@ from torch import Tensor, nn
 
 from .. import absolute, bias, embedding, rotary, shaw
 from ..models import TinyTransformer
-from ..tasks import IGNORE, TASKS, Batch, Task
+from ..tasks import IGNORE, TASKS, Batch, Task, get_task
+from ._options import device, positive_int
 from ._progress import Progress
 
 # ----- the schemes ------------------------------------------------------------------------
@@ -71,6 +74,7 @@ class Scheme:
     build: Callable[[Setting], tuple[nn.Module | None, Any]]
     summary: str
     two_d: bool = False  # positions are cells of the largest test grid
+    grid_only: bool = False  # makes sense only on a grid task
     max_tokens: Callable[[Setting], int] | None = None  # longest length it serves
 
     def serves(self, setting: Setting, tokens: int) -> bool:
@@ -128,32 +132,33 @@ SCHEMES: dict[str, Scheme] = {
     "sinusoidal-2d": Scheme(
         lambda s: (absolute.SinusoidalEncoding2D(s.dim), None),
         "2-D sin/cos added to the input (ViT/MAE)",
+        grid_only=True,
     ),
     "rotary-2d": Scheme(
         lambda s: (None, rotary.Rotary2D(s.head_dim, size=_two_d(s))),
         "axial 2-D RoPE",
         two_d=True,
+        grid_only=True,
     ),
     "swin-2d": Scheme(
         lambda s: (None, lambda: bias.RelativePositionBias(_two_d(s), s.heads)),
         "Swin 2-D relative bias table, per layer",
         two_d=True,
+        grid_only=True,
     ),
     "relative-2d": Scheme(
         lambda s: (None, lambda: embedding.RelativeQueryEmbedding2D(_two_d(s), s.head_dim)),
         "factorised 2-D relative embedding (SASA/BoTNet), per layer",
         two_d=True,
+        grid_only=True,
     ),
 }
-
-#: schemes that need a grid
-GRID_ONLY = ("sinusoidal-2d", "rotary-2d", "swin-2d", "relative-2d")
 
 
 def schemes_for(task: Task, names: Sequence[str] | None = None) -> list[str]:
     """The schemes that make sense for ``task`` (2-D ones only on grids), in order."""
     names = list(SCHEMES) if names is None else list(names)
-    return [n for n in names if task.two_d or n not in GRID_ONLY]
+    return [n for n in names if task.two_d or not SCHEMES[n].grid_only]
 
 
 # ----- one model --------------------------------------------------------------------------
@@ -238,8 +243,8 @@ def parameter_groups(model: nn.Module, config: Config) -> list[dict[str, Any]]:
     """AdamW groups: the positional tables inside attention at ``table_lr_scale * lr``.
 
     A bias table holds one scalar per offset and head, and Adam moves each parameter by
-    about ``lr`` per step: at ``lr = 3e-3`` a Swin or T5 bias cannot grow past about 0.75
-    in 250 steps, too flat to stand out among many more keys at a longer test length.
+    about ``lr`` per step: at ``lr = 3e-3`` a Swin or T5 bias cannot grow past about 0.6
+    in 200 steps (less with the warm-up and decay), too flat to stand out among many more keys at a longer test length.
     The faster rate lets such tables reach the size that a longer training would give.
     """
     tables = [p for n, p in model.named_parameters() if ".attn.position." in n]
@@ -417,7 +422,7 @@ def compare(
             progress.update(index, label)
 
             def on_step(step: int, loss: float, index: int = index, label: str = label) -> None:
-                if step % 25 == 0:
+                if step and step % 25 == 0:
                     progress.update(index + step / config.steps, f"{label} loss {loss:.2f}")
 
             runs.append(
@@ -463,7 +468,7 @@ def save_checkpoint(
     """Save a trained model with what rebuilds it (see :func:`load_checkpoint`)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{task.name}-{scheme}.pt"
-    config_dict = {k: getattr(config, k) for k in Config.__dataclass_fields__}
+    config_dict = asdict(config)
     lengths = {"train_length": task.train_length, "test_lengths": task.test_lengths}
     torch.save(
         {
@@ -480,16 +485,22 @@ def save_checkpoint(
 
 def load_checkpoint(path: Path) -> tuple[TinyTransformer, Task, str, Config]:
     """``(model in eval mode, task, scheme, config)`` from :func:`save_checkpoint`."""
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    config = Config(**{**saved["config"], "device": "cpu"})
-    lengths = saved["lengths"]
-    task = replace(
-        TASKS[saved["task"]],
-        train_length=_length(lengths["train_length"]),
-        test_lengths=tuple(_length(x) for x in lengths["test_lengths"]),
-    )
-    model = build_model(task, saved["scheme"], config)
-    model.load_state_dict(saved["state"])
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        config = Config(**{**saved["config"], "device": "cpu"})
+        lengths = saved["lengths"]
+        task = replace(
+            get_task(saved["task"]),
+            train_length=_length(lengths["train_length"]),
+            test_lengths=tuple(_length(x) for x in lengths["test_lengths"]),
+        )
+        model = build_model(task, saved["scheme"], config)
+        model.load_state_dict(saved["state"])
+    except Exception as err:  # any file that is not one of ours: say which, and why
+        raise ValueError(
+            f"{path} is not a checkpoint of this posenc's `compare` ({type(err).__name__}: "
+            f"{err}); run `posenc compare --out DIR` again to make new ones"
+        ) from err
     return model.eval(), task, saved["scheme"], config
 
 
@@ -542,7 +553,7 @@ def format_markdown(runs: Sequence[Run], tasks: Sequence[Task], seeds: int) -> s
             f"### {task.name}: {task.summary}",
             "",
             f"Trained at {train}; accuracy on held-out examples, mean ± std over {seeds} "
-            f"seed(s); chance is {1 / task.vocab:.2f}.",
+            f"seed(s); chance is {task.chance:.2f}.",
             "",
             "| " + " | ".join(header) + " |",
             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
@@ -586,13 +597,13 @@ def plot_accuracy(
                 [p[0] for p in points],
                 [p[1][0] for p in points],
                 yerr=[p[1][1] for p in points],
-                color=colours[(2 * index) % 20 + (index * 2 // 20) % 2],
+                color=colours[index % len(colours)],
                 marker=markers[index % len(markers)],
-                linestyle="--" if SCHEMES[scheme].two_d or scheme in GRID_ONLY else "-",
+                linestyle="--" if SCHEMES[scheme].grid_only else "-",
                 capsize=3,
                 label=scheme,
             )
-        ax.axhline(1 / task.vocab, color="grey", linestyle=":", label="chance")
+        ax.axhline(task.chance, color="grey", linestyle=":", label="chance")
         ax.set_xticks(
             range(len(labels)), [lb + (" (train)" if i == 0 else "") for i, lb in enumerate(labels)]
         )
@@ -616,7 +627,7 @@ def to_json(runs: Sequence[Run], config: Config, seeds: int, tasks: Sequence[Tas
     """Everything for machines: the configuration and one record per run."""
     return {
         "config": {
-            **{k: getattr(config, k) for k in Config.__dataclass_fields__},
+            **asdict(config),
             "seeds": seeds,
             "tasks": {
                 t.name: {
@@ -731,12 +742,20 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
     )
     seeds = args.seeds or 3
-    if config.dim % config.heads or (config.dim // config.heads) % 4:
+    tasks = _tasks(args)
+    plan = [s for t in tasks for s in schemes_for(t, args.schemes)]
+    if not plan:
+        raise ValueError(
+            f"no scheme of --schemes {','.join(args.schemes or [])} fits the tasks "
+            f"{','.join(t.name for t in tasks)} (the 2-D schemes need --tasks grid)"
+        )
+    if config.dim % config.heads:
+        raise ValueError(f"--dim {config.dim} must be divisible by --heads {config.heads}")
+    if any(SCHEMES[s].grid_only for s in plan) and (config.dim // config.heads) % 4:
         raise ValueError(
             f"--dim {config.dim} / --heads {config.heads} must give a head dim that is a "
-            f"multiple of 4 (the 2-D schemes split it in quarters)"
+            f"multiple of 4 for the 2-D schemes (they split it in quarters)"
         )
-    tasks = _tasks(args)
     started_group = _init_distributed(args.device)
     try:
         rank, world = _distributed()
@@ -808,12 +827,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="grid task: train at the first, test at all (default 6x6,9x9,12x12)",
     )
-    parser.add_argument("--seeds", type=_positive, default=None, help="seeds per scheme (3)")
-    parser.add_argument("--steps", type=_positive, default=None, help="training steps (200)")
-    parser.add_argument("--batch", type=_positive, default=32, help="global batch (32)")
-    parser.add_argument("--dim", type=_positive, default=64, help="model width (64)")
-    parser.add_argument("--layers", type=_positive, default=2, help="blocks (2)")
-    parser.add_argument("--heads", type=_positive, default=4, help="attention heads (4)")
+    parser.add_argument("--seeds", type=positive_int, default=None, help="seeds per scheme (3)")
+    parser.add_argument("--steps", type=positive_int, default=None, help="training steps (200)")
+    parser.add_argument("--batch", type=positive_int, default=32, help="global batch (32)")
+    parser.add_argument("--dim", type=positive_int, default=64, help="model width (64)")
+    parser.add_argument("--layers", type=positive_int, default=2, help="blocks (2)")
+    parser.add_argument("--heads", type=positive_int, default=4, help="attention heads (4)")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
     parser.add_argument(
         "--table-lr-scale",
@@ -823,12 +842,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--lr (10; see docs/compare.md)",
     )
     parser.add_argument(
-        "--eval-examples", type=_positive, default=None, help="test examples per length (128)"
+        "--eval-examples", type=positive_int, default=None, help="test examples per length (128)"
     )
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument(
         "--jobs",
-        type=_positive,
+        type=positive_int,
         default=min(2, os.cpu_count() or 1),
         help="models trained at once in worker processes (default: 2, or 1 on one core; "
         "under torchrun always 1 per rank)",
@@ -836,7 +855,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"a fast run: {QUICK['steps']} steps, {QUICK['seeds']} seed (explicit flags win)",
+        help=(
+            f"a fast run: {QUICK['steps']} steps, {QUICK['seeds']} seed, "
+            f"{QUICK['eval_examples']} test examples (explicit flags win)"
+        ),
     )
     parser.add_argument("--out", type=Path, default=None, help="write compare.md and plots here")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON")
@@ -845,13 +867,3 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value

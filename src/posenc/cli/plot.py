@@ -17,6 +17,9 @@ Kinds, and the options each reads (the others are ignored; defaults in brackets)
 - ``rotary`` (``--dim`` [128], ``--length`` [4096], ``--base``, ``--factor`` [4]): RoPE's
   long-term decay (RoFormer, section 3.4.3) and what :class:`~posenc.LinearScaling`,
   :class:`~posenc.NTKScaling` and :class:`~posenc.YaRNScaling` do to it.
+- ``attention`` (``--checkpoints DIR``): the attention maps of the models that
+  ``posenc compare --out`` saved in ``DIR`` (see :mod:`posenc.cli.plot_trained`); with
+  ``--checkpoints``, ``similarity`` also draws each learned absolute table they hold.
 
 Each kind is a function ``plot_<kind>(args) -> list[Path]`` registered in ``KINDS``; to add
 one, write the function and add it there. The maths comes from posenc's public functions

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..absolute import LearnedEncoding
+from ..tasks import Task
 from . import compare
 from ._figures import pyplot, save
 
@@ -42,18 +44,37 @@ def checkpoints_in(folder: Path | None) -> dict[str, list[Path]]:
 
 
 @torch.no_grad()
-def attention_of(path: Path) -> tuple[str, np.ndarray]:
-    """``(scheme, maps [layers, n, n])``: head-averaged attention of one example.
-
-    The example is drawn (seed 0) at the task's training length, as in training.
-    """
+def _maps(path: Path, examples: int, length: int | tuple[int, int] | None) -> tuple[Any, ...]:
+    """``(task, scheme, [per layer [examples, h, n, n]])`` of a checkpoint (seeded examples)."""
     model, task, scheme, config = compare.load_checkpoint(path)
-    batch = task.sample(1, task.train_length, torch.Generator().manual_seed(0))
+    length = task.train_length if length is None else length
+    batch = task.sample(examples, length, torch.Generator().manual_seed(0))
     positions = compare.positions_for(task, scheme, config, batch)
     maps = model.attention_maps(
         batch.tokens, causal=task.causal, positions=positions, size=batch.size
-    )  # per layer [1, h, n, n]
-    return scheme, torch.stack([m[0].mean(0) for m in maps]).numpy()  # [layers, n, n]
+    )
+    return task, scheme, maps
+
+
+def attention_of(path: Path) -> tuple[Task, str, np.ndarray]:
+    """``(task, scheme, maps [layers, n, n])``: head-averaged attention of one example.
+
+    The example is drawn (seed 0) at the training length of the checkpoint's task.
+    """
+    task, scheme, maps = _maps(path, 1, None)
+    return task, scheme, torch.stack([m[0].mean(0) for m in maps]).numpy()  # [layers, n, n]
+
+
+def attention_to_offset(path: Path, offset: int, length: int, *, examples: int = 64) -> float:
+    """The largest mean attention weight that any head of any layer puts on ``j = i + offset``.
+
+    Averaged over the queries that have such a key and over ``examples`` seeded sequences
+    of ``length`` (1-D tasks). docs/compare.md uses it to show how a content-free bias
+    dilutes as the sequence grows.
+    """
+    _, _, maps = _maps(path, examples, length)
+    queries = torch.arange(max(0, -offset), min(length, length - offset))  # keys in range
+    return max(float(m[:, :, queries, queries + offset].mean(dim=(0, 2)).max()) for m in maps)
 
 
 def plot_attention(args: argparse.Namespace) -> list[Path]:
@@ -61,7 +82,9 @@ def plot_attention(args: argparse.Namespace) -> list[Path]:
     plt = pyplot()
     paths: list[Path] = []
     for task_name, files in checkpoints_in(args.checkpoints).items():
-        results = [attention_of(path) for path in files]
+        loaded = [attention_of(path) for path in files]
+        task = loaded[0][0]
+        results = [(scheme, maps) for _, scheme, maps in loaded]
         layers = results[0][1].shape[0]
         columns = 4  # schemes side by side, each with its layers stacked
         rows = -(-len(results) // columns)
@@ -87,7 +110,6 @@ def plot_attention(args: argparse.Namespace) -> list[Path]:
                 if index % columns == 0:
                     ax.set_ylabel("query", fontsize="small")
                 ax.set_xlabel("key", fontsize="small")
-        task = compare.TASKS[task_name]
         fig.suptitle(
             f"Attention of the trained models on `{task_name}` (one example at "
             f"{task.label(task.train_length)}, mean over heads)"
