@@ -1,0 +1,52 @@
+"""``posenc bench`` end to end on tiny sizes: the table, the JSON, the options."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posenc.cli import main
+from posenc.cli.bench import SCHEMES
+
+
+def test_bench_prints_ratios_and_writes_json(tmp_path, capsys):
+    record = tmp_path / "bench.json"
+    argv = ["bench", "--schemes", "alibi,shaw", "--lengths", "16,32", "--batch", "1"]
+    argv += ["--heads", "2", "--head-dim", "8", "--repeats", "1", "--warmup", "0", "--quiet"]
+    assert main([*argv, "--json", str(record)]) == 0
+    out = capsys.readouterr().out
+    assert "| alibi | 16 |" in out and "| shaw | 32 |" in out
+    data = json.loads(record.read_text())
+    assert [(c["scheme"], c["n"]) for c in data["cases"]] == [
+        ("alibi", 16),
+        ("shaw", 16),
+        ("alibi", 32),
+        ("shaw", 32),
+    ]
+    for case in data["cases"]:
+        assert set(case["fwd_bwd_s"]) == {"floor", "posenc", "reference"}
+        assert case["ratios"]["time_vs_floor"] > 0
+    assert data["config"]["lengths"] == [16, 32] and data["config"]["backward"] is True
+
+
+def test_every_scheme_runs_forward_only(capsys):
+    argv = ["bench", "--lengths", "8", "--batch", "1", "--heads", "2", "--head-dim", "8"]
+    assert main([*argv, "--repeats", "1", "--warmup", "0", "--no-backward", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    for name in SCHEMES:
+        assert f"| {name} | 8 |" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--schemes", "rope"], "unknown scheme"),
+        (["--device", "tpu9"], "unknown device 'tpu9'"),
+    ],
+)
+def test_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
