@@ -1,4 +1,4 @@
-"""indices.py helpers not covered by the scheme tests: gather_rows."""
+"""indices.py helpers not covered by the scheme tests: gather_rows, the Toeplitz fast path."""
 
 from __future__ import annotations
 
@@ -29,3 +29,75 @@ def test_gather_rows_equals_indexing_with_gradients(batch):
                 expected[index[b, i, j]] += weight[b, :, i, j]
     torch.testing.assert_close(grad, expected)
     torch.autograd.gradcheck(lambda t: gather_rows(t, index), (table,))
+
+
+# ----- the Toeplitz fast path for consecutive positions -----------------------------------
+
+
+def test_offset_run_detects_consecutive_positions_only():
+    from posenc.indices import offset_run
+
+    assert offset_run(torch.arange(4, 7)[None], torch.arange(0, 5)[None]) == 0 - 6
+    assert offset_run(torch.tensor([[0, 2, 3]]), torch.arange(3)[None]) is None  # a gap
+    assert offset_run(torch.arange(3).expand(2, 3), torch.arange(3).expand(2, 3)) is None
+    assert offset_run(torch.arange(3.0)[None], torch.arange(3.0)[None]) is None
+
+
+@pytest.mark.parametrize(("n_q", "n_k"), [(1, 1), (1, 5), (3, 5), (7, 2), (4, 4)])
+def test_toeplitz_and_skew_rows_match_the_definition(n_q, n_k):
+    from posenc.indices import skew_rows, toeplitz
+
+    values = torch.randn(2, n_q + n_k - 1, dtype=torch.float64, requires_grad=True)
+    expected = torch.empty(2, n_q, n_k, dtype=torch.float64)
+    for i in range(n_q):
+        for j in range(n_k):
+            expected[:, i, j] = values[:, j - i + n_q - 1]
+    torch.testing.assert_close(toeplitz(values, n_q, n_k), expected)
+    assert torch.autograd.gradcheck(lambda v: toeplitz(v, n_q, n_k), (values,))
+    x = torch.randn(3, n_q, n_q + n_k - 1, dtype=torch.float64, requires_grad=True)
+    skewed = torch.empty(3, n_q, n_k, dtype=torch.float64)
+    for i in range(n_q):
+        for j in range(n_k):
+            skewed[:, i, j] = x[:, i, j - i + n_q - 1]
+    torch.testing.assert_close(skew_rows(x, n_k), skewed)
+    assert torch.autograd.gradcheck(lambda t: skew_rows(t, n_k), (x,))
+
+
+def test_toeplitz_and_skew_rows_reject_wrong_widths():
+    from posenc.indices import skew_rows, toeplitz
+
+    with pytest.raises(ValueError, match="n_q \\+ n_k - 1 = 6 entries"):
+        toeplitz(torch.zeros(5), 2, 5)
+    with pytest.raises(ValueError, match="n_q \\+ n_k - 1 = 6 columns"):
+        skew_rows(torch.zeros(2, 5), 5)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "swin", "relative"])
+def test_consecutive_positions_fast_path_equals_the_general_path(name):
+    """A block of consecutive positions (fast path) gives what the general gather gives."""
+    from posenc.bias import ALiBi, RelativePositionBias, T5RelativeBias
+    from posenc.embedding import RelativeQueryEmbedding
+
+    torch.manual_seed(0)
+    q_pos, k_pos = torch.arange(5, 11)[None], torch.arange(0, 13)[None]
+    # the same positions with a batch of 2 rows: offset_run declines, the gather runs
+    q_two, k_two = q_pos.expand(2, -1), k_pos.expand(2, -1)
+    if name == "relative":
+        module = RelativeQueryEmbedding(16, 8).double()
+        q = torch.randn(2, 3, 6, 8, dtype=torch.float64, requires_grad=True)
+        fast = module.score_term(q, q_pos, k_pos)
+        slow = module.score_term(q, q_two, k_two)
+        wrt = [q, module.weight]
+    else:
+        module = {"alibi": ALiBi(4), "t5": T5RelativeBias(4), "swin": RelativePositionBias(16, 4)}
+        module = module[name].double()
+        fast = module.score_bias(q_pos, k_pos).expand(2, -1, -1, -1)
+        slow = module.score_bias(q_two, k_two)
+        wrt = [p for p in module.parameters()]
+    torch.testing.assert_close(fast.double(), slow.double())
+    if wrt:
+        grad = torch.randn_like(slow)
+        fast_grads = torch.autograd.grad(fast, wrt, grad)
+        slow_grads = torch.autograd.grad(slow, wrt, grad)
+        for a, b in zip(fast_grads, slow_grads, strict=True):
+            torch.testing.assert_close(a, b)

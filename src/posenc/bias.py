@@ -29,8 +29,10 @@ from torch import Tensor, nn
 from . import _validate as check
 from .indices import (
     gather_rows,
+    offset_run,
     relative_distance,
     t5_bucket,
+    toeplitz,
     window_relative_index,
     window_size,
 )
@@ -180,6 +182,13 @@ class RelativePositionBias(nn.Module):
                     f"window={self.window[0]} (offsets up to {self.window[0] - 1}); build it "
                     f"with a window of at least {span + 1} or .resize({span + 1})"
                 )
+        first = offset_run(q_pos, k_pos) if len(self.window) == 1 else None
+        if first is not None:
+            # consecutive positions: one table row per offset, spread along the diagonals
+            n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
+            offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
+            values = self.table[self.window[0] - 1 - offsets].t()  # [h, n_q + n_k - 1]
+            return toeplitz(values, n_q, n_k).unsqueeze(0)  # [1, h, n_q, n_k]
         index = window_relative_index(q_pos, k_pos, self.window)  # [B', n_q, n_k]
         return gather_rows(self.table, index)  # [B', h, n_q, n_k]
 
@@ -339,6 +348,14 @@ class T5RelativeBias(nn.Module):
     def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """The bias for ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
         reach = self.max_distance
+        first = offset_run(q_pos, k_pos)
+        if first is not None:
+            # consecutive positions: one bias per offset, spread along the diagonals
+            n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
+            offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
+            rows = offsets.clamp(-reach, reach) + reach  # [n_q + n_k - 1]
+            values = self.offset_table()[rows].t()  # [h, n_q + n_k - 1]
+            return toeplitz(values, n_q, n_k).unsqueeze(0)  # [1, h, n_q, n_k]
         rows = relative_distance(q_pos, k_pos).clamp(-reach, reach) + reach  # [B', n_q, n_k]
         return gather_rows(self.offset_table(), rows)  # [B', h, n_q, n_k]
 
@@ -432,8 +449,16 @@ class ALiBi(nn.Module):
 
     def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """``-slope_h * |k - q|`` for ``q_pos [B', n_q]``, ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
+        slopes = self.slopes(q_pos.device)
+        first = offset_run(q_pos, k_pos)
+        if first is not None:
+            # consecutive positions: one bias per offset, spread along the diagonals
+            n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
+            offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
+            values = -slopes[:, None] * offsets.abs().float()  # [h, n_q + n_k - 1]
+            return toeplitz(values, n_q, n_k).unsqueeze(0)  # [1, h, n_q, n_k]
         distance = relative_distance(q_pos, k_pos).abs().float()  # [B', n_q, n_k]
-        return -self.slopes(q_pos.device)[:, None, None] * distance[:, None]
+        return -slopes[:, None, None] * distance[:, None]
 
     def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
         """``score - slope_h * |k - q|`` as a FlexAttention ``score_mod``."""

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from .absolute import _size2d
-from .indices import relative_distance, relative_to_absolute
+from .indices import offset_run, relative_distance, relative_to_absolute, skew_rows
 
 __all__ = [
     "AbsoluteQueryEmbedding",
@@ -235,6 +235,13 @@ def relative_query_term(q: Tensor, weight: Tensor, q_pos: Tensor, k_pos: Tensor)
         ``[b, h, n_q, n_k]``.
     """
     length = (weight.shape[-2] + 1) // 2
+    first = offset_run(q_pos, k_pos)
+    n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
+    if first is not None and -length < first and first + n_q + n_k - 2 < length:
+        # consecutive positions: the rows of offsets first .. first + n_q + n_k - 2, then
+        # the skew (a view) instead of a gather
+        used = weight[..., first + length - 1 : first + length - 1 + n_q + n_k - 1, :]
+        return skew_rows(_table_logits(q, used), n_k)  # [b, h, n_q, n_q + n_k - 1] -> [.., n_k]
     rows = relative_distance(q_pos, k_pos) + (length - 1)  # [B', n_q, n_k]
     rows = rows.clamp(0, 2 * length - 2)  # offsets beyond L-1 share the last row
     if rows.device.type == "cpu" and check._can_inspect(rows):

@@ -25,12 +25,15 @@ from . import _validate as check
 __all__ = [
     "clipped_distance",
     "gather_rows",
+    "offset_run",
     "positions_from_documents",
     "positions_from_padding",
     "relative_distance",
     "relative_position_index",
     "relative_to_absolute",
+    "skew_rows",
     "t5_bucket",
+    "toeplitz",
     "window_relative_index",
     "window_size",
 ]
@@ -98,6 +101,118 @@ def gather_rows(table: Tensor, index: Tensor) -> Tensor:
         ``[B', h, n_q, n_k]``.
     """
     return _GatherRows.apply(table, index)
+
+
+def offset_run(q_pos: Tensor, k_pos: Tensor) -> int | None:
+    """The first offset when the positions make a Toeplitz pattern, else None.
+
+    When ``q_pos [1, n_q]`` and ``k_pos [1, n_k]`` are each a run of consecutive integers
+    (the usual case: a sequence, or a block of its queries), the offset ``k_pos_j - q_pos_i``
+    is ``first + (j - i) + n_q - 1`` with ``first = k_pos_0 - q_pos_(n_q-1)``, and a
+    relative scheme needs only the ``n_q + n_k - 1`` offsets from ``first`` on: see
+    :func:`toeplitz` and :func:`skew_rows`. Checking reads the positions, so it is done only
+    where that is free: on CPU, outside ``torch.compile``, for a batch dimension of 1.
+
+    Args:
+        q_pos: ``[B', n_q]`` int64 query positions.
+        k_pos: ``[B', n_k]`` int64 key positions.
+
+    Returns:
+        ``k_pos_0 - q_pos_(n_q-1)``, or None when the pattern does not hold or cannot be
+        checked cheaply.
+    """
+    for pos in (q_pos, k_pos):
+        if pos.ndim != 2 or pos.shape[0] != 1 or pos.device.type != "cpu":
+            return None
+        if not check._can_inspect(pos) or pos.is_floating_point():
+            return None
+        if pos.shape[1] > 1 and not bool((pos[0, 1:] - pos[0, :-1] == 1).all()):
+            return None
+    return int(k_pos[0, 0] - q_pos[0, -1])
+
+
+def toeplitz(values: Tensor, n_q: int, n_k: int) -> Tensor:
+    """A per-offset value spread over the pairs: ``out[..., i, j] = values[..., j - i + n_q - 1]``.
+
+    The bias of a relative scheme for consecutive positions (see :func:`offset_run`), from
+    its ``n_q + n_k - 1`` values per offset, with no ``[n_q, n_k]`` index: a window view
+    (``unfold``) whose rows are reversed. The gradient sums along the diagonals.
+
+    Args:
+        values: ``[..., n_q + n_k - 1]``, offsets in increasing order; differentiable.
+        n_q: number of query rows.
+        n_k: number of key columns.
+
+    Returns:
+        ``[..., n_q, n_k]``, a new tensor.
+
+    Raises:
+        ValueError: the last dimension of ``values`` is not ``n_q + n_k - 1``.
+    """
+    if values.shape[-1] != n_q + n_k - 1:
+        raise ValueError(
+            f"values must have n_q + n_k - 1 = {n_q + n_k - 1} entries in its last dimension "
+            f"(one per offset), got shape {tuple(values.shape)}"
+        )
+    return _Toeplitz.apply(values, n_q, n_k)
+
+
+class _Toeplitz(torch.autograd.Function):
+    """:func:`toeplitz` with a backward by padding, not ``unfold``'s (10x slower here)."""
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor, n_q: int, n_k: int) -> Tensor:  # type: ignore[override]
+        ctx.n_q = n_q
+        # window i' holds offsets i' .. i' + n_k - 1; query i reads window n_q - 1 - i
+        # (index_select writes a dense result; flip would keep the windows' odd strides)
+        reverse = torch.arange(n_q - 1, -1, -1, device=values.device)
+        return values.unfold(-1, n_k, 1).index_select(-2, reverse)  # [..., n_q, n_k]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        # d values[m] = sum_i grad[i, m - (n_q - 1 - i)]: shift row i right by n_q - 1 - i
+        # and sum the rows. Written from element n_q - 1 in rows ``width`` long and read in
+        # rows ``width + 1`` long, row i starts at column n_q - 1 - i (skew_rows reversed).
+        n_q, n_k = ctx.n_q, grad.shape[-1]
+        width = n_q + n_k - 1
+        buffer = grad.new_zeros(*grad.shape[:-2], n_q * (width + 1))  # [..., n_q * (width + 1)]
+        written = buffer[..., n_q - 1 : n_q - 1 + n_q * width].unflatten(-1, (n_q, width))
+        written[..., :n_k].copy_(grad)  # [..., n_q, n_k] at column n_q - 1 of rows width long
+        shifted = buffer.unflatten(-1, (n_q, width + 1))  # row i starts at n_q - 1 - i
+        return shifted.sum(dim=-2)[..., :width], None, None
+
+
+def skew_rows(x: Tensor, n_k: int) -> Tensor:
+    """The skew for a block of queries: ``out[..., i, j] = x[..., i, j - i + n_q - 1]``.
+
+    Row ``i`` of ``x`` holds one logit per offset (column ``m`` is offset
+    ``first + m``, see :func:`offset_run`); the pair ``(i, j)`` needs column
+    ``j - i + n_q - 1``. Reading the flat buffer from element ``n_q - 1`` in rows of
+    ``n_q + n_k - 2`` shifts row ``i`` left by ``i``: a view, no copy and no index
+    (Huang et al. 2018's skew, for a rectangle of queries and keys).
+
+    Args:
+        x: ``[..., n_q, n_q + n_k - 1]``; differentiable.
+        n_k: number of keys.
+
+    Returns:
+        ``[..., n_q, n_k]`` (a view of ``x`` when ``x`` is contiguous).
+
+    Raises:
+        ValueError: the last dimension of ``x`` is not ``n_q + n_k - 1``.
+    """
+    n_q = x.shape[-2]
+    width = n_q + n_k - 1
+    if x.shape[-1] != width:
+        raise ValueError(
+            f"x must have n_q + n_k - 1 = {width} columns (one per offset), got shape "
+            f"{tuple(x.shape)}"
+        )
+    if n_q == 1:
+        return x
+    flat = x.contiguous().flatten(-2)  # [..., n_q * width]
+    rows = flat[..., n_q - 1 : n_q - 1 + n_q * (width - 1)]  # [..., n_q * (width - 1)]
+    return rows.unflatten(-1, (n_q, width - 1))[..., :n_k]  # [..., n_q, n_k]
 
 
 def relative_to_absolute(x: Tensor) -> Tensor:
