@@ -32,7 +32,8 @@ def test_bench_prints_ratios_and_writes_json(tmp_path, capsys):
 
 def test_every_scheme_runs_forward_only(capsys):
     argv = ["bench", "--lengths", "8", "--batch", "1", "--heads", "2", "--head-dim", "8"]
-    assert main([*argv, "--repeats", "1", "--warmup", "0", "--no-backward", "--quiet"]) == 0
+    argv += ["--repeats", "1", "--warmup", "0", "--no-backward", "--no-memory", "--quiet"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     for name in SCHEMES:
         assert f"| {name} | 8 |" in out
@@ -50,3 +51,18 @@ def test_bad_options(argv, message, capsys):
         main(["bench", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="Linux")
+def test_peak_memory_is_measured_in_a_fresh_process():
+    """The floor's peak is positive and the literal reference's is above the lean engine's."""
+    from posenc.cli.bench import _peak_in_subprocess
+
+    spec = {"scheme": "t5", "n": 2048, "batch": 1, "heads": 2, "head_dim": 32}
+    spec |= {"dtype": "float32", "backward": True, "backend": "auto"}
+    peaks = {
+        v: _peak_in_subprocess({**spec, "variant": v}) for v in ("floor", "posenc", "reference")
+    }
+    assert peaks["floor"] is not None and peaks["floor"] > 0
+    one_score_matrix_mib = 1 * 2 * 2048 * 2048 * 4 / 2**20
+    assert peaks["reference"] > 2 * one_score_matrix_mib > peaks["posenc"], peaks

@@ -10,8 +10,9 @@ For each scheme and length it measures, interleaved in the same run:
   memory.
 
 Times are medians over repeats after warm-up, forward+backward and forward only. Peak
-memory is the growth of the process's peak resident set during one forward+backward
-(Linux: reset through ``/proc/self/clear_refs``; CUDA: ``max_memory_allocated``). Speed
+memory is the growth of the peak resident set during one forward+backward, on CPU in a
+fresh Python process per case whose allocator returns freed blocks (Linux: reset through
+``/proc/self/clear_refs``); on CUDA ``max_memory_allocated``. Speed
 is reported as ratios to the floor measured beside it, never as absolute claims.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n`` length, ``d`` head dim.
@@ -201,6 +202,61 @@ class PeakMemory:
             _set_mmap_threshold(TIMING_MMAP_THRESHOLD)
 
 
+_MEMORY_SCRIPT = """
+import ctypes, json, sys
+try:
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD: freed blocks go back
+except (OSError, AttributeError):
+    pass
+from posenc.cli.bench import _peak_of_case
+print(json.dumps(_peak_of_case(json.loads(sys.argv[1]))))
+"""
+
+
+def _peak_of_case(spec: dict[str, Any]) -> float | None:
+    """Peak resident-set growth (MiB) of one forward(+backward) of one variant, in this process.
+
+    Run by :func:`_peak_in_subprocess` in a fresh interpreter whose allocator returns every
+    large block on free, so that the resident set follows what is live.
+    """
+    dtype = getattr(torch, spec["dtype"])
+    scheme = SCHEMES[spec["scheme"]](spec["heads"], spec["head_dim"], spec["n"])
+    fn = {"floor": _floor, "posenc": _core(scheme, spec["backend"]), "reference": None}
+    fn["reference"] = _core(scheme, "math")
+    run = fn[spec["variant"]]
+    args = (spec["batch"], spec["heads"], spec["n"], spec["head_dim"], dtype)
+    inputs = _inputs(*args, torch.device("cpu"), spec["backward"])
+    _time_once(run, inputs, spec["backward"], torch.device("cpu"))  # warm-up: lazy init
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # reset the peak resident set to the current one
+    except OSError:
+        return None
+    start = _status_kib("VmRSS") or 0
+    _time_once(run, inputs, spec["backward"], torch.device("cpu"))
+    return ((_status_kib("VmHWM") or 0) - start) / 1024
+
+
+def _peak_in_subprocess(spec: dict[str, Any]) -> float | None:
+    """:func:`_peak_of_case` in a fresh Python process (None when it cannot measure).
+
+    One process per case: in a long-running one, blocks freed by earlier cases are reused
+    from the heap and a peak reads as 0.
+    """
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0 or not result.stdout.strip():
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 @dataclass
 class Case:
     """One (scheme, length) row of the benchmark."""
@@ -284,15 +340,19 @@ def run_bench(
     repeats: int = 3,
     warmup: int = 1,
     reference: bool = True,
+    memory: bool = True,
     progress: Progress | None = None,
 ) -> list[Case]:
     """Benchmark ``schemes`` at ``lengths``; see the module docstring for what is measured.
+
+    ``memory=False`` skips the peak-memory measurement (on CPU it costs one fresh Python
+    process per variant and case); the memory columns then read n/a.
 
     Returns:
         One :class:`Case` per (scheme, length).
     """
     device = torch.device(device)
-    memory = PeakMemory(device)
+    peak = PeakMemory(device)
     cases: list[Case] = []
     for index, (n, name) in enumerate((n, s) for n in lengths for s in schemes):
         if progress is not None:
@@ -327,7 +387,15 @@ def run_bench(
         for key, fn in variants.items():
             case.fwd_bwd_s[key] = statistics.median(samples[key])
             case.fwd_s[key] = statistics.median(fwd_samples[key])
-            case.peak_mib[key] = memory.measure(
+            if not memory:
+                continue
+            if device.type == "cpu" and peak.available:
+                spec = {"scheme": name, "n": n, "batch": batch, "heads": heads}
+                spec |= {"head_dim": head_dim, "dtype": str(dtype).removeprefix("torch.")}
+                spec |= {"backward": backward, "backend": backend, "variant": key}
+                case.peak_mib[key] = _peak_in_subprocess(spec)
+                continue
+            case.peak_mib[key] = peak.measure(
                 lambda fn=fn, inputs=inputs: _time_once(fn, inputs, backward, device)
             )
         cases.append(case)
@@ -415,6 +483,7 @@ def run(args: argparse.Namespace) -> int:
         "backward": not args.no_backward,
         "backend": args.backend,
         "repeats": args.repeats,
+        "memory": not args.no_memory,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
@@ -432,6 +501,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         warmup=args.warmup,
         reference=not args.no_reference,
+        memory=not args.no_memory,
         progress=Progress(len(args.schemes) * len(args.lengths), quiet=args.quiet),
     )
     print(
@@ -473,6 +543,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-backward", action="store_true", help="time the forward only")
     parser.add_argument("--no-reference", action="store_true", help="skip the literal reference")
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip peak memory (one process per case on CPU)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
