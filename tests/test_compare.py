@@ -164,7 +164,7 @@ DDP_SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
-    from posenc.cli.compare import Config, TASKS, _init_distributed, train
+    from posenc.cli.compare import Config, TASKS, _init_distributed, _leave_distributed, train
 
     assert _init_distributed("cpu")
     torch.set_num_threads(1)
@@ -172,7 +172,7 @@ DDP_SCRIPT = textwrap.dedent(
     config = Config(steps=4, batch=8, dim=16, heads=2, layers=1)
     model, losses = train(TASKS["shift"], "t5", 0, config)
     torch.save({"state": model.state_dict(), "losses": losses}, f"{sys.argv[1]}/rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    _leave_distributed()
     """
 )
 
@@ -182,12 +182,20 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    result = subprocess.run(
-        [*torchrun, "--nproc_per_node", "2", str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    # gloo on a loaded machine very rarely aborts a worker in C++ ("terminate called
+    # without an active exception"; seen twice in full suite runs, one of them in CI, and
+    # never in 60 launches on their own, loaded or not):
+    # a launch killed by a signal is tried again, at most twice; any other failure, and
+    # every comparison below, counts at once
+    for _ in range(3):
+        result = subprocess.run(
+            [*torchrun, "--nproc_per_node", "2", str(script), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        if result.returncode == 0 or "Signal 6 (SIGABRT)" not in result.stderr:
+            break
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     for key, value in ranks[0]["state"].items():

@@ -724,6 +724,16 @@ def _init_distributed(device: str) -> bool:
     return True
 
 
+def _leave_distributed() -> None:
+    """Leave the process group together: a barrier first, so that no rank tears its gloo
+    connections down while a peer still talks on them (seen as an occasional SIGABRT,
+    "terminate called without an active exception", on a loaded 2-core machine)."""
+    try:
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``posenc compare``: train, then print and write the results."""
     if args.quick:
@@ -785,7 +795,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.json}")
     finally:
         if started_group:
-            torch.distributed.destroy_process_group()
+            _leave_distributed()
     return 0
 
 
