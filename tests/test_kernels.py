@@ -208,6 +208,75 @@ def test_strong_biases_agree_with_math(monkeypatch, fused):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 
 
+def _offset_scheme(name, heads):
+    from posenc import ALiBi, RelativePositionBias, T5RelativeBias
+
+    torch.manual_seed(1)
+    scheme = {
+        "alibi": lambda: ALiBi(heads),
+        "t5": lambda: T5RelativeBias(heads, num_buckets=8, max_distance=16),
+        "relative": lambda: RelativePositionBias(450, heads),
+    }[name]()
+    for p in scheme.parameters():
+        nn.init.normal_(p, std=2.0)  # learned tables far from zero
+    return scheme
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "relative"])
+@pytest.mark.parametrize(
+    ("q_range", "k_range", "offset_path"),
+    [
+        ((0, 37), (0, 37), True),  # self-attention
+        ((24, 37), (0, 37), True),  # decoding: the last queries against a cache
+        ((0, 300), (0, 300), True),  # ALiBi spans > BIAS_SPAN: raised per offset
+        ((400, 410), (0, 300), None),  # ALiBi: no row meets the best offset -> general path
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_offset_bias_path_equals_math(monkeypatch, name, q_range, k_range, offset_path, dtype):
+    """Consecutive positions, no mask: the per-offset engine, outputs and every gradient."""
+    calls = []
+    apply = kernels._OffsetFusedAttention.apply
+    monkeypatch.setattr(
+        kernels._OffsetFusedAttention, "apply", lambda *a: calls.append(1) or apply(*a)
+    )
+    b, h, d = 2, 3, 8
+    n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 7 * n_k)  # 7 rows a block
+    scheme = _offset_scheme(name, h).to(dtype)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for n in (n_q, n_k, n_k))
+    q_pos, k_pos = torch.arange(*q_range)[None], torch.arange(*k_range)[None]
+    mask = Mask(n_q, n_k)
+    grads = {}
+    for backend in ("math", "lean"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        params = list(scheme.parameters())
+        for p in params:
+            p.grad = None
+        out = run(backend, scheme, *leaves, q_pos, k_pos, mask)
+        (out * torch.linspace(-1, 1, d, dtype=dtype)).sum().backward()
+        grads[backend] = [out, *(t.grad for t in leaves), *(p.grad for p in params)]
+    expected_path = offset_path or (name != "alibi")  # learned tables here span < 60
+    assert bool(calls) == expected_path
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a, atol=tol, rtol=tol)
+
+
+def test_skewed_bias_blocks_are_the_toeplitz_rows():
+    from posenc.indices import toeplitz
+
+    values = torch.randn(3, 11 + 6 - 1)
+    full = toeplitz(values, 11, 6)  # [h, n_q, n_k]
+    skewed = kernels._SkewedBias(values, 11, 6, rows=4)
+    for start in (0, 4, 8):
+        count = min(4, 11 - start)
+        for heads in (slice(0, 3), slice(1, 2)):
+            block = skewed.block(start, count, heads)  # [1, g, count, n_k]
+            torch.testing.assert_close(block[0], full[heads, start : start + count], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("scheme_name", ["none", "bias", "value"])
 def test_masked_keys_have_exactly_no_influence(small_blocks, monkeypatch, fused, scheme_name):

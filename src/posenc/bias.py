@@ -161,15 +161,7 @@ class RelativePositionBias(nn.Module):
         """The dense bias ``[heads, N, N]``."""
         return F.embedding(self.index, self.table).permute(2, 0, 1)  # [N, N, h] -> [h, N, N]
 
-    def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """The bias for token indices ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``.
-
-        Returns:
-            ``[B', heads, n_q, n_k]``.
-
-        Raises:
-            ValueError: a token index outside the window ``[0, N)``.
-        """
+    def _check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
         if len(self.window) == 2:
             for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
                 _check_range(name, pos, self.tokens, f"token indices of a {self.window} window")
@@ -182,13 +174,41 @@ class RelativePositionBias(nn.Module):
                     f"window={self.window[0]} (offsets up to {self.window[0] - 1}); build it "
                     f"with a window of at least {span + 1} or .resize({span + 1})"
                 )
+
+    def offset_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """The 1-D bias per offset when the positions are one consecutive run.
+
+        Returns:
+            ``[heads, n_q + n_k - 1]`` with column ``m`` the bias of offset
+            ``k_pos[0, 0] - q_pos[0, -1] + m`` (see :func:`~posenc.indices.offset_run`), so
+            that ``score_bias == toeplitz(offset_bias)``; None for a 2-D window or other
+            positions.
+
+        Raises:
+            ValueError: a position outside the table (see :meth:`score_bias`).
+        """
         first = offset_run(q_pos, k_pos) if len(self.window) == 1 else None
-        if first is not None:
+        if first is None:
+            return None
+        self._check_positions(q_pos, k_pos)
+        n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
+        offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
+        return self.table[self.window[0] - 1 - offsets].t()  # [h, n_q + n_k - 1]
+
+    def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """The bias for token indices ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``.
+
+        Returns:
+            ``[B', heads, n_q, n_k]``.
+
+        Raises:
+            ValueError: a token index outside the window ``[0, N)``.
+        """
+        values = self.offset_bias(q_pos, k_pos)
+        if values is not None:
             # consecutive positions: one table row per offset, spread along the diagonals
-            n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
-            offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
-            values = self.table[self.window[0] - 1 - offsets].t()  # [h, n_q + n_k - 1]
-            return toeplitz(values, n_q, n_k).unsqueeze(0)  # [1, h, n_q, n_k]
+            return toeplitz(values, q_pos.shape[-1], k_pos.shape[-1]).unsqueeze(0)
+        self._check_positions(q_pos, k_pos)
         index = window_relative_index(q_pos, k_pos, self.window)  # [B', n_q, n_k]
         return gather_rows(self.table, index)  # [B', h, n_q, n_k]
 
@@ -345,17 +365,30 @@ class T5RelativeBias(nn.Module):
         offsets = torch.arange(-reach, reach + 1, device=self.embedding.weight.device)
         return self.embedding(t5_bucket(offsets, **self._bucket_args()))  # [2 reach + 1, h]
 
+    def offset_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """The bias per offset when the positions are one consecutive run.
+
+        Returns:
+            ``[heads, n_q + n_k - 1]`` with column ``m`` the bias of offset
+            ``k_pos[0, 0] - q_pos[0, -1] + m`` (see :func:`~posenc.indices.offset_run`), so
+            that ``score_bias == toeplitz(offset_bias)``; None for other positions.
+        """
+        first = offset_run(q_pos, k_pos)
+        if first is None:
+            return None
+        reach = self.max_distance
+        n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
+        offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
+        rows = offsets.clamp(-reach, reach) + reach  # [n_q + n_k - 1]
+        return self.offset_table()[rows].t()  # [h, n_q + n_k - 1]
+
     def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """The bias for ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
-        reach = self.max_distance
-        first = offset_run(q_pos, k_pos)
-        if first is not None:
+        values = self.offset_bias(q_pos, k_pos)
+        if values is not None:
             # consecutive positions: one bias per offset, spread along the diagonals
-            n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
-            offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
-            rows = offsets.clamp(-reach, reach) + reach  # [n_q + n_k - 1]
-            values = self.offset_table()[rows].t()  # [h, n_q + n_k - 1]
-            return toeplitz(values, n_q, n_k).unsqueeze(0)  # [1, h, n_q, n_k]
+            return toeplitz(values, q_pos.shape[-1], k_pos.shape[-1]).unsqueeze(0)
+        reach = self.max_distance
         rows = relative_distance(q_pos, k_pos).clamp(-reach, reach) + reach  # [B', n_q, n_k]
         return gather_rows(self.offset_table(), rows)  # [B', h, n_q, n_k]
 
@@ -447,18 +480,29 @@ class ALiBi(nn.Module):
         q_pos, k_pos = _lengths(q_len, k_len, offset, torch.device("cpu"))
         return self.score_bias(q_pos, k_pos)[0]
 
+    def offset_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """``-slope_h * |offset|`` per offset when the positions are one consecutive run.
+
+        Returns:
+            ``[heads, n_q + n_k - 1]`` with column ``m`` the bias of offset
+            ``k_pos[0, 0] - q_pos[0, -1] + m`` (see :func:`~posenc.indices.offset_run`), so
+            that ``score_bias == toeplitz(offset_bias)``; None for other positions.
+        """
+        first = offset_run(q_pos, k_pos)
+        if first is None:
+            return None
+        n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
+        offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
+        return -self.slopes(q_pos.device)[:, None] * offsets.abs().float()  # [h, n_q + n_k - 1]
+
     def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """``-slope_h * |k - q|`` for ``q_pos [B', n_q]``, ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
-        slopes = self.slopes(q_pos.device)
-        first = offset_run(q_pos, k_pos)
-        if first is not None:
+        values = self.offset_bias(q_pos, k_pos)
+        if values is not None:
             # consecutive positions: one bias per offset, spread along the diagonals
-            n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
-            offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
-            values = -slopes[:, None] * offsets.abs().float()  # [h, n_q + n_k - 1]
-            return toeplitz(values, n_q, n_k).unsqueeze(0)  # [1, h, n_q, n_k]
+            return toeplitz(values, q_pos.shape[-1], k_pos.shape[-1]).unsqueeze(0)
         distance = relative_distance(q_pos, k_pos).abs().float()  # [B', n_q, n_k]
-        return -slopes[:, None, None] * distance[:, None]
+        return -self.slopes(q_pos.device)[:, None, None] * distance[:, None]
 
     def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
         """``score - slope_h * |k - q|`` as a FlexAttention ``score_mod``."""

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .indices import diagonal_sums
+
 __all__ = ["BACKENDS", "Mask", "attend", "choose_backend", "hooks_of", "lean_block_rows"]
 
 BACKENDS = ("auto", "math", "sdpa", "flex", "lean")
@@ -135,6 +137,7 @@ class Hooks:
     score_bias: Callable[..., Tensor] | None = None
     score_term: Callable[..., Tensor] | None = None
     value_term: Callable[..., Tensor] | None = None
+    offset_bias: Callable[..., Tensor | None] | None = None
     reference_score_term: Callable[..., Tensor] | None = None
     reference_value_term: Callable[..., Tensor] | None = None
     flex_score_mod: Callable[..., Callable[..., Tensor]] | None = None
@@ -430,6 +433,15 @@ def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
     """Sum ``grad`` over the dimensions that were broadcast from size 1 in ``shape``."""
     dims = [i for i, (g, s) in enumerate(zip(grad.shape, shape, strict=True)) if s == 1 and g != 1]
     return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+def _sum_into(dest: Tensor, grad: Tensor) -> None:
+    """``dest[...] = _sum_to(grad, dest.shape)``, the sum written in place (no extra pass)."""
+    dims = [i for i, (g, s) in enumerate(zip(grad.shape, dest.shape, strict=True)) if s == 1 < g]
+    if dims and dest.is_contiguous():
+        torch.sum(grad, dim=dims, keepdim=True, out=dest)
+    else:
+        dest.copy_(_sum_to(grad, dest.shape))
 
 
 def _scheme_parameters(scheme: Any) -> list[Tensor]:
@@ -736,11 +748,11 @@ class _LeanFusedAttention(torch.autograd.Function):
                 grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
                 grad_q[:, hs, blk] = (grad_s @ kh).mul_(scale)
                 grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
-                grad_part = _sum_to(grad_s, _heads_of(term, hs).shape)  # [B'|1, g|1, rows, n_k]
+                # dS summed over what the term broadcast: [B'|1, g|1, rows, n_k]
                 if grad_extra.shape[1] == 1 and hs.start > 0:
-                    grad_extra.add_(grad_part)
+                    grad_extra.add_(_sum_to(grad_s, grad_extra.shape))
                 else:
-                    _heads_of(grad_extra, hs).copy_(grad_part)
+                    _sum_into(_heads_of(grad_extra, hs), grad_s)
             if grad_extra is None:
                 continue
             wrt = ([q_blk] if hooks.score_term is not None else []) + list(params)
@@ -752,6 +764,129 @@ class _LeanFusedAttention(torch.autograd.Function):
                 if g is not None:
                     acc += g
         return (grad_q, grad_k, grad_v, None, None, None, None, None, None, *grad_params)
+
+
+def _offset_kernel_values(values: Tensor, n_q: int, n_k: int) -> Tensor | None:
+    """A per-offset bias ready for the fused kernel: ``[h|1, n_q + n_k - 1]``, detached.
+
+    Far biases are raised to ``BIAS_SPAN`` below the best (see :data:`BIAS_SPAN`). The
+    general path does this row by row; per offset it is the same when every row meets the
+    best offset (self-attention meets offset 0, ALiBi's best), so that the rows' bests are
+    the overall best. None when a head spans more than ``BIAS_SPAN`` and some row misses
+    its best: then the general path must clamp.
+    """
+    values = values.detach()
+    low, high = torch.aminmax(values, dim=-1, keepdim=True)  # [h|1, 1]
+    if float((high - low).max()) <= BIAS_SPAN:
+        return values
+    seen_by_all = values[..., n_q - 1 : n_k]  # offsets every row meets (none when n_q > n_k)
+    if seen_by_all.shape[-1] == 0 or not torch.equal(seen_by_all.amax(-1, keepdim=True), high):
+        return None
+    return torch.maximum(values, high - BIAS_SPAN)
+
+
+class _SkewedBias:
+    """Every block's mask of a per-offset bias as a view of one buffer (no copy per block).
+
+    The buffer ``[h|1, rows, W]`` (``W = n_q + n_k - 1``) holds the values once per row;
+    read with row stride ``W - 1`` from column ``n_q - 1 - start``, row ``i`` of the view is
+    shifted left by ``start + i``: ``view[i, j] = values[j - (start + i) + n_q - 1]``, the
+    bias of query ``start + i`` and key ``j``. The fused kernels read strided masks.
+    """
+
+    def __init__(self, values: Tensor, n_q: int, n_k: int, rows: int) -> None:
+        heads, width = values.shape
+        self.buffer = values[:, None].expand(heads, rows, width).contiguous()  # [h|1, rows, W]
+        self.n_q, self.n_k, self.rows, self.width = n_q, n_k, rows, width
+
+    def block(self, start: int, count: int, heads: slice) -> Tensor:
+        """``[1, g|1, count, n_k]``: the bias of queries ``start .. start + count - 1``."""
+        buffer, w = self.buffer, self.width
+        first = 0 if buffer.shape[0] == 1 else heads.start
+        g = 1 if buffer.shape[0] == 1 else heads.stop - heads.start
+        return buffer.as_strided(
+            (1, g, count, self.n_k),
+            (buffer.numel(), self.rows * w, w - 1, 1),
+            buffer.storage_offset() + first * self.rows * w + self.n_q - 1 - start,
+        )
+
+
+class _OffsetFusedAttention(torch.autograd.Function):
+    """The lean engine for a bias that depends on the offset ``j - i`` only.
+
+    For consecutive positions with no mask, a relative bias (ALiBi, T5, 1-D relative table)
+    is ``toeplitz(values)``. Its masks are views of one :class:`_SkewedBias` buffer, and its
+    gradient is the diagonal sums of ``dS``, added to ``values``'s gradient block by block:
+    no ``[rows, n_k]`` bias is written, clamped or summed.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        values: Tensor,
+        kernel_values: Tensor,
+        scale: float,
+        rows: int,
+    ) -> Tensor:
+        b, h, n_q, _ = q.shape
+        out = torch.empty_like(q)  # [b, h, n_q, d]
+        lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n_q]
+        skewed = _SkewedBias(kernel_values, n_q, k.shape[2], rows)
+        for start in range(0, n_q, rows):
+            blk = slice(start, min(start + rows, n_q))
+            for hs in _head_groups(b, h):
+                attn_mask = skewed.block(start, blk.stop - start, hs)  # [1, g|1, rows, n_k]
+                out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
+                    q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
+                )  # [b, g, rows, d], [b, g, rows]
+        ctx.save_for_backward(q, k, v, out, lse, kernel_values)
+        ctx.scale, ctx.rows, ctx.learn = scale, rows, values.requires_grad
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse, kernel_values = ctx.saved_tensors
+        scale, rows = ctx.scale, ctx.rows
+        b, h, n_q, _ = q.shape
+        n_k = k.shape[2]
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_values = torch.zeros_like(kernel_values) if ctx.learn else None  # [h|1, W]
+        grad_out = grad_out.contiguous()
+        skewed = _SkewedBias(kernel_values, n_q, n_k, rows)
+        for start in range(0, n_q, rows):
+            blk = slice(start, min(start + rows, n_q))
+            count = blk.stop - start
+            for hs in _head_groups(b, h):
+                attn_mask = skewed.block(start, count, hs)  # [1, g|1, rows, n_k]
+                qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, rows | n_k, d]
+                gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
+                if grad_values is None:
+                    gq, gk, gv = _flash_cpu_backward(
+                        gh, qh, kh, vh, oh, lh, 0.0, False, attn_mask=attn_mask, scale=scale
+                    )
+                    grad_q[:, hs, blk] = gq
+                    grad_k[:, hs] += gk
+                    grad_v[:, hs] += gv
+                    continue
+                # written out as in _LeanFusedAttention, for dS = P (dP - D)
+                probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, n_k]
+                probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
+                grad_v[:, hs] += probs.transpose(-2, -1) @ gh
+                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]
+                grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
+                grad_q[:, hs, blk] = (grad_s @ kh).mul_(scale)
+                grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
+                # query start + i, key j: offset column j - i + (n_q - start - count) + count - 1
+                sums = diagonal_sums(grad_s).sum(dim=0)  # [g, count + n_k - 1]
+                cols = slice(n_q - start - count, n_q - start + n_k - 1)
+                if grad_values.shape[0] == 1:
+                    grad_values[:, cols] += sums.sum(dim=0, keepdim=True)
+                else:
+                    grad_values[hs, cols] += sums
+        return grad_q, grad_k, grad_v, grad_values, None, None, None
 
 
 def _lean(
@@ -778,6 +913,14 @@ def _lean(
     rows = lean_block_rows(b if per_batch else q_pos.shape[0], h, n_q, k.shape[2])
     params = _scheme_parameters(scheme)
     engine = _LeanAttention
+    if _fused_cpu_available(q, hooks) and hooks.score_term is None and mask.empty:
+        values = None if hooks.offset_bias is None else hooks.offset_bias(q_pos, k_pos)
+        if values is not None:
+            values = values.to(q.dtype)  # [h|1, n_q + n_k - 1]
+            kernel_values = _offset_kernel_values(values, n_q, k.shape[2])
+            if kernel_values is not None:
+                q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+                return _OffsetFusedAttention.apply(q, k, v, values, kernel_values, scale, rows)
     if _fused_cpu_available(q, hooks):
         engine = _LeanFusedAttention
         # the fused kernels read the last dimension as dense: a rotation written as a view
