@@ -108,6 +108,43 @@ def test_absolute_score_term_any_key_positions_and_batch_rows():
     torch.testing.assert_close(module.score_term(q, q_pos + 100, k_pos), got)
 
 
+def test_absolute_key_shift_is_the_score_term_folded_into_the_keys():
+    torch.manual_seed(1)
+    module = AbsoluteQueryEmbedding(10, 4).double()
+    q = rand(2, 2, 3, 4)
+    q_pos = torch.tensor([[7, 8, 9], [0, 1, 2]])
+    k_pos = torch.tensor([[9, 0, 4, 4, 2], [1, 1, 3, 8, 0]])
+    shift = module.key_shift(q, q_pos, k_pos)  # [B', 1, n_k, d]
+    assert shift.shape == (2, 1, 5, 4)
+    torch.testing.assert_close(q @ shift.transpose(-2, -1), ref_absolute(q, module.weight, k_pos))
+    with pytest.raises(ValueError, match=r"k_pos must lie in \[0, 10\), got values from 0 to 10"):
+        module.key_shift(q, q_pos, torch.tensor([[0, 10, 2]]))
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "lean"])
+def test_absolute_fast_paths_fold_the_term_into_the_keys(monkeypatch, backend):
+    """Not a score term on the fast paths: ``auto`` takes SDPA; equal to math, gradients too."""
+    import posenc.kernels as kernels
+    from posenc.kernels import Mask, attend
+
+    if backend == "auto":
+        monkeypatch.setattr(kernels, "_lean", lambda *a, **k: pytest.fail("auto took lean"))
+    torch.manual_seed(0)
+    module = AbsoluteQueryEmbedding(40, 8).double()
+    q, k, v = (rand(2, 3, n, 8) for n in (5, 12, 12))
+    q_pos, k_pos = arange(5) + 20, torch.stack([arange(12)[0] + 13, arange(12)[0]])
+    mask = Mask(5, 12, key_padding=torch.rand(2, 12) < 0.3)
+    results = {}
+    for name in ("math", backend):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        module.weight.grad = None
+        out, _ = attend(*leaves, scheme=module, q_pos=q_pos, k_pos=k_pos, mask=mask, backend=name)
+        out.square().sum().backward()
+        results[name] = [out, *(t.grad for t in leaves), module.weight.grad]
+    for got, expected in zip(results[backend], results["math"], strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 def test_absolute_is_not_translation_invariant():
     torch.manual_seed(2)
     module = AbsoluteQueryEmbedding(10, 4)

@@ -26,8 +26,13 @@ hook                                       place  what it does
 so that the attention computes ``softmax((q k^T + score_term) / sqrt(d) + score_bias) v +
 value_term``. Optional extras: ``reference_score_term`` / ``reference_value_term`` (a
 literal form that ``backend="math"`` prefers), ``flex_score_mod(q_pos, k_pos)`` (the bias
-as a FlexAttention ``score_mod``), and ``validate_attention(heads, head_dim)`` (called once
-at construction, to reject a scheme built for another shape). Hooks must accept any
+as a FlexAttention ``score_mod``), ``offset_bias(q_pos, k_pos)`` (a relative bias as one
+value per offset, ``[h, n_q + n_k - 1]``, when the positions are one consecutive run:
+the lean engine then never writes the ``[n_q, n_k]`` bias), ``key_shift(q, q_pos, k_pos)``
+(a score term of the key alone, ``q_i . e_j``, as the vector ``e [B', 1, n_k, d]`` added
+to the keys: any kernel computes it, the fused ones included), and
+``validate_attention(heads, head_dim)`` (called once at construction, to reject a scheme
+built for another shape). Hooks must accept any
 positions (a block of queries against all keys, shifted, per-batch), never assume
 ``n_q == n_k``. Masks are the attention's job, never a hook's.
 

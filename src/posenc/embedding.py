@@ -392,15 +392,38 @@ class AbsoluteQueryEmbedding(nn.Module):
                 can be read; under ``torch.compile`` they are clamped into the table).
         """
         q = _check_q(q, self.head_dim)
+        return absolute_query_term(q, self.weight, self._key_positions(q, q_pos, k_pos))
+
+    def key_shift(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """The same term folded into the keys: ``q_i . k_j + q_i . R_j = q_i . (k_j + R_j)``.
+
+        The attention adds this to ``k`` on its fast paths (any kernel computes the term,
+        with no ``[n_q, n_k]`` tensor); ``backend="math"`` keeps :meth:`score_term`.
+
+        Args:
+            q: ``[b, h, n_q, d]`` (checked; sets the dtype).
+            q_pos: ``[B', n_q]`` query positions (checked, unused).
+            k_pos: ``[B', n_k]`` key positions in ``[0, max_len)``.
+
+        Returns:
+            ``[B', 1, n_k, d]`` in ``q``'s dtype.
+
+        Raises:
+            ValueError: as :meth:`score_term`.
+        """
+        q = _check_q(q, self.head_dim)
+        k_pos = self._key_positions(q, q_pos, k_pos)
+        return F.embedding(k_pos, self.weight).to(q.dtype).unsqueeze(1)  # [B', 1, n_k, d]
+
+    def _key_positions(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         _, k_pos = _hook_positions(q, q_pos, k_pos)
-        k_pos = _check_range(
+        return _check_range(
             "k_pos",
             k_pos,
             0,
             self.max_len,
             f"this absolute table has max_len={self.max_len}; build it with a larger max_len",
         )
-        return absolute_query_term(q, self.weight, k_pos)
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention whose head dim differs from ``head_dim``."""

@@ -28,6 +28,7 @@ Positions ``q_pos [B', n_q]`` and ``k_pos [B', n_k]`` have ``B'`` 1 (shared) or 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -138,6 +139,7 @@ class Hooks:
     score_term: Callable[..., Tensor] | None = None
     value_term: Callable[..., Tensor] | None = None
     offset_bias: Callable[..., Tensor | None] | None = None
+    key_shift: Callable[..., Tensor] | None = None
     reference_score_term: Callable[..., Tensor] | None = None
     reference_value_term: Callable[..., Tensor] | None = None
     flex_score_mod: Callable[..., Callable[..., Tensor]] | None = None
@@ -158,7 +160,8 @@ def choose_backend(hooks: Hooks, q: Tensor, *, dropout_p: float = 0.0) -> str:
     """The path ``backend="auto"`` takes: the fastest correct one for these hooks.
 
     - no positional term in the scores (no scheme, or rotary only): ``sdpa``, PyTorch's
-      fused kernel;
+      fused kernel (:func:`attend` first folds a scheme's ``key_shift`` into the keys, so
+      an absolute query embedding lands here too);
     - a score term, a bias or a value term: ``lean``, the memory-lean engine (linear
       memory, fused CPU kernels where it can);
     - with attention dropout in training, which ``lean`` does not do: ``sdpa``, or
@@ -386,6 +389,11 @@ def attend(
     if need_weights or backend == "math":
         out, weights = _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)
         return out, (weights if need_weights else None)
+    if hooks.key_shift is not None and hooks.score_term is not None and backend != "flex":
+        # a term of the key alone: q_i . (k_j + e_j) = q_i . k_j + q_i . e_j, so every kernel
+        # computes it, with no [n_q, n_k] term (the math path keeps the literal form)
+        k = k + hooks.key_shift(q, q_pos, k_pos).to(k.dtype)  # [b, h, n_k, d]
+        hooks = dataclasses.replace(hooks, score_term=None, key_shift=None)
     if backend == "auto":
         backend = choose_backend(hooks, q, dropout_p=dropout_p)
     path = {"math": None, "sdpa": _sdpa, "flex": _flex, "lean": _lean}[backend]
