@@ -264,6 +264,66 @@ def test_offset_bias_path_equals_math(monkeypatch, name, q_range, k_range, offse
         torch.testing.assert_close(c, a, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize(
+    ("q_range", "k_range", "std", "offset_path"),
+    [
+        ((0, 37), (0, 37), 0.5, True),  # self-attention
+        ((24, 37), (0, 37), 0.5, True),  # decoding: the last queries against a cache
+        ((0, 37), (0, 37), 40.0, True),  # a term spanning > BIAS_SPAN: copied and clamped
+        ((0, 37), (3, 40), 0.5, True),  # keys shifted from the queries
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_offset_term_path_equals_math(
+    monkeypatch, per_head, q_range, k_range, std, offset_path, dtype
+):
+    """Relative embedding, consecutive positions, no mask: outputs and every gradient."""
+    from posenc import RelativeQueryEmbedding
+
+    calls = []
+    apply = kernels._OffsetTermAttention.apply
+    monkeypatch.setattr(
+        kernels._OffsetTermAttention, "apply", lambda *a: calls.append(1) or apply(*a)
+    )
+    b, h, d = 2, 3, 8
+    n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 7 * n_k)  # 7 rows a block
+    torch.manual_seed(1)
+    scheme = RelativeQueryEmbedding(45, d, heads=h if per_head else None).to(dtype)
+    nn.init.normal_(scheme.weight, std=std)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for n in (n_q, n_k, n_k))
+    q_pos, k_pos = torch.arange(*q_range)[None], torch.arange(*k_range)[None]
+    mask = Mask(n_q, n_k)
+    grads = {}
+    for backend in ("math", "lean"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        scheme.weight.grad = None
+        out = run(backend, scheme, *leaves, q_pos, k_pos, mask)
+        (out * torch.linspace(-1, 1, d, dtype=dtype)).sum().backward()
+        grads[backend] = [out, *(t.grad for t in leaves), scheme.weight.grad]
+    assert bool(calls) == offset_path
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    if std > 1 and dtype == torch.float32:
+        tol = 1e-4  # logits in the hundreds: float32 rounding of the scores themselves
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a, atol=tol, rtol=tol)
+
+
+def test_offset_term_rejects_offsets_beyond_the_table():
+    from posenc import RelativeQueryEmbedding
+
+    with pytest.raises(
+        ValueError, match=r"offsets k_pos - q_pos range from -9 to 9.*max_len >= 10"
+    ):
+        RelativeQueryEmbedding(6, 4).offset_term(torch.arange(10)[None], torch.arange(10)[None])
+    assert (
+        RelativeQueryEmbedding(6, 4).offset_term(torch.tensor([[0, 2]]), torch.arange(3)[None])
+        is None
+    )
+
+
 def test_skewed_bias_blocks_are_the_toeplitz_rows():
     from posenc.indices import toeplitz
 

@@ -28,7 +28,9 @@ value_term``. Optional extras: ``reference_score_term`` / ``reference_value_term
 literal form that ``backend="math"`` prefers), ``flex_score_mod(q_pos, k_pos)`` (the bias
 as a FlexAttention ``score_mod``), ``offset_bias(q_pos, k_pos)`` (a relative bias as one
 value per offset, ``[h, n_q + n_k - 1]``, when the positions are one consecutive run:
-the lean engine then never writes the ``[n_q, n_k]`` bias), ``key_shift(q, q_pos, k_pos)``
+the lean engine then never writes the ``[n_q, n_k]`` bias), ``offset_term(q_pos, k_pos)``
+(the same for a query term ``q_i . r_(j-i)``: the rows ``r [(h,) n_q + n_k - 1, d]``),
+``key_shift(q, q_pos, k_pos)``
 (a score term of the key alone, ``q_i . e_j``, as the vector ``e [B', 1, n_k, d]`` added
 to the keys: any kernel computes it, the fused ones included), and
 ``validate_attention(heads, head_dim)`` (called once at construction, to reject a scheme

@@ -520,6 +520,25 @@ class RelativeQueryEmbedding(nn.Module):
         _check_offsets(q_pos, k_pos, self.max_len, "RelativeQueryEmbedding")
         return relative_query_term(q, self.weight, q_pos, k_pos)
 
+    def offset_term(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """The table rows the term uses when the positions are one consecutive run.
+
+        Returns:
+            ``[(heads,) n_q + n_k - 1, head_dim]``: row ``m`` embeds offset
+            ``k_pos[0, 0] - q_pos[0, -1] + m`` (see :func:`~posenc.indices.offset_run`), so
+            that ``score_term(q) == skew_rows(q @ rows^T, n_k)``; None for other positions
+            (the lean engine then takes :meth:`score_term`).
+
+        Raises:
+            ValueError: an offset ``|j - i| >= max_len``.
+        """
+        first = offset_run(q_pos, k_pos)
+        if first is None:
+            return None
+        _check_offsets(q_pos, k_pos, self.max_len, "RelativeQueryEmbedding")
+        start = first + self.max_len - 1
+        return self.weight[..., start : start + q_pos.shape[-1] + k_pos.shape[-1] - 1, :]
+
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention with another head dim (or heads, for a per-head table)."""
         _check_heads_and_dim("RelativeQueryEmbedding", self.heads, self.head_dim, heads, head_dim)

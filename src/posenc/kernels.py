@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .indices import diagonal_sums
+from .indices import diagonal_sums, skew_rows
 
 __all__ = ["BACKENDS", "Mask", "attend", "choose_backend", "hooks_of", "lean_block_rows"]
 
@@ -140,6 +140,7 @@ class Hooks:
     value_term: Callable[..., Tensor] | None = None
     offset_bias: Callable[..., Tensor | None] | None = None
     key_shift: Callable[..., Tensor] | None = None
+    offset_term: Callable[..., Tensor | None] | None = None
     reference_score_term: Callable[..., Tensor] | None = None
     reference_value_term: Callable[..., Tensor] | None = None
     flex_score_mod: Callable[..., Callable[..., Tensor]] | None = None
@@ -897,6 +898,98 @@ class _OffsetFusedAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_values, None, None, None
 
 
+class _OffsetTermAttention(torch.autograd.Function):
+    """The lean engine for a query term ``q_i . r_(j-i)`` (relative embedding, Huang et al.).
+
+    For consecutive positions with no mask and no bias, each block's term is the skew of
+    ``q_blk @ r^T`` over the ``rows + n_k - 1`` offsets it meets, handed to the fused kernel
+    as a strided view (no ``[rows, n_k]`` copy). Backward: ``dS`` goes back through the skew
+    into one zero-padded buffer per block shape, then two products give the term's
+    gradients for ``q`` and for the rows ``r``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, table: Tensor, scale: float, rows: int
+    ) -> Tensor:
+        b, h, n_q, _ = q.shape
+        out = torch.empty_like(q)  # [b, h, n_q, d]
+        lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n_q]
+        table = table.detach()
+        for blk, used in _term_blocks(table, n_q, k.shape[2], rows):
+            for hs in _head_groups(b, h):
+                attn_mask = _term_mask(q[:, hs, blk], used, hs, scale, k.shape[2], q)
+                out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
+                    q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
+                )  # [b, g, rows, d], [b, g, rows]
+        ctx.save_for_backward(q, k, v, out, lse, table)
+        ctx.scale, ctx.rows = scale, rows
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse, table = ctx.saved_tensors
+        scale, rows = ctx.scale, ctx.rows
+        b, h, n_q, _ = q.shape
+        n_k = k.shape[2]
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_table = torch.zeros_like(table)  # [(h,) n_q + n_k - 1, d]
+        grad_out = grad_out.contiguous()
+        padded: dict[tuple[int, ...], Tensor] = {}  # dS back through the skew, zero outside
+        for blk, used in _term_blocks(table, n_q, n_k, rows):
+            start, count = blk.start, blk.stop - blk.start
+            cols = slice(n_q - start - count, n_q - start + n_k - 1)  # the offsets it meets
+            for hs in _head_groups(b, h):
+                qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, rows | n_k, d]
+                gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
+                attn_mask = _term_mask(qh, used, hs, scale, n_k, q)  # [b, g, rows, n_k]
+                probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, n_k]
+                probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
+                grad_v[:, hs] += probs.transpose(-2, -1) @ gh
+                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]
+                grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
+                grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
+                shape = (*grad_s.shape[:-1], count + n_k - 1)
+                if shape not in padded:
+                    padded[shape] = grad_s.new_zeros(shape)  # [b, g, rows, rows + n_k - 1]
+                grad_logits = padded[shape]
+                skew_rows(grad_logits, n_k).copy_(grad_s)  # the skew's adjoint
+                used_h = used if used.ndim == 2 else used[hs]  # [(g,) rows + n_k - 1, d]
+                grad_q[:, hs, blk] = (grad_s @ kh).add_(grad_logits @ used_h).mul_(scale)
+                # d r = sum over batch (and heads, for a shared table) of dL^T q
+                per_head = grad_logits.transpose(-2, -1) @ qh  # [b, g, rows + n_k - 1, d]
+                if table.ndim == 2:
+                    grad_table[cols] += per_head.sum(dim=(0, 1)).mul_(scale)
+                else:
+                    grad_table[hs, cols] += per_head.sum(dim=0).mul_(scale)
+        return grad_q, grad_k, grad_v, grad_table, None, None
+
+
+def _term_blocks(
+    table: Tensor, n_q: int, n_k: int, rows: int
+) -> Iterator[tuple[int, slice, Tensor]]:
+    """``(start, rows slice, used rows [(h,) count + n_k - 1, d])`` per block of queries."""
+    for start in range(0, n_q, rows):
+        blk = slice(start, min(start + rows, n_q))
+        count = blk.stop - start
+        yield blk, table[..., n_q - start - count : n_q - start + n_k - 1, :]
+
+
+def _term_mask(
+    q_blk: Tensor, used: Tensor, heads: slice, scale: float, n_k: int, like: Tensor
+) -> Tensor:
+    """A block's query term as the fused kernel's mask: ``[b, g, rows, n_k]``, a strided view
+    of ``scale * q_blk @ used^T`` through the skew (a copy, clamped, only when it spans more
+    than ``BIAS_SPAN``)."""
+    used_h = used if used.ndim == 2 else used[heads]  # [(g,) rows + n_k - 1, d]
+    logits = (q_blk * scale) @ used_h.transpose(-2, -1)  # [b, g, rows, rows + n_k - 1]
+    term = skew_rows(logits, n_k)  # [b, g, rows, n_k], a view
+    low, high = torch.aminmax(logits)
+    if float(high - low) > BIAS_SPAN:
+        return _kernel_mask(term, None, like)  # type: ignore[return-value]
+    return term
+
+
 def _lean(
     q: Tensor,
     k: Tensor,
@@ -921,6 +1014,16 @@ def _lean(
     rows = lean_block_rows(b if per_batch else q_pos.shape[0], h, n_q, k.shape[2])
     params = _scheme_parameters(scheme)
     engine = _LeanAttention
+    if (
+        _fused_cpu_available(q, hooks)
+        and hooks.offset_term is not None
+        and hooks.score_bias is None
+        and mask.empty
+    ):
+        table = hooks.offset_term(q_pos, k_pos)
+        if table is not None:
+            q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+            return _OffsetTermAttention.apply(q, k, v, table.to(q.dtype), scale, rows)
     if _fused_cpu_available(q, hooks) and hooks.score_term is None and mask.empty:
         values = None if hooks.offset_bias is None else hooks.offset_bias(q_pos, k_pos)
         if values is not None:
