@@ -324,6 +324,72 @@ def test_offset_term_rejects_offsets_beyond_the_table():
     )
 
 
+@pytest.mark.parametrize(
+    ("window", "table", "grid_path"),
+    [
+        ((4, 6), "learned", True),
+        ((5, 3), "learned", True),
+        ((4, 6), "peaked", True),  # spans > BIAS_SPAN, best at offset (0, 0): raised
+        ((4, 6), "off-centre", False),  # spans > BIAS_SPAN, best elsewhere: general path
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_grid_bias_path_equals_math(monkeypatch, window, table, grid_path, dtype):
+    """A 2-D table over a whole map, no mask: the map-row engine, outputs and gradients."""
+    from posenc import RelativePositionBias
+
+    calls = []
+    apply = kernels._GridFusedAttention.apply
+    monkeypatch.setattr(
+        kernels._GridFusedAttention, "apply", lambda *a: calls.append(1) or apply(*a)
+    )
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 64)
+    b, h, d = 2, 3, 8
+    n = window[0] * window[1]
+    torch.manual_seed(1)
+    scheme = RelativePositionBias(window, h).to(dtype)
+    with torch.no_grad():
+        nn.init.normal_(scheme.table, std=2.0)
+        if table != "learned":
+            # -10 per unit of distance from the best offset: far keys 70 and more below it
+            rows, cols = torch.meshgrid(
+                torch.arange(2 * window[0] - 1), torch.arange(2 * window[1] - 1), indexing="ij"
+            )
+            best = (window[0] - 1, window[1] - 1) if table == "peaked" else (0, 0)
+            far = (rows - best[0]).abs() + (cols - best[1]).abs()
+            scheme.table.sub_(10.0 * far.flatten()[:, None].to(dtype))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for _ in range(3))
+    pos = torch.arange(n)[None]
+    grads = {}
+    for backend in ("math", "lean"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        scheme.table.grad = None
+        out = run(backend, scheme, *leaves, pos, pos, Mask(n, n))
+        (out * torch.linspace(-1, 1, d, dtype=dtype)).sum().backward()
+        grads[backend] = [out, *(t.grad for t in leaves), scheme.table.grad]
+    assert bool(calls) == grid_path
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a, atol=tol, rtol=tol)
+
+
+def test_grid_bias_is_the_score_bias_by_offsets():
+    from posenc import RelativePositionBias
+
+    scheme = RelativePositionBias((3, 4), 2)
+    pos = torch.arange(12)[None]
+    grid = scheme.grid_bias(pos, pos)  # [h, 5, 7]
+    bias = scheme.score_bias(pos, pos)[0]  # [h, 12, 12]
+    for i in range(12):
+        for j in range(12):
+            dr, dc = j // 4 - i // 4, j % 4 - i % 4
+            torch.testing.assert_close(grid[:, dr + 2, dc + 3], bias[:, i, j], rtol=0, atol=0)
+    assert scheme.grid_bias(pos[:, :6], pos) is None  # not the whole map
+    assert scheme.grid_bias(pos.flip(-1), pos) is None  # not in order
+    assert RelativePositionBias(12, 2).grid_bias(pos, pos) is None  # 1-D
+
+
 def test_skewed_bias_blocks_are_the_toeplitz_rows():
     from posenc.indices import toeplitz
 

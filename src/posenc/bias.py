@@ -195,6 +195,28 @@ class RelativePositionBias(nn.Module):
         offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
         return self.table[self.window[0] - 1 - offsets].t()  # [h, n_q + n_k - 1]
 
+    def grid_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """The 2-D bias per (row offset, column offset) when queries and keys are the whole
+        window in order (``0 .. N-1``, shared by the batch): global attention over a map.
+
+        Returns:
+            ``[heads, 2Wh-1, 2Ww-1]``, entry ``[h, dr + Wh - 1, dc + Ww - 1]`` the bias of a
+            key ``dr`` rows and ``dc`` columns from its query (key minus query), so that
+            ``score_bias[0, h, i, j] = grid[h, r_j - r_i + Wh - 1, c_j - c_i + Ww - 1]``;
+            None for a 1-D window or other positions.
+        """
+        if len(self.window) != 2:
+            return None
+        for pos in (q_pos, k_pos):
+            if pos.shape != (1, self.tokens) or not check._can_inspect(pos):
+                return None
+            if not bool((pos[0] == torch.arange(self.tokens, device=pos.device)).all()):
+                return None
+        wh, ww = self.window
+        # Swin's rows are query minus key: flip both axes to index by key minus query
+        grid = self.table.view(2 * wh - 1, 2 * ww - 1, self.heads).flip(0, 1)
+        return grid.permute(2, 0, 1)  # [h, 2Wh-1, 2Ww-1]
+
     def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """The bias for token indices ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``.
 

@@ -141,6 +141,7 @@ class Hooks:
     offset_bias: Callable[..., Tensor | None] | None = None
     key_shift: Callable[..., Tensor] | None = None
     offset_term: Callable[..., Tensor | None] | None = None
+    grid_bias: Callable[..., Tensor | None] | None = None
     reference_score_term: Callable[..., Tensor] | None = None
     reference_value_term: Callable[..., Tensor] | None = None
     flex_score_mod: Callable[..., Callable[..., Tensor]] | None = None
@@ -990,6 +991,119 @@ def _term_mask(
     return term
 
 
+def _grid_kernel_values(grid: Tensor) -> Tensor | None:
+    """A 2-D per-offset bias ``[h, 2H-1, 2W-1]`` ready for the fused kernel, detached.
+
+    As :func:`_offset_kernel_values`: far biases raised to ``BIAS_SPAN`` below a head's best
+    when every query meets that best, which on a whole map only the offset ``(0, 0)`` is;
+    None when a head spans more than ``BIAS_SPAN`` and its best is elsewhere.
+    """
+    grid = grid.detach()
+    flat = grid.flatten(1)  # [h, (2H-1)(2W-1)]
+    low, high = torch.aminmax(flat, dim=-1, keepdim=True)  # [h, 1]
+    if float((high - low).max()) <= BIAS_SPAN:
+        return grid
+    centre = grid[:, grid.shape[1] // 2, grid.shape[2] // 2, None]  # [h, 1]: offset (0, 0)
+    if not torch.equal(centre, high):
+        return None
+    return torch.maximum(grid, high[..., None] - BIAS_SPAN)
+
+
+class _GridBias:
+    """The masks of a 2-D relative bias over a whole ``H x W`` map, a row of the map at a time.
+
+    The buffer ``[h, W, 2H-1, W]`` holds, for each query column ``c_i``, the bias of every
+    (row offset, key column): ``buffer[h, c_i, dr, c_j] = grid[h, dr, c_j - c_i + W - 1]``.
+    For the queries of map row ``r_i``, reading ``H * W`` values from row offset
+    ``H - 1 - r_i`` gives the keys in order, so a map row's mask ``[1, g, W, H * W]`` is a
+    strided view (row stride ``(2H - 1) W``). The buffer is ``2 h n W`` values, not ``h n^2``.
+    """
+
+    def __init__(self, grid: Tensor) -> None:
+        self.height, self.width = (grid.shape[1] + 1) // 2, (grid.shape[2] + 1) // 2
+        w = self.width
+        cols = torch.arange(w, device=grid.device)
+        dc = cols[None, :] - cols[:, None] + (w - 1)  # [c_i, c_j] -> column offset
+        self.buffer = grid[:, :, dc].permute(0, 2, 1, 3).contiguous()  # [h, W, 2H-1, W]
+
+    def block(self, row: int, heads: slice) -> Tensor:
+        """``[1, g, W, H * W]``: the bias of the queries of map row ``row``."""
+        h, w = self.height, self.width
+        plane = w * (2 * h - 1) * w
+        return self.buffer.as_strided(
+            (1, heads.stop - heads.start, w, h * w),
+            (self.buffer.numel(), plane, (2 * h - 1) * w, 1),
+            self.buffer.storage_offset() + heads.start * plane + (h - 1 - row) * w,
+        )
+
+
+class _GridFusedAttention(torch.autograd.Function):
+    """The lean engine for a 2-D relative bias over a whole map (Swin's table, global).
+
+    One map row of queries per block: the masks are views of one :class:`_GridBias`
+    buffer, and the table's gradient is, per block, ``dS`` summed over the batch and along
+    the column diagonals, added at the block's row offsets.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, grid: Tensor, kernel_grid: Tensor, scale: float
+    ) -> Tensor:
+        b, h = q.shape[:2]
+        out = torch.empty_like(q)  # [b, h, n, d]
+        lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n]
+        masks = _GridBias(kernel_grid)
+        w = masks.width
+        for row in range(masks.height):
+            blk = slice(row * w, (row + 1) * w)
+            for hs in _head_groups(b, h):
+                out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
+                    q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False,
+                    attn_mask=masks.block(row, hs), scale=scale,
+                )  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse, kernel_grid)
+        ctx.scale, ctx.learn = scale, grid.requires_grad
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse, kernel_grid = ctx.saved_tensors
+        scale = ctx.scale
+        b, h = q.shape[:2]
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_grid = torch.zeros_like(kernel_grid) if ctx.learn else None  # [h, 2H-1, 2W-1]
+        grad_out = grad_out.contiguous()
+        masks = _GridBias(kernel_grid)
+        height, w = masks.height, masks.width
+        for row in range(height):
+            blk = slice(row * w, (row + 1) * w)
+            for hs in _head_groups(b, h):
+                attn_mask = masks.block(row, hs)  # [1, g, W, H * W]
+                qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, W | n, d]
+                gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
+                if grad_grid is None:
+                    gq, gk, gv = _flash_cpu_backward(
+                        gh, qh, kh, vh, oh, lh, 0.0, False, attn_mask=attn_mask, scale=scale
+                    )
+                    grad_q[:, hs, blk] = gq
+                    grad_k[:, hs] += gk
+                    grad_v[:, hs] += gv
+                    continue
+                probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, W, n]
+                probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
+                grad_v[:, hs] += probs.transpose(-2, -1) @ gh
+                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, W, n]
+                grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
+                grad_q[:, hs, blk] = (grad_s @ kh).mul_(scale)
+                grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
+                # [g, c_i, r_j, c_j] -> [g, r_j, c_i, c_j]; key row r_j is row offset r_j - row
+                per_key_row = grad_s.sum(dim=0).view(-1, w, height, w).transpose(1, 2)
+                grad_grid[hs, height - 1 - row : 2 * height - 1 - row] += diagonal_sums(
+                    per_key_row
+                )  # [g, H, 2W-1]
+        return grad_q, grad_k, grad_v, grad_grid, None, None
+
+
 def _lean(
     q: Tensor,
     k: Tensor,
@@ -1024,6 +1138,20 @@ def _lean(
         if table is not None:
             q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
             return _OffsetTermAttention.apply(q, k, v, table.to(q.dtype), scale, rows)
+    if (
+        _fused_cpu_available(q, hooks)
+        and hooks.grid_bias is not None
+        and hooks.score_term is None
+        and mask.empty
+        and h * n_q * k.shape[2] > LEAN_BLOCK_ELEMENTS  # else one block holds the whole bias
+    ):
+        grid = hooks.grid_bias(q_pos, k_pos)
+        if grid is not None:
+            grid = grid.to(q.dtype)  # [h, 2H-1, 2W-1]
+            kernel_grid = _grid_kernel_values(grid)
+            if kernel_grid is not None:
+                q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+                return _GridFusedAttention.apply(q, k, v, grid, kernel_grid, scale)
     if _fused_cpu_available(q, hooks) and hooks.score_term is None and mask.empty:
         values = None if hooks.offset_bias is None else hooks.offset_bias(q_pos, k_pos)
         if values is not None:
