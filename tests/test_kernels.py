@@ -374,6 +374,44 @@ def test_grid_bias_path_equals_math(monkeypatch, window, table, grid_path, dtype
         torch.testing.assert_close(c, a, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize(("size", "std"), [((4, 6), 0.5), ((5, 3), 0.5), ((4, 6), 40.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_grid_term_path_equals_math(monkeypatch, per_head, size, std, dtype):
+    """2-D relative embedding over a whole map, no mask: outputs and every gradient."""
+    from posenc import RelativeQueryEmbedding2D
+
+    calls = []
+    apply = kernels._GridTermAttention.apply
+    monkeypatch.setattr(
+        kernels._GridTermAttention, "apply", lambda *a: calls.append(1) or apply(*a)
+    )
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 64)
+    b, h, d = 2, 3, 8
+    n = size[0] * size[1]
+    torch.manual_seed(1)
+    scheme = RelativeQueryEmbedding2D(size, d, heads=h if per_head else None).to(dtype)
+    for table in (scheme.height, scheme.width):
+        nn.init.normal_(table, std=std)  # 40: the term spans > BIAS_SPAN, copied and clamped
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for _ in range(3))
+    pos = torch.arange(n)[None]
+    grads = {}
+    for backend in ("math", "lean"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        scheme.zero_grad()
+        out = run(backend, scheme, *leaves, pos, pos, Mask(n, n))
+        (out * torch.linspace(-1, 1, d, dtype=dtype)).sum().backward()
+        grads[backend] = [out, *(t.grad for t in leaves), scheme.height.grad, scheme.width.grad]
+    assert calls
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    if std > 1 and dtype == torch.float32:
+        tol = 1e-4  # logits in the hundreds: float32 rounding of the scores themselves
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a, atol=tol, rtol=tol)
+    assert scheme.grid_term(pos[:, 1:], pos) is None  # not the whole map: general path
+
+
 def test_grid_bias_is_the_score_bias_by_offsets():
     from posenc import RelativePositionBias
 

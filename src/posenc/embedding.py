@@ -643,6 +643,23 @@ class RelativeQueryEmbedding2D(nn.Module):
         k_pos = _check_range("k_pos", k_pos, 0, cells, fix)
         return relative_query_term_2d(q, self.height, self.width, self.size, q_pos, k_pos)
 
+    def grid_term(self, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The two tables when queries and keys are the whole map in order (``0 .. H*W-1``,
+        shared by the batch): then the lean engine builds the term one map row at a time.
+
+        Returns:
+            ``(height [(h,) 2H-1, d], width [(h,) 2W-1, d])``, row ``dr + H - 1`` and
+            ``dc + W - 1`` for a key ``dr`` rows and ``dc`` columns from its query; None for
+            other positions (the engine then takes :meth:`score_term`).
+        """
+        cells = math.prod(self.size)
+        for pos in (q_pos, k_pos):
+            if pos.shape != (1, cells) or not check._can_inspect(pos):
+                return None
+            if not bool((pos[0] == torch.arange(cells, device=pos.device)).all()):
+                return None
+        return self.height, self.width
+
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention with another head dim (or heads, for per-head tables)."""
         _check_heads_and_dim("RelativeQueryEmbedding2D", self.heads, self.head_dim, heads, head_dim)

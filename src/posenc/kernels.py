@@ -142,6 +142,7 @@ class Hooks:
     key_shift: Callable[..., Tensor] | None = None
     offset_term: Callable[..., Tensor | None] | None = None
     grid_bias: Callable[..., Tensor | None] | None = None
+    grid_term: Callable[..., tuple[Tensor, Tensor] | None] | None = None
     reference_score_term: Callable[..., Tensor] | None = None
     reference_value_term: Callable[..., Tensor] | None = None
     flex_score_mod: Callable[..., Callable[..., Tensor]] | None = None
@@ -1104,6 +1105,101 @@ class _GridFusedAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_grid, None, None
 
 
+def _rows_of(table: Tensor, heads: slice) -> Tensor:
+    """A shared ``[R, d]`` table, or the heads' rows ``[g, R, d]`` of a per-head one."""
+    return table if table.ndim == 2 else table[heads]
+
+
+class _GridTermAttention(torch.autograd.Function):
+    """The lean engine for a 2-D relative embedding over a whole map (SASA / BoTNet).
+
+    One map row ``r`` of queries per block: ``q @ height^T`` gives one logit per key row
+    (the rows ``r_j - r + H - 1``), ``q @ width^T`` skewed gives one per key column; their
+    broadcast sum ``[b, g, W, H, W]`` is the block's mask. Backward: ``dS`` summed over key
+    columns is the height logits' gradient, summed over key rows and sent back through the
+    skew the width logits'; four small products give ``q``'s and the tables' gradients.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, height: Tensor, width: Tensor, scale: float
+    ) -> Tensor:
+        b, h = q.shape[:2]
+        out = torch.empty_like(q)  # [b, h, n, d]
+        lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n]
+        height, width = height.detach(), width.detach()
+        rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
+        for r in range(rows):
+            blk = slice(r * cols, (r + 1) * cols)
+            for hs in _head_groups(b, h):
+                attn_mask = _grid_term_mask(q[:, hs, blk], height, width, hs, r, scale, q)
+                out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
+                    q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
+                )  # [b, g, W, d], [b, g, W]
+        ctx.save_for_backward(q, k, v, out, lse, height, width)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse, height, width = ctx.saved_tensors
+        scale = ctx.scale
+        b, h = q.shape[:2]
+        rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_height, grad_width = torch.zeros_like(height), torch.zeros_like(width)
+        grad_out = grad_out.contiguous()
+        padded: dict[tuple[int, ...], Tensor] = {}  # the skew's adjoint, zero outside
+        for r in range(rows):
+            blk = slice(r * cols, (r + 1) * cols)
+            key_rows = slice(rows - 1 - r, 2 * rows - 1 - r)  # height rows of key rows 0..H-1
+            for hs in _head_groups(b, h):
+                qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, W | n, d]
+                gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
+                attn_mask = _grid_term_mask(qh, height, width, hs, r, scale, q)  # [b, g, W, n]
+                probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, W, n]
+                probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
+                grad_v[:, hs] += probs.transpose(-2, -1) @ gh
+                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, W, n]
+                grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
+                grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
+                per_cell = grad_s.view(*grad_s.shape[:-1], rows, cols)  # [b, g, W, H, W]
+                grad_rows = per_cell.sum(dim=-1)  # [b, g, W, H]: the height logits used
+                shape = (*grad_s.shape[:-1], 2 * cols - 1)
+                if shape not in padded:
+                    padded[shape] = grad_s.new_zeros(shape)  # [b, g, W, 2W-1]
+                grad_cols = padded[shape]
+                skew_rows(grad_cols, cols).copy_(per_cell.sum(dim=-2))  # the width logits
+                used = _rows_of(height, hs)[..., key_rows, :]  # [(g,) H, d]
+                term_q = (grad_rows @ used).add_(grad_cols @ _rows_of(width, hs))
+                grad_q[:, hs, blk] = (grad_s @ kh).add_(term_q).mul_(scale)
+                d_height = (grad_rows.transpose(-2, -1) @ qh).sum(dim=0).mul_(scale)
+                d_width = (grad_cols.transpose(-2, -1) @ qh).sum(dim=0).mul_(scale)
+                if height.ndim == 2:  # a table shared by the heads: [H | 2W-1, d]
+                    grad_height[key_rows] += d_height.sum(dim=0)
+                    grad_width += d_width.sum(dim=0)
+                else:
+                    grad_height[hs, key_rows] += d_height
+                    grad_width[hs] += d_width
+        return grad_q, grad_k, grad_v, grad_height, grad_width, None
+
+
+def _grid_term_mask(
+    q_blk: Tensor, height: Tensor, width: Tensor, heads: slice, r: int, scale: float, like: Tensor
+) -> Tensor:
+    """The 2-D term of the queries of map row ``r``: ``[b, g, W, H * W]``, contiguous."""
+    rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
+    q_scaled = q_blk * scale  # [b, g, W, d]
+    used = _rows_of(height, heads)[..., rows - 1 - r : 2 * rows - 1 - r, :]  # [(g,) H, d]
+    by_row = q_scaled @ used.transpose(-2, -1)  # [b, g, W, H]
+    by_col = skew_rows(q_scaled @ _rows_of(width, heads).transpose(-2, -1), cols)  # [b, g, W, W]
+    term = (by_row[..., :, None] + by_col[..., None, :]).flatten(-2)  # [b, g, W, H * W]
+    low, high = torch.aminmax(term)
+    if float(high - low) > BIAS_SPAN:
+        return _kernel_mask(term, None, like)  # type: ignore[return-value]
+    return term
+
+
 def _lean(
     q: Tensor,
     k: Tensor,
@@ -1138,6 +1234,18 @@ def _lean(
         if table is not None:
             q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
             return _OffsetTermAttention.apply(q, k, v, table.to(q.dtype), scale, rows)
+    if (
+        _fused_cpu_available(q, hooks)
+        and hooks.grid_term is not None
+        and hooks.score_bias is None
+        and mask.empty
+        and h * n_q * k.shape[2] > LEAN_BLOCK_ELEMENTS  # else one block holds the whole term
+    ):
+        tables = hooks.grid_term(q_pos, k_pos)
+        if tables is not None:
+            q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+            height, width = (t.to(q.dtype) for t in tables)
+            return _GridTermAttention.apply(q, k, v, height, width, scale)
     if (
         _fused_cpu_available(q, hooks)
         and hooks.grid_bias is not None
