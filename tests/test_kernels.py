@@ -311,6 +311,43 @@ def test_offset_term_path_equals_math(
         torch.testing.assert_close(c, a, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("values", [True, False])
+@pytest.mark.parametrize(
+    ("q_range", "k_range"), [((0, 37), (0, 37)), ((24, 37), (0, 37)), ((0, 30), (5, 40))]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_shaw_offset_path_equals_math(monkeypatch, values, q_range, k_range, dtype):
+    """Shaw's keys and values, consecutive positions, no mask: against the literal form."""
+    from posenc import ShawRelativePosition
+
+    calls = []
+    apply = kernels._OffsetTermAttention.apply
+    monkeypatch.setattr(
+        kernels._OffsetTermAttention, "apply", lambda *a: calls.append(1) or apply(*a)
+    )
+    b, h, d = 2, 3, 8
+    n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 7 * n_k)  # 7 rows a block
+    torch.manual_seed(1)
+    scheme = ShawRelativePosition(d, 4, values=values).to(dtype)
+    for table in scheme.parameters():
+        nn.init.normal_(table, std=1.0)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for n in (n_q, n_k, n_k))
+    q_pos, k_pos = torch.arange(*q_range)[None], torch.arange(*k_range)[None]
+    grads = {}
+    for backend in ("math", "lean"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        scheme.zero_grad()
+        out = run(backend, scheme, *leaves, q_pos, k_pos, Mask(n_q, n_k))
+        (out * torch.linspace(-1, 1, d, dtype=dtype)).sum().backward()
+        grads[backend] = [out, *(t.grad for t in leaves), *(p.grad for p in scheme.parameters())]
+    assert calls
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a, atol=tol, rtol=tol)
+
+
 def test_offset_term_rejects_offsets_beyond_the_table():
     from posenc import RelativeQueryEmbedding
 

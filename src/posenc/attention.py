@@ -30,6 +30,7 @@ as a FlexAttention ``score_mod``), ``offset_bias(q_pos, k_pos)`` (a relative bia
 value per offset, ``[h, n_q + n_k - 1]``, when the positions are one consecutive run:
 the lean engine then never writes the ``[n_q, n_k]`` bias), ``offset_term(q_pos, k_pos)``
 (the same for a query term ``q_i . r_(j-i)``: the rows ``r [(h,) n_q + n_k - 1, d]``),
+``offset_value(q_pos, k_pos)`` (Shaw's ``a^V`` rows per offset, likewise),
 ``grid_bias(q_pos, k_pos)`` / ``grid_term(q_pos, k_pos)`` (the 2-D counterparts, for
 queries and keys that are a whole ``H x W`` map in order), ``key_shift(q, q_pos, k_pos)``
 (a score term of the key alone, ``q_i . e_j``, as the vector ``e [B', 1, n_k, d]`` added

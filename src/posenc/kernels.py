@@ -28,10 +28,9 @@ Positions ``q_pos [B', n_q]`` and ``k_pos [B', n_k]`` have ``B'`` 1 (shared) or 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -143,6 +142,7 @@ class Hooks:
     offset_term: Callable[..., Tensor | None] | None = None
     grid_bias: Callable[..., Tensor | None] | None = None
     grid_term: Callable[..., tuple[Tensor, Tensor] | None] | None = None
+    offset_value: Callable[..., Tensor | None] | None = None
     reference_score_term: Callable[..., Tensor] | None = None
     reference_value_term: Callable[..., Tensor] | None = None
     flex_score_mod: Callable[..., Callable[..., Tensor]] | None = None
@@ -396,7 +396,7 @@ def attend(
         # a term of the key alone: q_i . (k_j + e_j) = q_i . k_j + q_i . e_j, so every kernel
         # computes it, with no [n_q, n_k] term (the math path keeps the literal form)
         k = k + hooks.key_shift(q, q_pos, k_pos).to(k.dtype)  # [b, h, n_k, d]
-        hooks = dataclasses.replace(hooks, score_term=None, key_shift=None)
+        hooks = replace(hooks, score_term=None, key_shift=None)
     if backend == "auto":
         backend = choose_backend(hooks, q, dropout_p=dropout_p)
     path = {"math": None, "sdpa": _sdpa, "flex": _flex, "lean": _lean}[backend]
@@ -901,43 +901,64 @@ class _OffsetFusedAttention(torch.autograd.Function):
 
 
 class _OffsetTermAttention(torch.autograd.Function):
-    """The lean engine for a query term ``q_i . r_(j-i)`` (relative embedding, Huang et al.).
+    """The lean engine for a query term ``q_i . r_(j-i)`` (relative embedding, Huang et al.;
+    Shaw's keys), with Shaw's value term ``sum_j P_ij a^V_(j-i)`` when given its rows.
 
     For consecutive positions with no mask and no bias, each block's term is the skew of
     ``q_blk @ r^T`` over the ``rows + n_k - 1`` offsets it meets, handed to the fused kernel
-    as a strided view (no ``[rows, n_k]`` copy). Backward: ``dS`` goes back through the skew
-    into one zero-padded buffer per block shape, then two products give the term's
-    gradients for ``q`` and for the rows ``r``.
+    as a strided view (no ``[rows, n_k]`` copy). The value term is ``unskew(P) @ a^V`` with
+    ``P`` recomputed from the kernel's ``logsumexp``. Backward: ``dS`` (and ``P``) go back
+    through the skew into zero-padded buffers reused per block shape; small products give
+    the gradients of ``q`` and of the rows.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, table: Tensor, scale: float, rows: int
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        table: Tensor,
+        value_rows: Tensor | None,
+        scale: float,
+        rows: int,
     ) -> Tensor:
         b, h, n_q, _ = q.shape
+        n_k = k.shape[2]
         out = torch.empty_like(q)  # [b, h, n_q, d]
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n_q]
         table = table.detach()
-        for blk, used in _term_blocks(table, n_q, k.shape[2], rows):
+        value_rows = None if value_rows is None else value_rows.detach()
+        padded: dict[tuple[int, ...], Tensor] = {}
+        for blk, used in _term_blocks(table, n_q, n_k, rows):
             for hs in _head_groups(b, h):
-                attn_mask = _term_mask(q[:, hs, blk], used, hs, scale, k.shape[2], q)
-                out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
-                    q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
+                qh = q[:, hs, blk]  # [b, g, rows, d]
+                attn_mask = _term_mask(qh, used, hs, scale, n_k, q)  # [b, g, rows, n_k]
+                out_blk, lse[:, hs, blk] = _flash_cpu(
+                    qh, k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
                 )  # [b, g, rows, d], [b, g, rows]
-        ctx.save_for_backward(q, k, v, out, lse, table)
+                if value_rows is not None:
+                    probs = torch.matmul(qh * scale, k[:, hs].transpose(-2, -1))
+                    probs = probs.add_(attn_mask).sub_(lse[:, hs, blk, None]).exp_()
+                    by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
+                    rows_v = _block_rows(value_rows, n_q, n_k, blk)
+                    out_blk = out_blk + by_offset @ _rows_of(rows_v, hs)
+                out[:, hs, blk] = out_blk
+        ctx.save_for_backward(q, k, v, out, lse, table, value_rows)
         ctx.scale, ctx.rows = scale, rows
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse, table = ctx.saved_tensors
+        q, k, v, out, lse, table, value_rows = ctx.saved_tensors
         scale, rows = ctx.scale, ctx.rows
         b, h, n_q, _ = q.shape
         n_k = k.shape[2]
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         grad_table = torch.zeros_like(table)  # [(h,) n_q + n_k - 1, d]
+        grad_values = None if value_rows is None else torch.zeros_like(value_rows)
         grad_out = grad_out.contiguous()
-        padded: dict[tuple[int, ...], Tensor] = {}  # dS back through the skew, zero outside
+        padded: dict[tuple[int, ...], Tensor] = {}  # through the skew, zero outside
         for blk, used in _term_blocks(table, n_q, n_k, rows):
             start, count = blk.start, blk.stop - blk.start
             cols = slice(n_q - start - count, n_q - start + n_k - 1)  # the offsets it meets
@@ -948,23 +969,45 @@ class _OffsetTermAttention(torch.autograd.Function):
                 probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, n_k]
                 probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
                 grad_v[:, hs] += probs.transpose(-2, -1) @ gh
-                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]
+                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]: dP through v
+                if value_rows is not None and grad_values is not None:
+                    rows_v = _rows_of(value_rows[..., cols, :], hs)  # [(g,) rows + n_k - 1, d]
+                    grad_s += skew_rows(gh @ rows_v.transpose(-2, -1), n_k)  # dP through a^V
+                    by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
+                    _add_rows(grad_values, cols, hs, by_offset.transpose(-2, -1) @ gh, 1.0)
+                # D = dO . O with O the whole output (a^V included): sum_j P_ij dP_ij
                 grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
                 grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
-                shape = (*grad_s.shape[:-1], count + n_k - 1)
-                if shape not in padded:
-                    padded[shape] = grad_s.new_zeros(shape)  # [b, g, rows, rows + n_k - 1]
-                grad_logits = padded[shape]
-                skew_rows(grad_logits, n_k).copy_(grad_s)  # the skew's adjoint
-                used_h = used if used.ndim == 2 else used[hs]  # [(g,) rows + n_k - 1, d]
+                grad_logits = _unskew(grad_s, padded, "s")  # [b, g, rows, rows + n_k - 1]
+                used_h = _rows_of(used, hs)  # [(g,) rows + n_k - 1, d]
                 grad_q[:, hs, blk] = (grad_s @ kh).add_(grad_logits @ used_h).mul_(scale)
-                # d r = sum over batch (and heads, for a shared table) of dL^T q
-                per_head = grad_logits.transpose(-2, -1) @ qh  # [b, g, rows + n_k - 1, d]
-                if table.ndim == 2:
-                    grad_table[cols] += per_head.sum(dim=(0, 1)).mul_(scale)
-                else:
-                    grad_table[hs, cols] += per_head.sum(dim=0).mul_(scale)
-        return grad_q, grad_k, grad_v, grad_table, None, None
+                _add_rows(grad_table, cols, hs, grad_logits.transpose(-2, -1) @ qh, scale)
+        return grad_q, grad_k, grad_v, grad_table, grad_values, None, None
+
+
+def _unskew(x: Tensor, padded: dict[tuple[Any, ...], Tensor], tag: str) -> Tensor:
+    """``x [b, g, rows, n_k]`` back through the skew: ``[b, g, rows, rows + n_k - 1]``, row
+    ``i`` shifted right by ``rows - 1 - i``, zero elsewhere (a buffer reused per shape)."""
+    key = (tag, *x.shape)
+    if key not in padded:
+        padded[key] = x.new_zeros(*x.shape[:-1], x.shape[-2] + x.shape[-1] - 1)
+    skew_rows(padded[key], x.shape[-1]).copy_(x)
+    return padded[key]
+
+
+def _block_rows(rows_all: Tensor, n_q: int, n_k: int, blk: slice) -> Tensor:
+    """The rows ``[(h,) count + n_k - 1, d]`` of the offsets that a block of queries meets."""
+    return rows_all[..., n_q - blk.stop : n_q - blk.start + n_k - 1, :]
+
+
+def _add_rows(grad: Tensor, cols: slice, heads: slice, per_head: Tensor, scale: float) -> None:
+    """Add ``per_head [b, g, offsets, d]`` (times ``scale``) to a table's rows ``cols``:
+    summed over the batch, and over the heads when the table is shared."""
+    summed = per_head.sum(dim=0).mul_(scale)  # [g, offsets, d]
+    if grad.ndim == 2:
+        grad[cols] += summed.sum(dim=0)
+    else:
+        grad[heads, cols] += summed
 
 
 def _term_blocks(
@@ -973,8 +1016,7 @@ def _term_blocks(
     """``(start, rows slice, used rows [(h,) count + n_k - 1, d])`` per block of queries."""
     for start in range(0, n_q, rows):
         blk = slice(start, min(start + rows, n_q))
-        count = blk.stop - start
-        yield blk, table[..., n_q - start - count : n_q - start + n_k - 1, :]
+        yield blk, _block_rows(table, n_q, n_k, blk)
 
 
 def _term_mask(
@@ -1225,15 +1267,21 @@ def _lean(
     params = _scheme_parameters(scheme)
     engine = _LeanAttention
     if (
-        _fused_cpu_available(q, hooks)
+        _fused_cpu_available(q, replace(hooks, value_term=None))
         and hooks.offset_term is not None
         and hooks.score_bias is None
         and mask.empty
+        and (hooks.value_term is None or hooks.offset_value is not None)
     ):
         table = hooks.offset_term(q_pos, k_pos)
-        if table is not None:
+        value_rows = None
+        if hooks.value_term is not None and hooks.offset_value is not None:
+            value_rows = hooks.offset_value(q_pos, k_pos)
+        if table is not None and (hooks.value_term is None or value_rows is not None):
             q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-            return _OffsetTermAttention.apply(q, k, v, table.to(q.dtype), scale, rows)
+            table = table.to(q.dtype)  # [(h,) n_q + n_k - 1, d]
+            value_rows = None if value_rows is None else value_rows.to(q.dtype)
+            return _OffsetTermAttention.apply(q, k, v, table, value_rows, scale, rows)
     if (
         _fused_cpu_available(q, hooks)
         and hooks.grid_term is not None

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from .embedding import _check_q, _gather, _hook_positions
-from .indices import clipped_distance
+from .indices import clipped_distance, offset_run
 
 __all__ = [
     "ShawRelativePosition",
@@ -329,6 +329,33 @@ class ShawRelativePosition(nn.Module):
         if not self.has_values:
             raise AttributeError("reference_value_term: built with values=False")
         return self._reference_value_term
+
+    def _offset_rows(self, table: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        first = offset_run(q_pos, k_pos)
+        if first is None:
+            return None
+        k = self.max_distance
+        count = q_pos.shape[-1] + k_pos.shape[-1] - 1
+        offsets = torch.arange(first, first + count, device=table.device)
+        return table[offsets.clamp(-k, k) + k]  # [n_q + n_k - 1, d]
+
+    def offset_term(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """``a^K`` per offset when the positions are one consecutive run (lean engine).
+
+        Returns:
+            ``[n_q + n_k - 1, head_dim]``: row ``m`` is ``w^K[clip(first + m, -k, k) + k]``
+            with ``first = k_pos[0, 0] - q_pos[0, -1]``, so that the key term is
+            ``skew_rows(q @ rows^T, n_k)``; None for other positions.
+        """
+        return self._offset_rows(self.keys, q_pos, k_pos)
+
+    @property
+    def offset_value(self) -> Callable[[Tensor, Tensor], Tensor | None]:
+        """``offset_value(q_pos, k_pos)``: ``a^V`` per offset, as :meth:`offset_term` for
+        ``w^V`` (the value term is ``unskew(weights) @ rows``); absent when ``values=False``."""
+        if not self.has_values:
+            raise AttributeError("offset_value: built with values=False (relative keys only)")
+        return lambda q_pos, k_pos: self._offset_rows(self.values, q_pos, k_pos)
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention whose head dim differs from ``head_dim`` (tables are shared
