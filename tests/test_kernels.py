@@ -348,6 +348,41 @@ def test_shaw_offset_path_equals_math(monkeypatch, values, q_range, k_range, dty
         torch.testing.assert_close(c, a, atol=tol, rtol=tol)
 
 
+class CyclicTerm(nn.Module):
+    """``q_i . table[(j - i) mod 5]``: an offset_term given as (table, index) whose index is
+    not a clipped run (the engine takes the rows themselves)."""
+
+    def __init__(self, head_dim):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5, head_dim))
+
+    def score_term(self, q, q_pos, k_pos):
+        rel = (k_pos[:, None, :] - q_pos[:, :, None]) % 5  # [B', n_q, n_k]
+        return torch.einsum("bhid,bijd->bhij", q, self.table[rel].expand(q.shape[0], -1, -1, -1))
+
+    def offset_term(self, q_pos, k_pos):
+        first = int(k_pos[0, 0] - q_pos[0, -1])
+        offsets = torch.arange(first, first + q_pos.shape[-1] + k_pos.shape[-1] - 1)
+        return self.table, offsets % 5
+
+
+def test_offset_term_with_any_index_equals_math(monkeypatch):
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 2 * 2 * 5 * 19)  # 5 rows a block
+    torch.manual_seed(0)
+    scheme = CyclicTerm(8).double()
+    q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64) for n in (13, 19, 19))
+    q_pos, k_pos = torch.arange(6, 19)[None], torch.arange(19)[None]
+    results = {}
+    for backend in ("math", "lean"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        scheme.table.grad = None
+        out = run(backend, scheme, *leaves, q_pos, k_pos, Mask(13, 19))
+        out.square().sum().backward()
+        results[backend] = [out, *(t.grad for t in leaves), scheme.table.grad]
+    for got, expected in zip(results["lean"], results["math"], strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 def test_offset_term_rejects_offsets_beyond_the_table():
     from posenc import RelativeQueryEmbedding
 

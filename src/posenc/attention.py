@@ -29,7 +29,9 @@ literal form that ``backend="math"`` prefers), ``flex_score_mod(q_pos, k_pos)`` 
 as a FlexAttention ``score_mod``), ``offset_bias(q_pos, k_pos)`` (a relative bias as one
 value per offset, ``[h, n_q + n_k - 1]``, when the positions are one consecutive run:
 the lean engine then never writes the ``[n_q, n_k]`` bias), ``offset_term(q_pos, k_pos)``
-(the same for a query term ``q_i . r_(j-i)``: the rows ``r [(h,) n_q + n_k - 1, d]``),
+(the same for a query term ``q_i . r_(j-i)``: the rows ``r [(h,) n_q + n_k - 1, d]``, or
+``(table, index)`` with ``r = table[index]``, which lets a clipped table such as Shaw's
+skip its repeated rows),
 ``offset_value(q_pos, k_pos)`` (Shaw's ``a^V`` rows per offset, likewise),
 ``grid_bias(q_pos, k_pos)`` / ``grid_term(q_pos, k_pos)`` (the 2-D counterparts, for
 queries and keys that are a whole ``H x W`` map in order), ``key_shift(q, q_pos, k_pos)``

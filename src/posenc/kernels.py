@@ -900,6 +900,87 @@ class _OffsetFusedAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_values, None, None, None
 
 
+class _Rows:
+    """The rows ``r_m`` of the offsets a block of queries meets, for :class:`_OffsetTermAttention`.
+
+    Given as rows ``[(h,) W, d]``, or as a table ``[(h,) R, d]`` with an index per offset
+    (``r_m = table[index[m]]``). A clipped index (Shaw: ``clip(offset, -k, k) + k``: a run
+    of the first row, single rows, a run of the last row) is kept as its ``R`` distinct rows
+    and the runs' lengths: ``x @ r^T`` is then a product with ``R`` rows spread over the
+    runs, and ``x @ r`` the runs' sums times ``R`` rows, not products over all ``W`` offsets.
+    """
+
+    def __init__(self, table: Tensor, index: Tensor | None, cols: slice) -> None:
+        self.runs: tuple[int, int] | None = None
+        self.target: slice | Tensor = cols
+        if index is None:
+            self.rows = table[..., cols, :]  # [(h,) W, d]
+            return
+        idx = index[cols]  # [W] rows of the table
+        first, last = int(idx[0]), int(idx[-1])
+        lead, tail = int((idx == first).sum()), int((idx == last).sum())
+        parts = [torch.full((lead,), first, dtype=idx.dtype, device=idx.device)]
+        if first != last:  # a run of first, first + 1 .. last - 1 once each, a run of last
+            parts.append(torch.arange(first + 1, last, dtype=idx.dtype, device=idx.device))
+            parts.append(torch.full((tail,), last, dtype=idx.dtype, device=idx.device))
+        clipped = torch.cat(parts)
+        if clipped.shape != idx.shape or not torch.equal(clipped, idx):
+            self.rows, self.target = table[..., idx, :], idx  # any index: the rows themselves
+            return
+        self.runs = (lead, tail if first != last else 0)
+        self.rows, self.target = table[..., first : last + 1, :], slice(first, last + 1)
+
+    def of(self, heads: slice) -> Tensor:
+        """``[(g,) R | W, d]``: the rows of these heads (all of a shared table)."""
+        return self.rows if self.rows.ndim == 2 else self.rows[heads]
+
+    def spread(self, x: Tensor) -> Tensor:
+        """``[..., R]`` per distinct row -> ``[..., W]`` per offset (a copy)."""
+        if self.runs is None:
+            return x
+        lead, tail = self.runs
+        if tail == 0:  # one row for every offset
+            return x.expand(*x.shape[:-1], lead).contiguous()
+        left = x[..., :1].expand(*x.shape[:-1], lead)
+        right = x[..., -1:].expand(*x.shape[:-1], tail)
+        return torch.cat((left, x[..., 1:-1], right), dim=-1)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """``[..., W]`` per offset -> ``[..., R]`` summed per distinct row (the adjoint)."""
+        if self.runs is None:
+            return x
+        lead, tail = self.runs
+        if tail == 0:
+            return x.sum(dim=-1, keepdim=True)
+        width = x.shape[-1]
+        left = x[..., :lead].sum(dim=-1, keepdim=True)
+        right = x[..., width - tail :].sum(dim=-1, keepdim=True)
+        return torch.cat((left, x[..., lead : width - tail], right), dim=-1)
+
+    def logits(self, x: Tensor, heads: slice) -> Tensor:
+        """``x @ r^T``: ``[b, g, rows, d] -> [b, g, rows, W]``."""
+        return self.spread(x @ self.of(heads).transpose(-2, -1))
+
+    def combine(self, x: Tensor, heads: slice) -> Tensor:
+        """``x @ r``: ``[b, g, rows, W] -> [b, g, rows, d]``."""
+        return self.gather(x) @ self.of(heads)
+
+    def add_grad(self, grad: Tensor, heads: slice, x: Tensor, y: Tensor, scale: float) -> None:
+        """Add ``scale * x^T @ y`` (``x [b, g, rows, W]``, ``y [b, g, rows, d]``) to the
+        whole table's gradient ``grad``, summed over the batch (and the heads, if shared)."""
+        rows = (self.gather(x).transpose(-2, -1) @ y).sum(dim=0).mul_(scale)  # [g, R | W, d]
+        if grad.ndim == 2:
+            rows = rows.sum(dim=0)  # [R | W, d]
+            if isinstance(self.target, slice):
+                grad[self.target] += rows
+            else:
+                grad.index_add_(0, self.target, rows)
+        elif isinstance(self.target, slice):
+            grad[heads, self.target] += rows
+        else:
+            grad[heads].index_add_(1, self.target, rows)
+
+
 class _OffsetTermAttention(torch.autograd.Function):
     """The lean engine for a query term ``q_i . r_(j-i)`` (relative embedding, Huang et al.;
     Shaw's keys), with Shaw's value term ``sum_j P_ij a^V_(j-i)`` when given its rows.
@@ -909,7 +990,8 @@ class _OffsetTermAttention(torch.autograd.Function):
     as a strided view (no ``[rows, n_k]`` copy). The value term is ``unskew(P) @ a^V`` with
     ``P`` recomputed from the kernel's ``logsumexp``. Backward: ``dS`` (and ``P``) go back
     through the skew into zero-padded buffers reused per block shape; small products give
-    the gradients of ``q`` and of the rows.
+    the gradients of ``q`` and of the rows. Rows given as a clipped table (see
+    :class:`_Rows`) make every product with them ``R`` rows wide instead of ``W``.
     """
 
     @staticmethod
@@ -919,7 +1001,8 @@ class _OffsetTermAttention(torch.autograd.Function):
         k: Tensor,
         v: Tensor,
         table: Tensor,
-        value_rows: Tensor | None,
+        value_table: Tensor | None,
+        index: Tensor | None,
         scale: float,
         rows: int,
     ) -> Tensor:
@@ -928,61 +1011,60 @@ class _OffsetTermAttention(torch.autograd.Function):
         out = torch.empty_like(q)  # [b, h, n_q, d]
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n_q]
         table = table.detach()
-        value_rows = None if value_rows is None else value_rows.detach()
-        padded: dict[tuple[int, ...], Tensor] = {}
-        for blk, used in _term_blocks(table, n_q, n_k, rows):
+        value_table = None if value_table is None else value_table.detach()
+        padded: dict[tuple[Any, ...], Tensor] = {}
+        for blk, cols in _term_blocks(n_q, n_k, rows):
+            keys = _Rows(table, index, cols)
+            values = None if value_table is None else _Rows(value_table, index, cols)
             for hs in _head_groups(b, h):
                 qh = q[:, hs, blk]  # [b, g, rows, d]
-                attn_mask = _term_mask(qh, used, hs, scale, n_k, q)  # [b, g, rows, n_k]
+                attn_mask = _term_mask(qh, keys, hs, scale, n_k, q)  # [b, g, rows, n_k]
                 out_blk, lse[:, hs, blk] = _flash_cpu(
                     qh, k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
                 )  # [b, g, rows, d], [b, g, rows]
-                if value_rows is not None:
+                if values is not None:
                     probs = torch.matmul(qh * scale, k[:, hs].transpose(-2, -1))
                     probs = probs.add_(attn_mask).sub_(lse[:, hs, blk, None]).exp_()
                     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
-                    rows_v = _block_rows(value_rows, n_q, n_k, blk)
-                    out_blk = out_blk + by_offset @ _rows_of(rows_v, hs)
+                    out_blk = out_blk + values.combine(by_offset, hs)
                 out[:, hs, blk] = out_blk
-        ctx.save_for_backward(q, k, v, out, lse, table, value_rows)
+        ctx.save_for_backward(q, k, v, out, lse, table, value_table, index)
         ctx.scale, ctx.rows = scale, rows
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse, table, value_rows = ctx.saved_tensors
+        q, k, v, out, lse, table, value_table, index = ctx.saved_tensors
         scale, rows = ctx.scale, ctx.rows
         b, h, n_q, _ = q.shape
         n_k = k.shape[2]
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        grad_table = torch.zeros_like(table)  # [(h,) n_q + n_k - 1, d]
-        grad_values = None if value_rows is None else torch.zeros_like(value_rows)
+        grad_table = torch.zeros_like(table)  # [(h,) R | n_q + n_k - 1, d]
+        grad_values = None if value_table is None else torch.zeros_like(value_table)
         grad_out = grad_out.contiguous()
-        padded: dict[tuple[int, ...], Tensor] = {}  # through the skew, zero outside
-        for blk, used in _term_blocks(table, n_q, n_k, rows):
-            start, count = blk.start, blk.stop - blk.start
-            cols = slice(n_q - start - count, n_q - start + n_k - 1)  # the offsets it meets
+        padded: dict[tuple[Any, ...], Tensor] = {}  # through the skew, zero outside
+        for blk, cols in _term_blocks(n_q, n_k, rows):
+            keys = _Rows(table, index, cols)
+            values = None if value_table is None else _Rows(value_table, index, cols)
             for hs in _head_groups(b, h):
                 qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, rows | n_k, d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
-                attn_mask = _term_mask(qh, used, hs, scale, n_k, q)  # [b, g, rows, n_k]
+                attn_mask = _term_mask(qh, keys, hs, scale, n_k, q)  # [b, g, rows, n_k]
                 probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, n_k]
                 probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
                 grad_v[:, hs] += probs.transpose(-2, -1) @ gh
                 grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]: dP through v
-                if value_rows is not None and grad_values is not None:
-                    rows_v = _rows_of(value_rows[..., cols, :], hs)  # [(g,) rows + n_k - 1, d]
-                    grad_s += skew_rows(gh @ rows_v.transpose(-2, -1), n_k)  # dP through a^V
+                if values is not None and grad_values is not None:
+                    grad_s += skew_rows(values.logits(gh, hs), n_k)  # dP through a^V
                     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
-                    _add_rows(grad_values, cols, hs, by_offset.transpose(-2, -1) @ gh, 1.0)
+                    values.add_grad(grad_values, hs, by_offset, gh, 1.0)
                 # D = dO . O with O the whole output (a^V included): sum_j P_ij dP_ij
                 grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
                 grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
                 grad_logits = _unskew(grad_s, padded, "s")  # [b, g, rows, rows + n_k - 1]
-                used_h = _rows_of(used, hs)  # [(g,) rows + n_k - 1, d]
-                grad_q[:, hs, blk] = (grad_s @ kh).add_(grad_logits @ used_h).mul_(scale)
-                _add_rows(grad_table, cols, hs, grad_logits.transpose(-2, -1) @ qh, scale)
-        return grad_q, grad_k, grad_v, grad_table, grad_values, None, None
+                grad_q[:, hs, blk] = (grad_s @ kh).add_(keys.combine(grad_logits, hs)).mul_(scale)
+                keys.add_grad(grad_table, hs, grad_logits, qh, scale)
+        return grad_q, grad_k, grad_v, grad_table, grad_values, None, None, None
 
 
 def _unskew(x: Tensor, padded: dict[tuple[Any, ...], Tensor], tag: str) -> Tensor:
@@ -995,38 +1077,21 @@ def _unskew(x: Tensor, padded: dict[tuple[Any, ...], Tensor], tag: str) -> Tenso
     return padded[key]
 
 
-def _block_rows(rows_all: Tensor, n_q: int, n_k: int, blk: slice) -> Tensor:
-    """The rows ``[(h,) count + n_k - 1, d]`` of the offsets that a block of queries meets."""
-    return rows_all[..., n_q - blk.stop : n_q - blk.start + n_k - 1, :]
-
-
-def _add_rows(grad: Tensor, cols: slice, heads: slice, per_head: Tensor, scale: float) -> None:
-    """Add ``per_head [b, g, offsets, d]`` (times ``scale``) to a table's rows ``cols``:
-    summed over the batch, and over the heads when the table is shared."""
-    summed = per_head.sum(dim=0).mul_(scale)  # [g, offsets, d]
-    if grad.ndim == 2:
-        grad[cols] += summed.sum(dim=0)
-    else:
-        grad[heads, cols] += summed
-
-
-def _term_blocks(
-    table: Tensor, n_q: int, n_k: int, rows: int
-) -> Iterator[tuple[int, slice, Tensor]]:
-    """``(start, rows slice, used rows [(h,) count + n_k - 1, d])`` per block of queries."""
+def _term_blocks(n_q: int, n_k: int, rows: int) -> Iterator[tuple[slice, slice]]:
+    """``(query rows, the offsets they meet)`` per block: queries ``start + i`` against
+    keys ``j`` meet offsets ``j - i``, columns ``n_q - stop .. n_q - start + n_k - 2``."""
     for start in range(0, n_q, rows):
-        blk = slice(start, min(start + rows, n_q))
-        yield blk, _block_rows(table, n_q, n_k, blk)
+        stop = min(start + rows, n_q)
+        yield slice(start, stop), slice(n_q - stop, n_q - start + n_k - 1)
 
 
 def _term_mask(
-    q_blk: Tensor, used: Tensor, heads: slice, scale: float, n_k: int, like: Tensor
+    q_blk: Tensor, keys: _Rows, heads: slice, scale: float, n_k: int, like: Tensor
 ) -> Tensor:
     """A block's query term as the fused kernel's mask: ``[b, g, rows, n_k]``, a strided view
-    of ``scale * q_blk @ used^T`` through the skew (a copy, clamped, only when it spans more
+    of ``scale * q_blk @ r^T`` through the skew (a copy, clamped, only when it spans more
     than ``BIAS_SPAN``)."""
-    used_h = used if used.ndim == 2 else used[heads]  # [(g,) rows + n_k - 1, d]
-    logits = (q_blk * scale) @ used_h.transpose(-2, -1)  # [b, g, rows, rows + n_k - 1]
+    logits = keys.logits(q_blk * scale, heads)  # [b, g, rows, rows + n_k - 1]
     term = skew_rows(logits, n_k)  # [b, g, rows, n_k], a view
     low, high = torch.aminmax(logits)
     if float(high - low) > BIAS_SPAN:
@@ -1242,6 +1307,26 @@ def _grid_term_mask(
     return term
 
 
+def _offset_rows(
+    rows: Tensor | tuple[Tensor, Tensor] | None,
+) -> tuple[Tensor, Tensor | None] | None:
+    """An ``offset_term`` / ``offset_value`` result as ``(table, index or None)``."""
+    if rows is None or isinstance(rows, tuple):
+        return rows
+    return rows, None
+
+
+def _same_index(a: Tensor | None, b: Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _expand_rows(table: Tensor, index: Tensor | None) -> Tensor:
+    """The rows ``[(h,) W, d]`` themselves: ``table[..., index, :]``."""
+    return table if index is None else table[..., index, :]
+
+
 def _lean(
     q: Tensor,
     k: Tensor,
@@ -1273,15 +1358,21 @@ def _lean(
         and mask.empty
         and (hooks.value_term is None or hooks.offset_value is not None)
     ):
-        table = hooks.offset_term(q_pos, k_pos)
-        value_rows = None
+        term = _offset_rows(hooks.offset_term(q_pos, k_pos))
+        value = None
         if hooks.value_term is not None and hooks.offset_value is not None:
-            value_rows = hooks.offset_value(q_pos, k_pos)
-        if table is not None and (hooks.value_term is None or value_rows is not None):
+            value = _offset_rows(hooks.offset_value(q_pos, k_pos))
+        if term is not None and (hooks.value_term is None or value is not None):
             q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-            table = table.to(q.dtype)  # [(h,) n_q + n_k - 1, d]
-            value_rows = None if value_rows is None else value_rows.to(q.dtype)
-            return _OffsetTermAttention.apply(q, k, v, table, value_rows, scale, rows)
+            (table, index), value_table = term, None
+            if value is not None:
+                value_table, value_index = value
+                if not _same_index(index, value_index):  # use the rows themselves
+                    table, value_table = _expand_rows(table, index), _expand_rows(*value)
+                    index = None
+            table = table.to(q.dtype)  # [(h,) R | n_q + n_k - 1, d]
+            value_table = None if value_table is None else value_table.to(q.dtype)
+            return _OffsetTermAttention.apply(q, k, v, table, value_table, index, scale, rows)
     if (
         _fused_cpu_available(q, hooks)
         and hooks.grid_term is not None

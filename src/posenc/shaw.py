@@ -330,32 +330,39 @@ class ShawRelativePosition(nn.Module):
             raise AttributeError("reference_value_term: built with values=False")
         return self._reference_value_term
 
-    def _offset_rows(self, table: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+    def _offset_index(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         first = offset_run(q_pos, k_pos)
         if first is None:
             return None
         k = self.max_distance
         count = q_pos.shape[-1] + k_pos.shape[-1] - 1
-        offsets = torch.arange(first, first + count, device=table.device)
-        return table[offsets.clamp(-k, k) + k]  # [n_q + n_k - 1, d]
+        offsets = torch.arange(first, first + count, device=self.keys.device)
+        return offsets.clamp(-k, k) + k  # [n_q + n_k - 1] rows of the tables
 
-    def offset_term(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+    def offset_term(self, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor] | None:
         """``a^K`` per offset when the positions are one consecutive run (lean engine).
 
         Returns:
-            ``[n_q + n_k - 1, head_dim]``: row ``m`` is ``w^K[clip(first + m, -k, k) + k]``
-            with ``first = k_pos[0, 0] - q_pos[0, -1]``, so that the key term is
-            ``skew_rows(q @ rows^T, n_k)``; None for other positions.
+            ``(w^K [2k+1, head_dim], index [n_q + n_k - 1])``: offset
+            ``first + m`` (``first = k_pos[0, 0] - q_pos[0, -1]``) has the row
+            ``w^K[index[m]] = w^K[clip(first + m, -k, k) + k]``, so that the key term is
+            ``skew_rows(q @ w^K[index]^T, n_k)``; None for other positions.
         """
-        return self._offset_rows(self.keys, q_pos, k_pos)
+        index = self._offset_index(q_pos, k_pos)
+        return None if index is None else (self.keys, index)
 
     @property
-    def offset_value(self) -> Callable[[Tensor, Tensor], Tensor | None]:
-        """``offset_value(q_pos, k_pos)``: ``a^V`` per offset, as :meth:`offset_term` for
-        ``w^V`` (the value term is ``unskew(weights) @ rows``); absent when ``values=False``."""
+    def offset_value(self) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor] | None]:
+        """``offset_value(q_pos, k_pos)``: ``(w^V, index)`` as :meth:`offset_term` (the value
+        term is ``unskew(weights) @ w^V[index]``); absent when ``values=False``."""
         if not self.has_values:
             raise AttributeError("offset_value: built with values=False (relative keys only)")
-        return lambda q_pos, k_pos: self._offset_rows(self.values, q_pos, k_pos)
+
+        def rows(q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor] | None:
+            index = self._offset_index(q_pos, k_pos)
+            return None if index is None else (self.values, index)
+
+        return rows
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention whose head dim differs from ``head_dim`` (tables are shared
