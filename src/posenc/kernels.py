@@ -777,7 +777,9 @@ class _LeanFusedAttention(torch.autograd.Function):
         return (grad_q, grad_k, grad_v, None, None, None, None, None, None, *grad_params)
 
 
-def _offset_kernel_values(values: Tensor, n_q: int, n_k: int) -> Tensor | None:
+def _offset_kernel_values(
+    values: Tensor, n_q: int, n_k: int, *, causal: bool = False
+) -> Tensor | None:
     """A per-offset bias ready for the fused kernel: ``[h|1, n_q + n_k - 1]``, detached.
 
     Far biases are raised to ``BIAS_SPAN`` below the best (see :data:`BIAS_SPAN`). The
@@ -785,15 +787,23 @@ def _offset_kernel_values(values: Tensor, n_q: int, n_k: int) -> Tensor | None:
     best offset (self-attention meets offset 0, ALiBi's best), so that the rows' bests are
     the overall best. None when a head spans more than ``BIAS_SPAN`` and some row misses
     its best: then the general path must clamp.
+
+    A causal mask (aligned at the end, ``n_q <= n_k``) hides the columns ``n_k ..`` (key
+    index minus query index above ``n_k - n_q``): they are set to ``-inf``, every row keeps
+    at least its diagonal.
     """
     values = values.detach()
-    low, high = torch.aminmax(values, dim=-1, keepdim=True)  # [h|1, 1]
-    if float((high - low).max()) <= BIAS_SPAN:
-        return values
-    seen_by_all = values[..., n_q - 1 : n_k]  # offsets every row meets (none when n_q > n_k)
-    if seen_by_all.shape[-1] == 0 or not torch.equal(seen_by_all.amax(-1, keepdim=True), high):
-        return None
-    return torch.maximum(values, high - BIAS_SPAN)
+    visible = values[..., :n_k] if causal else values
+    low, high = torch.aminmax(visible, dim=-1, keepdim=True)  # [h|1, 1]
+    if float((high - low).max()) > BIAS_SPAN:
+        seen_by_all = values[..., n_q - 1 : n_k]  # offsets every row meets (none if n_q > n_k)
+        if seen_by_all.shape[-1] == 0 or not torch.equal(seen_by_all.amax(-1, keepdim=True), high):
+            return None
+        values = torch.maximum(values, high - BIAS_SPAN)
+    if causal:
+        hidden = torch.arange(n_k, values.shape[-1], device=values.device)
+        values = values.index_fill(-1, hidden, float("-inf"))  # a copy: values stay intact
+    return values
 
 
 class _SkewedBias:
@@ -810,13 +820,14 @@ class _SkewedBias:
         self.buffer = values[:, None].expand(heads, rows, width).contiguous()  # [h|1, rows, W]
         self.n_q, self.n_k, self.rows, self.width = n_q, n_k, rows, width
 
-    def block(self, start: int, count: int, heads: slice) -> Tensor:
-        """``[1, g|1, count, n_k]``: the bias of queries ``start .. start + count - 1``."""
+    def block(self, start: int, count: int, heads: slice, keys: int | None = None) -> Tensor:
+        """``[1, g|1, count, keys]``: the bias of queries ``start .. start + count - 1`` for
+        the first ``keys`` keys (default all)."""
         buffer, w = self.buffer, self.width
         first = 0 if buffer.shape[0] == 1 else heads.start
         g = 1 if buffer.shape[0] == 1 else heads.stop - heads.start
         return buffer.as_strided(
-            (1, g, count, self.n_k),
+            (1, g, count, self.n_k if keys is None else keys),
             (buffer.numel(), self.rows * w, w - 1, 1),
             buffer.storage_offset() + first * self.rows * w + self.n_q - 1 - start,
         )
@@ -828,7 +839,9 @@ class _OffsetFusedAttention(torch.autograd.Function):
     For consecutive positions with no mask, a relative bias (ALiBi, T5, 1-D relative table)
     is ``toeplitz(values)``. Its masks are views of one :class:`_SkewedBias` buffer, and its
     gradient is the diagonal sums of ``dS``, added to ``values``'s gradient block by block:
-    no ``[rows, n_k]`` bias is written, clamped or summed.
+    no ``[rows, n_k]`` bias is written, clamped or summed. Under a causal mask (folded into
+    the values as ``-inf``) a block stops at the last key its queries see: the kernel skips
+    about half the work, as with its own causal flag.
     """
 
     @staticmethod
@@ -841,6 +854,7 @@ class _OffsetFusedAttention(torch.autograd.Function):
         kernel_values: Tensor,
         scale: float,
         rows: int,
+        causal: bool,
     ) -> Tensor:
         b, h, n_q, _ = q.shape
         out = torch.empty_like(q)  # [b, h, n_q, d]
@@ -848,13 +862,15 @@ class _OffsetFusedAttention(torch.autograd.Function):
         skewed = _SkewedBias(kernel_values, n_q, k.shape[2], rows)
         for start in range(0, n_q, rows):
             blk = slice(start, min(start + rows, n_q))
+            seen = _keys_seen(blk, n_q, k.shape[2], causal)
             for hs in _head_groups(b, h):
-                attn_mask = skewed.block(start, blk.stop - start, hs)  # [1, g|1, rows, n_k]
+                attn_mask = skewed.block(start, blk.stop - start, hs, seen)  # [1, g|1, rows, seen]
                 out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
-                    q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
-                )  # [b, g, rows, d], [b, g, rows]
+                    q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen], 0.0, False,
+                    attn_mask=attn_mask, scale=scale,
+                )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, kernel_values)
-        ctx.scale, ctx.rows, ctx.learn = scale, rows, values.requires_grad
+        ctx.scale, ctx.rows, ctx.learn, ctx.causal = scale, rows, values.requires_grad, causal
         return out
 
     @staticmethod
@@ -870,34 +886,41 @@ class _OffsetFusedAttention(torch.autograd.Function):
         for start in range(0, n_q, rows):
             blk = slice(start, min(start + rows, n_q))
             count = blk.stop - start
+            seen = _keys_seen(blk, n_q, n_k, ctx.causal)
             for hs in _head_groups(b, h):
-                attn_mask = skewed.block(start, count, hs)  # [1, g|1, rows, n_k]
-                qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, rows | n_k, d]
+                attn_mask = skewed.block(start, count, hs, seen)  # [1, g|1, rows, seen]
+                qh, kh, vh = q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen]  # [b, g, ., d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
                 if grad_values is None:
                     gq, gk, gv = _flash_cpu_backward(
                         gh, qh, kh, vh, oh, lh, 0.0, False, attn_mask=attn_mask, scale=scale
                     )
                     grad_q[:, hs, blk] = gq
-                    grad_k[:, hs] += gk
-                    grad_v[:, hs] += gv
+                    grad_k[:, hs, :seen] += gk
+                    grad_v[:, hs, :seen] += gv
                     continue
                 # written out as in _LeanFusedAttention, for dS = P (dP - D)
                 probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, n_k]
                 probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
-                grad_v[:, hs] += probs.transpose(-2, -1) @ gh
-                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]
+                grad_v[:, hs, :seen] += probs.transpose(-2, -1) @ gh
+                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, seen]
                 grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
                 grad_q[:, hs, blk] = (grad_s @ kh).mul_(scale)
-                grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
+                grad_k[:, hs, :seen] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
                 # query start + i, key j: offset column j - i + (n_q - start - count) + count - 1
-                sums = diagonal_sums(grad_s).sum(dim=0)  # [g, count + n_k - 1]
-                cols = slice(n_q - start - count, n_q - start + n_k - 1)
+                sums = diagonal_sums(grad_s).sum(dim=0)  # [g, count + seen - 1]
+                cols = slice(n_q - start - count, n_q - start + seen - 1)
                 if grad_values.shape[0] == 1:
                     grad_values[:, cols] += sums.sum(dim=0, keepdim=True)
                 else:
                     grad_values[hs, cols] += sums
-        return grad_q, grad_k, grad_v, grad_values, None, None, None
+        return grad_q, grad_k, grad_v, grad_values, None, None, None, None
+
+
+def _keys_seen(blk: slice, n_q: int, n_k: int, causal: bool) -> int:
+    """How many keys the queries ``blk`` see: all, or under a causal mask aligned at the end
+    up to key ``blk.stop - 1 + n_k - n_q``."""
+    return min(n_k, blk.stop + n_k - n_q) if causal else n_k
 
 
 class _Rows:
@@ -1399,14 +1422,18 @@ def _lean(
             if kernel_grid is not None:
                 q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
                 return _GridFusedAttention.apply(q, k, v, grid, kernel_grid, scale)
-    if _fused_cpu_available(q, hooks) and hooks.score_term is None and mask.empty:
+    # a causal mask alone hides the offsets above n_k - n_q: a per-offset mask
+    causal_only = replace(mask, causal=False).empty and n_q <= k.shape[2]
+    if _fused_cpu_available(q, hooks) and hooks.score_term is None and causal_only:
         values = None if hooks.offset_bias is None else hooks.offset_bias(q_pos, k_pos)
         if values is not None:
             values = values.to(q.dtype)  # [h|1, n_q + n_k - 1]
-            kernel_values = _offset_kernel_values(values, n_q, k.shape[2])
+            kernel_values = _offset_kernel_values(values, n_q, k.shape[2], causal=mask.causal)
             if kernel_values is not None:
                 q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-                return _OffsetFusedAttention.apply(q, k, v, values, kernel_values, scale, rows)
+                return _OffsetFusedAttention.apply(
+                    q, k, v, values, kernel_values, scale, rows, mask.causal
+                )
     if _fused_cpu_available(q, hooks):
         engine = _LeanFusedAttention
         # the fused kernels read the last dimension as dense: a rotation written as a view
