@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from posenc.cli import main
 from posenc.cli.bench import SCHEMES
@@ -37,6 +38,27 @@ def test_every_scheme_runs_forward_only(capsys):
     out = capsys.readouterr().out
     for name in SCHEMES:
         assert f"| {name} | 8 |" in out
+
+
+def test_causal_bench_masks_posenc_and_the_floor(tmp_path, capsys, monkeypatch):
+    import posenc.cli.bench as bench
+
+    seen = []
+    floor = bench._causal_floor
+    monkeypatch.setattr(bench, "_causal_floor", lambda *a: seen.append("floor") or floor(*a))
+    record = tmp_path / "bench.json"
+    argv = ["bench", "--schemes", "alibi", "--lengths", "16", "--batch", "1", "--heads", "2"]
+    argv += ["--head-dim", "8", "--repeats", "1", "--warmup", "0", "--no-memory", "--quiet"]
+    assert main([*argv, "--causal", "--json", str(record)]) == 0
+    assert "causal, median of 1" in capsys.readouterr().out
+    assert json.loads(record.read_text())["config"]["causal"] is True
+    assert seen  # the floor ran with SDPA's causal flag
+    core = bench._core(bench.SCHEMES["alibi"](2, 8, 16), "auto", causal=True)
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    expected = bench._core(bench.SCHEMES["alibi"](2, 8, 16), "math", causal=True)(q, k, v)
+    torch.testing.assert_close(core(q, k, v), expected)
+    # causal: the first query sees only the first key
+    torch.testing.assert_close(expected[:, :, 0], v[:, :, 0])
 
 
 @pytest.mark.parametrize(

@@ -221,8 +221,9 @@ def _peak_of_case(spec: dict[str, Any]) -> float | None:
     """
     dtype = getattr(torch, spec["dtype"])
     scheme = SCHEMES[spec["scheme"]](spec["heads"], spec["head_dim"], spec["n"])
-    fn = {"floor": _floor, "posenc": _core(scheme, spec["backend"]), "reference": None}
-    fn["reference"] = _core(scheme, "math")
+    causal = spec.get("causal", False)
+    fn = {"floor": _floor_of(causal), "posenc": _core(scheme, spec["backend"], causal)}
+    fn["reference"] = _core(scheme, "math", causal)
     run = fn[spec["variant"]]
     args = (spec["batch"], spec["heads"], spec["n"], spec["head_dim"], dtype)
     inputs = _inputs(*args, torch.device("cpu"), spec["backward"])
@@ -292,8 +293,10 @@ def _inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.de
     ]
 
 
-def _core(scheme: Any, backend: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """posenc's attention core: the scheme's rotation, then :func:`attend`."""
+def _core(
+    scheme: Any, backend: str, causal: bool = False
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """posenc's attention core: the scheme's rotation, then :func:`attend` (causal or not)."""
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n = q.shape[2]
@@ -302,7 +305,14 @@ def _core(scheme: Any, backend: str) -> Callable[[Tensor, Tensor, Tensor], Tenso
         if rotate is not None:
             q, k = rotate(q, k, pos, pos)
         out, _ = attend(
-            q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(n, n), backend=backend
+            q,
+            k,
+            v,
+            scheme=scheme,
+            q_pos=pos,
+            k_pos=pos,
+            mask=Mask(n, n, causal=causal),
+            backend=backend,
         )
         return out
 
@@ -311,6 +321,15 @@ def _core(scheme: Any, backend: str) -> Callable[[Tensor, Tensor, Tensor], Tenso
 
 def _floor(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v)
+
+
+def _causal_floor(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _floor_of(causal: bool) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The floor: SDPA without positions, with its own causal flag under a causal mask."""
+    return _causal_floor if causal else _floor
 
 
 def _time_once(fn: Callable[..., Tensor], inputs: list[Tensor], backward: bool, device) -> float:
@@ -341,11 +360,13 @@ def run_bench(
     warmup: int = 1,
     reference: bool = True,
     memory: bool = True,
+    causal: bool = False,
     progress: Progress | None = None,
 ) -> list[Case]:
     """Benchmark ``schemes`` at ``lengths``; see the module docstring for what is measured.
 
-    ``memory=False`` skips the peak-memory measurement (on CPU it costs one fresh Python
+    ``causal=True`` measures causal attention (a causal mask for posenc and the reference,
+    SDPA's own causal flag for the floor). ``memory=False`` skips the peak-memory measurement (on CPU it costs one fresh Python
     process per variant and case); the memory columns then read n/a.
 
     Returns:
@@ -362,15 +383,15 @@ def run_bench(
             scheme = scheme.to(device=device)
         case = Case(name, n, backend)
         variants: dict[str, Callable[..., Tensor]] = {
-            "floor": _floor,
-            "posenc": _core(scheme, backend),
+            "floor": _floor_of(causal),
+            "posenc": _core(scheme, backend, causal),
         }
         itemsize = torch.finfo(dtype).bits // 8
         if (
             reference
             and _reference_bytes(name, batch, heads, n, head_dim, itemsize) <= REFERENCE_BUDGET
         ):
-            variants["reference"] = _core(scheme, "math")
+            variants["reference"] = _core(scheme, "math", causal)
         elif reference:
             case.skipped["reference"] = "does not fit the memory budget"
         inputs = _inputs(batch, heads, n, head_dim, dtype, device, backward)
@@ -393,6 +414,7 @@ def run_bench(
                 spec = {"scheme": name, "n": n, "batch": batch, "heads": heads}
                 spec |= {"head_dim": head_dim, "dtype": str(dtype).removeprefix("torch.")}
                 spec |= {"backward": backward, "backend": backend, "variant": key}
+                spec |= {"causal": causal}
                 case.peak_mib[key] = _peak_in_subprocess(spec)
                 continue
             case.peak_mib[key] = peak.measure(
@@ -484,6 +506,7 @@ def run(args: argparse.Namespace) -> int:
         "backend": args.backend,
         "repeats": args.repeats,
         "memory": not args.no_memory,
+        "causal": args.causal,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
@@ -502,12 +525,14 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         reference=not args.no_reference,
         memory=not args.no_memory,
+        causal=args.causal,
         progress=Progress(len(args.schemes) * len(args.lengths), quiet=args.quiet),
     )
     print(
         f"posenc bench: b={args.batch} h={args.heads} d={args.head_dim} {args.dtype} on "
-        f"{args.device}, backend={args.backend}, median of {args.repeats}; ratios to plain "
-        f"SDPA without positions (floor) and to the literal implementation (reference)\n"
+        f"{args.device}, backend={args.backend}, {'causal, ' if args.causal else ''}median "
+        f"of {args.repeats}; ratios to plain SDPA without positions (floor) and to the "
+        f"literal implementation (reference)\n"
     )
     print(format_table(cases, backward=not args.no_backward))
     if args.json is not None:
@@ -545,6 +570,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-reference", action="store_true", help="skip the literal reference")
     parser.add_argument(
         "--no-memory", action="store_true", help="skip peak memory (one process per case on CPU)"
+    )
+    parser.add_argument(
+        "--causal",
+        action="store_true",
+        help="causal attention (the floor then uses SDPA's is_causal)",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
