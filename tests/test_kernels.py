@@ -281,10 +281,12 @@ def test_offset_bias_path_equals_math(
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
 def test_offset_term_path_equals_math(
-    monkeypatch, per_head, q_range, k_range, std, offset_path, dtype
+    monkeypatch, per_head, q_range, k_range, std, offset_path, dtype, causal
 ):
-    """Relative embedding, consecutive positions, no mask: outputs and every gradient."""
+    """Relative embedding, consecutive positions, no mask or a causal one: outputs and
+    every gradient."""
     from posenc import RelativeQueryEmbedding
 
     calls = []
@@ -301,7 +303,7 @@ def test_offset_term_path_equals_math(
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for n in (n_q, n_k, n_k))
     q_pos, k_pos = torch.arange(*q_range)[None], torch.arange(*k_range)[None]
-    mask = Mask(n_q, n_k)
+    mask = Mask(n_q, n_k, causal=causal)
     grads = {}
     for backend in ("math", "lean"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -322,8 +324,10 @@ def test_offset_term_path_equals_math(
     ("q_range", "k_range"), [((0, 37), (0, 37)), ((24, 37), (0, 37)), ((0, 30), (5, 40))]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_shaw_offset_path_equals_math(monkeypatch, values, q_range, k_range, dtype):
-    """Shaw's keys and values, consecutive positions, no mask: against the literal form."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_shaw_offset_path_equals_math(monkeypatch, values, q_range, k_range, dtype, causal):
+    """Shaw's keys and values, consecutive positions, no mask or a causal one: against the
+    literal form."""
     from posenc import ShawRelativePosition
 
     calls = []
@@ -345,7 +349,7 @@ def test_shaw_offset_path_equals_math(monkeypatch, values, q_range, k_range, dty
     for backend in ("math", "lean"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         scheme.zero_grad()
-        out = run(backend, scheme, *leaves, q_pos, k_pos, Mask(n_q, n_k))
+        out = run(backend, scheme, *leaves, q_pos, k_pos, Mask(n_q, n_k, causal=causal))
         (out * torch.linspace(-1, 1, d, dtype=dtype)).sum().backward()
         grads[backend] = [out, *(t.grad for t in leaves), *(p.grad for p in scheme.parameters())]
     assert calls
@@ -387,6 +391,25 @@ def test_offset_term_with_any_index_equals_math(monkeypatch):
         results[backend] = [out, *(t.grad for t in leaves), scheme.table.grad]
     for got, expected in zip(results["lean"], results["math"], strict=True):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("std", [0.5, 40.0])  # 40: a term spanning > BIAS_SPAN, clamped
+def test_offset_term_future_keys_have_exactly_no_influence(monkeypatch, std):
+    from posenc import RelativeQueryEmbedding
+
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 1 * 2 * 4 * 12)  # 4 rows a block
+    torch.manual_seed(0)
+    scheme = RelativeQueryEmbedding(12, 4)
+    nn.init.normal_(scheme.weight, std=std)
+    q, k, v = (torch.randn(1, 2, 12, 4) for _ in range(3))
+    pos = torch.arange(12)[None]
+    mask = Mask(12, 12, causal=True)
+    out = run("lean", scheme, q, k, v, pos, pos, mask)
+    v2 = v.clone()
+    v2[:, :, 11] = 1e30  # only the last query may see the last key
+    torch.testing.assert_close(
+        run("lean", scheme, q, k, v2, pos, pos, mask)[:, :, :11], out[:, :, :11], rtol=0, atol=0
+    )
 
 
 def test_offset_term_rejects_offsets_beyond_the_table():

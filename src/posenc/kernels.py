@@ -1014,7 +1014,9 @@ class _OffsetTermAttention(torch.autograd.Function):
     ``P`` recomputed from the kernel's ``logsumexp``. Backward: ``dS`` (and ``P``) go back
     through the skew into zero-padded buffers reused per block shape; small products give
     the gradients of ``q`` and of the rows. Rows given as a clipped table (see
-    :class:`_Rows`) make every product with them ``R`` rows wide instead of ``W``.
+    :class:`_Rows`) make every product with them ``R`` rows wide instead of ``W``. Under a
+    causal mask each block stops at the last key it sees, and the offsets its queries may
+    not see are ``-inf`` in its logits.
     """
 
     @staticmethod
@@ -1028,6 +1030,7 @@ class _OffsetTermAttention(torch.autograd.Function):
         index: Tensor | None,
         scale: float,
         rows: int,
+        causal: bool,
     ) -> Tensor:
         b, h, n_q, _ = q.shape
         n_k = k.shape[2]
@@ -1036,23 +1039,23 @@ class _OffsetTermAttention(torch.autograd.Function):
         table = table.detach()
         value_table = None if value_table is None else value_table.detach()
         padded: dict[tuple[Any, ...], Tensor] = {}
-        for blk, cols in _term_blocks(n_q, n_k, rows):
+        for blk, cols, seen in _term_blocks(n_q, n_k, rows, causal):
             keys = _Rows(table, index, cols)
             values = None if value_table is None else _Rows(value_table, index, cols)
             for hs in _head_groups(b, h):
-                qh = q[:, hs, blk]  # [b, g, rows, d]
-                attn_mask = _term_mask(qh, keys, hs, scale, n_k, q)  # [b, g, rows, n_k]
+                qh, kh, vh = q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen]  # [b, g, ., d]
+                attn_mask = _term_mask(qh, keys, hs, scale, seen, q, causal)  # [b, g, rows, seen]
                 out_blk, lse[:, hs, blk] = _flash_cpu(
-                    qh, k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
+                    qh, kh, vh, 0.0, False, attn_mask=attn_mask, scale=scale
                 )  # [b, g, rows, d], [b, g, rows]
                 if values is not None:
-                    probs = torch.matmul(qh * scale, k[:, hs].transpose(-2, -1))
+                    probs = torch.matmul(qh * scale, kh.transpose(-2, -1))
                     probs = probs.add_(attn_mask).sub_(lse[:, hs, blk, None]).exp_()
                     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
                     out_blk = out_blk + values.combine(by_offset, hs)
                 out[:, hs, blk] = out_blk
         ctx.save_for_backward(q, k, v, out, lse, table, value_table, index)
-        ctx.scale, ctx.rows = scale, rows
+        ctx.scale, ctx.rows, ctx.causal = scale, rows, causal
         return out
 
     @staticmethod
@@ -1066,28 +1069,28 @@ class _OffsetTermAttention(torch.autograd.Function):
         grad_values = None if value_table is None else torch.zeros_like(value_table)
         grad_out = grad_out.contiguous()
         padded: dict[tuple[Any, ...], Tensor] = {}  # through the skew, zero outside
-        for blk, cols in _term_blocks(n_q, n_k, rows):
+        for blk, cols, seen in _term_blocks(n_q, n_k, rows, ctx.causal):
             keys = _Rows(table, index, cols)
             values = None if value_table is None else _Rows(value_table, index, cols)
             for hs in _head_groups(b, h):
-                qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, rows | n_k, d]
+                qh, kh, vh = q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen]  # [b, g, ., d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
-                attn_mask = _term_mask(qh, keys, hs, scale, n_k, q)  # [b, g, rows, n_k]
-                probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, n_k]
+                attn_mask = _term_mask(qh, keys, hs, scale, seen, q, ctx.causal)
+                probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, seen]
                 probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
-                grad_v[:, hs] += probs.transpose(-2, -1) @ gh
-                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]: dP through v
+                grad_v[:, hs, :seen] += probs.transpose(-2, -1) @ gh
+                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, seen]: dP through v
                 if values is not None and grad_values is not None:
-                    grad_s += skew_rows(values.logits(gh, hs), n_k)  # dP through a^V
+                    grad_s += skew_rows(values.logits(gh, hs), seen)  # dP through a^V
                     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
                     values.add_grad(grad_values, hs, by_offset, gh, 1.0)
                 # D = dO . O with O the whole output (a^V included): sum_j P_ij dP_ij
                 grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
-                grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
+                grad_k[:, hs, :seen] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
                 grad_logits = _unskew(grad_s, padded, "s")  # [b, g, rows, rows + n_k - 1]
                 grad_q[:, hs, blk] = (grad_s @ kh).add_(keys.combine(grad_logits, hs)).mul_(scale)
                 keys.add_grad(grad_table, hs, grad_logits, qh, scale)
-        return grad_q, grad_k, grad_v, grad_table, grad_values, None, None, None
+        return grad_q, grad_k, grad_v, grad_table, grad_values, None, None, None, None
 
 
 def _unskew(x: Tensor, padded: dict[tuple[Any, ...], Tensor], tag: str) -> Tensor:
@@ -1100,25 +1103,36 @@ def _unskew(x: Tensor, padded: dict[tuple[Any, ...], Tensor], tag: str) -> Tenso
     return padded[key]
 
 
-def _term_blocks(n_q: int, n_k: int, rows: int) -> Iterator[tuple[slice, slice]]:
-    """``(query rows, the offsets they meet)`` per block: queries ``start + i`` against
-    keys ``j`` meet offsets ``j - i``, columns ``n_q - stop .. n_q - start + n_k - 2``."""
+def _term_blocks(n_q: int, n_k: int, rows: int, causal: bool) -> Iterator[tuple[slice, slice, int]]:
+    """``(query rows, the offsets they meet, the keys they see)`` per block: queries
+    ``start + i`` against keys ``j < seen`` meet offsets ``j - i``, the columns
+    ``n_q - stop .. n_q - start + seen - 2`` (see :func:`_keys_seen`)."""
     for start in range(0, n_q, rows):
-        stop = min(start + rows, n_q)
-        yield slice(start, stop), slice(n_q - stop, n_q - start + n_k - 1)
+        blk = slice(start, min(start + rows, n_q))
+        seen = _keys_seen(blk, n_q, n_k, causal)
+        yield blk, slice(n_q - blk.stop, n_q - start + seen - 1), seen
 
 
 def _term_mask(
-    q_blk: Tensor, keys: _Rows, heads: slice, scale: float, n_k: int, like: Tensor
+    q_blk: Tensor, keys: _Rows, heads: slice, scale: float, n_k: int, like: Tensor, causal: bool
 ) -> Tensor:
     """A block's query term as the fused kernel's mask: ``[b, g, rows, n_k]``, a strided view
     of ``scale * q_blk @ r^T`` through the skew (a copy, clamped, only when it spans more
-    than ``BIAS_SPAN``)."""
+    than ``BIAS_SPAN``). Causal (``n_k`` the keys the block sees): the last ``rows - 1``
+    offsets, which only queries before the block's last may not see, are ``-inf``."""
     logits = keys.logits(q_blk * scale, heads)  # [b, g, rows, rows + n_k - 1]
+    count = logits.shape[-2]
+    visible = logits[..., :n_k] if causal else logits  # offsets j - i <= n_k - rows
+    low, high = torch.aminmax(visible)
+    if causal and count > 1:
+        logits[..., n_k:] = float("-inf")
     term = skew_rows(logits, n_k)  # [b, g, rows, n_k], a view
-    low, high = torch.aminmax(logits)
-    if float(high - low) > BIAS_SPAN:
-        return _kernel_mask(term, None, like)  # type: ignore[return-value]
+    if float(high - low) <= BIAS_SPAN:
+        return term
+    term = _kernel_mask(term, None, like)  # copied, far terms raised (the -inf ones too)
+    if causal and count > 1:
+        rows_, cols_ = torch.arange(count)[:, None], torch.arange(n_k)[None, :]
+        term = term.masked_fill_(cols_ - rows_ > n_k - count, float("-inf"))
     return term
 
 
@@ -1374,11 +1388,13 @@ def _lean(
     rows = lean_block_rows(b if per_batch else q_pos.shape[0], h, n_q, k.shape[2])
     params = _scheme_parameters(scheme)
     engine = _LeanAttention
+    # a causal mask alone hides the offsets above n_k - n_q: the per-offset paths take it
+    causal_only = replace(mask, causal=False).empty and n_q <= k.shape[2]
     if (
         _fused_cpu_available(q, replace(hooks, value_term=None))
         and hooks.offset_term is not None
         and hooks.score_bias is None
-        and mask.empty
+        and causal_only
         and (hooks.value_term is None or hooks.offset_value is not None)
     ):
         term = _offset_rows(hooks.offset_term(q_pos, k_pos))
@@ -1395,7 +1411,9 @@ def _lean(
                     index = None
             table = table.to(q.dtype)  # [(h,) R | n_q + n_k - 1, d]
             value_table = None if value_table is None else value_table.to(q.dtype)
-            return _OffsetTermAttention.apply(q, k, v, table, value_table, index, scale, rows)
+            return _OffsetTermAttention.apply(
+                q, k, v, table, value_table, index, scale, rows, mask.causal
+            )
     if (
         _fused_cpu_available(q, hooks)
         and hooks.grid_term is not None
@@ -1422,8 +1440,6 @@ def _lean(
             if kernel_grid is not None:
                 q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
                 return _GridFusedAttention.apply(q, k, v, grid, kernel_grid, scale)
-    # a causal mask alone hides the offsets above n_k - n_q: a per-offset mask
-    causal_only = replace(mask, causal=False).empty and n_q <= k.shape[2]
     if _fused_cpu_available(q, hooks) and hooks.score_term is None and causal_only:
         values = None if hooks.offset_bias is None else hooks.offset_bias(q_pos, k_pos)
         if values is not None:
