@@ -82,6 +82,16 @@ def run(backend, scheme, q, k, v, q_pos, k_pos, mask):
     return out
 
 
+@pytest.fixture(params=["threads", "pairs"])
+def head_groups(request, monkeypatch):
+    """The fused paths' head groups: as the machine's threads give (often one head on a
+    small machine), or forced to pairs of heads, so that group slicing is always tested."""
+    if request.param == "pairs":
+        pairs = lambda b, h: [slice(s, min(s + 2, h)) for s in range(0, h, 2)]  # noqa: E731
+        monkeypatch.setattr(kernels, "_head_groups", pairs)
+    return request.param
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Force several blocks of rows on small inputs."""
@@ -230,12 +240,13 @@ def _offset_scheme(name, heads):
         ((24, 37), (0, 37), True),  # decoding: the last queries against a cache
         ((0, 300), (0, 300), True),  # ALiBi spans > BIAS_SPAN: raised per offset
         ((400, 410), (0, 300), None),  # ALiBi: no row meets the best offset -> general path
+        ((0, 30), (5, 17), True),  # more queries than keys
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("causal", [False, True])
 def test_offset_bias_path_equals_math(
-    monkeypatch, name, q_range, k_range, offset_path, dtype, causal
+    head_groups, monkeypatch, name, q_range, k_range, offset_path, dtype, causal
 ):
     """Consecutive positions, no mask or a causal one: the per-offset engine, outputs and
     every gradient."""
@@ -264,6 +275,7 @@ def test_offset_bias_path_equals_math(
     # learned tables here span < 60; a causal mask hides the last case's offsets above
     # -110, and -110, ALiBi's best visible one, is met by every row
     expected_path = offset_path or name != "alibi" or causal
+    expected_path = expected_path and not (causal and n_q > n_k)  # rows with no key: general
     assert bool(calls) == expected_path
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     for a, c in zip(grads["math"], grads["lean"], strict=True):
@@ -283,7 +295,7 @@ def test_offset_bias_path_equals_math(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("causal", [False, True])
 def test_offset_term_path_equals_math(
-    monkeypatch, per_head, q_range, k_range, std, offset_path, dtype, causal
+    head_groups, monkeypatch, per_head, q_range, k_range, std, offset_path, dtype, causal
 ):
     """Relative embedding, consecutive positions, no mask or a causal one: outputs and
     every gradient."""
@@ -325,7 +337,9 @@ def test_offset_term_path_equals_math(
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("causal", [False, True])
-def test_shaw_offset_path_equals_math(monkeypatch, values, q_range, k_range, dtype, causal):
+def test_shaw_offset_path_equals_math(
+    head_groups, monkeypatch, values, q_range, k_range, dtype, causal
+):
     """Shaw's keys and values, consecutive positions, no mask or a causal one: against the
     literal form."""
     from posenc import ShawRelativePosition
@@ -412,6 +426,94 @@ def test_offset_term_future_keys_have_exactly_no_influence(monkeypatch, std):
     )
 
 
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("kind", ["cyclic", "direction"])
+def test_offset_term_any_index_any_size(monkeypatch, n, kind):
+    """An index that is no clipped run, decreasing ones included, at several sizes."""
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 2 * 2 * 3 * n)  # 3 rows a block
+    torch.manual_seed(0)
+    scheme = CyclicTerm(8).double()
+    if kind == "direction":  # row 1 for offsets <= 0, row 0 after: [1, .., 1, 0, .., 0]
+        scheme.score_term = lambda q, q_pos, k_pos: torch.einsum(
+            "bhid,bijd->bhij",
+            q,
+            scheme.table[(k_pos[:, None, :] <= q_pos[:, :, None]).long()].expand(
+                q.shape[0], -1, -1, -1
+            ),
+        )
+        first = lambda q_pos, k_pos: int(k_pos[0, 0] - q_pos[0, -1])  # noqa: E731
+        scheme.offset_term = lambda q_pos, k_pos: (
+            scheme.table,
+            (torch.arange(q_pos.shape[-1] + k_pos.shape[-1] - 1) + first(q_pos, k_pos) <= 0).long(),
+        )
+    q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(n)[None]
+    results = {}
+    for backend in ("math", "lean"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        scheme.table.grad = None
+        out = run(backend, scheme, *leaves, pos, pos, Mask(n, n))
+        out.square().sum().backward()
+        results[backend] = [out, *(t.grad for t in leaves), scheme.table.grad]
+    for got, expected in zip(results["lean"], results["math"], strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_subclass_overriding_a_hook_drops_the_parents_fast_forms():
+    """A steeper ALiBi (score_bias overridden) must not run on ALiBi's offset_bias."""
+    from posenc import ALiBi, RelativeQueryEmbedding
+
+    class SteeperALiBi(ALiBi):
+        def score_bias(self, q_pos, k_pos):
+            return 1.1 * super().score_bias(q_pos, k_pos)
+
+    class SteeperSlopes(ALiBi):  # the natural way: no hook overridden, fast forms kept
+        def slopes(self, device=None):
+            return 1.1 * super().slopes(device)
+
+    class Both(ALiBi):  # a hook and its fast form redefined in one class: kept
+        def score_bias(self, q_pos, k_pos):
+            return super().score_bias(q_pos, k_pos)
+
+        def offset_bias(self, q_pos, k_pos):
+            return super().offset_bias(q_pos, k_pos)
+
+    class Doubled(RelativeQueryEmbedding):
+        def score_term(self, q, q_pos, k_pos):
+            return 2 * super().score_term(q, q_pos, k_pos)
+
+    assert hooks_of(SteeperALiBi(4)).offset_bias is None
+    assert hooks_of(SteeperALiBi(4)).flex_score_mod is None
+    assert hooks_of(SteeperSlopes(4)).offset_bias is not None
+    assert hooks_of(Both(4)).offset_bias is not None
+    assert hooks_of(ALiBi(4)).offset_bias is not None
+    assert hooks_of(Doubled(16, 8)).offset_term is None
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 16, 8, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(16)[None]
+    for scheme in (SteeperALiBi(4), SteeperSlopes(4), Doubled(16, 8).double()):
+        expected = run("math", scheme, q, k, v, pos, pos, Mask(16, 16))
+        torch.testing.assert_close(run("auto", scheme, q, k, v, pos, pos, Mask(16, 16)), expected)
+
+
+@pytest.mark.parametrize("name", ["t5", "relative"])
+def test_offset_bias_path_with_frozen_tables(monkeypatch, name):
+    """No table gradient wanted: the fused backward, q/k/v gradients still exact."""
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 2 * 3 * 5 * 20)
+    scheme = _offset_scheme(name, 3).double().requires_grad_(False)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 20, 8, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(20)[None]
+    results = {}
+    for backend in ("math", "lean"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = run(backend, scheme, *leaves, pos, pos, Mask(20, 20))
+        out.square().sum().backward()
+        results[backend] = [out, *(t.grad for t in leaves)]
+    for got, expected in zip(results["lean"], results["math"], strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 def test_offset_term_rejects_offsets_beyond_the_table():
     from posenc import RelativeQueryEmbedding
 
@@ -435,7 +537,7 @@ def test_offset_term_rejects_offsets_beyond_the_table():
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_grid_bias_path_equals_math(monkeypatch, window, table, grid_path, dtype):
+def test_grid_bias_path_equals_math(head_groups, monkeypatch, window, table, grid_path, dtype):
     """A 2-D table over a whole map, no mask: the map-row engine, outputs and gradients."""
     from posenc import RelativePositionBias
 
@@ -478,7 +580,7 @@ def test_grid_bias_path_equals_math(monkeypatch, window, table, grid_path, dtype
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize(("size", "std"), [((4, 6), 0.5), ((5, 3), 0.5), ((4, 6), 40.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_grid_term_path_equals_math(monkeypatch, per_head, size, std, dtype):
+def test_grid_term_path_equals_math(head_groups, monkeypatch, per_head, size, std, dtype):
     """2-D relative embedding over a whole map, no mask: outputs and every gradient."""
     from posenc import RelativeQueryEmbedding2D
 

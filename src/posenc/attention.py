@@ -38,7 +38,9 @@ queries and keys that are a whole ``H x W`` map in order), ``key_shift(q, q_pos,
 (a score term of the key alone, ``q_i . e_j``, as the vector ``e [B', 1, n_k, d]`` added
 to the keys: any kernel computes it, the fused ones included), and
 ``validate_attention(heads, head_dim)`` (called once at construction, to reject a scheme
-built for another shape). Hooks must accept any
+built for another shape). An extra counts only where the hook it stands for is defined in
+the same class or above: a subclass that overrides ``score_bias`` alone (a steeper
+ALiBi) runs on its ``score_bias``, not on the parent's ``offset_bias``. Hooks must accept any
 positions (a block of queries against all keys, shifted, per-batch), never assume
 ``n_q == n_k``. Masks are the attention's job, never a hook's.
 

@@ -151,12 +151,51 @@ class Hooks:
 HOOK_NAMES = ("rotate", "score_bias", "score_term", "value_term")
 
 
+#: each optional extra and the hook it is another form of: an extra inherited from a class
+#: above the one that (re)defines its hook would compute the parent's term, so it is dropped
+DERIVED_HOOKS = {
+    "offset_bias": "score_bias",
+    "grid_bias": "score_bias",
+    "flex_score_mod": "score_bias",
+    "offset_term": "score_term",
+    "grid_term": "score_term",
+    "key_shift": "score_term",
+    "reference_score_term": "score_term",
+    "offset_value": "value_term",
+    "reference_value_term": "value_term",
+}
+
+
+def _defined_by(scheme: Any, name: str) -> type | None:
+    """The class in ``scheme``'s MRO that defines ``name`` (None: the instance itself)."""
+    if name in getattr(scheme, "__dict__", {}):
+        return None
+    for cls in type(scheme).__mro__:
+        if name in cls.__dict__:
+            return cls
+    return None
+
+
 def hooks_of(scheme: Any) -> Hooks:
-    """Collect the hooks that ``scheme`` defines (``getattr`` that is not None)."""
+    """Collect the hooks that ``scheme`` defines (``getattr`` that is not None).
+
+    An optional extra (see :data:`DERIVED_HOOKS`) is kept only when the hook it stands for
+    is defined in the same class or above: a subclass that overrides ``score_bias`` (say a
+    steeper ALiBi) is not silently computed with its parent's ``offset_bias``.
+    """
     if scheme is None:
         return Hooks()
     found = {name: getattr(scheme, name, None) for name in Hooks.__dataclass_fields__}
-    return Hooks(**{name: fn for name, fn in found.items() if callable(fn)})
+    hooks = {name: fn for name, fn in found.items() if callable(fn)}
+    for extra, base in DERIVED_HOOKS.items():
+        if extra in hooks and base in hooks:
+            extra_cls, base_cls = _defined_by(scheme, extra), _defined_by(scheme, base)
+            if extra_cls is None:  # set on the instance with its hook: trust the pair
+                continue
+            # the hook set on the instance, or redefined in a subclass of the extra's class
+            if base_cls is None or (base_cls is not extra_cls and issubclass(base_cls, extra_cls)):
+                del hooks[extra]
+    return Hooks(**hooks)
 
 
 def choose_backend(hooks: Hooks, q: Tensor, *, dropout_p: float = 0.0) -> str:
@@ -941,6 +980,9 @@ class _Rows:
             return
         idx = index[cols]  # [W] rows of the table
         first, last = int(idx[0]), int(idx[-1])
+        if last < first:  # not a clipped run (those increase): the rows themselves
+            self.rows, self.target = table[..., idx, :], idx
+            return
         lead, tail = int((idx == first).sum()), int((idx == last).sum())
         parts = [torch.full((lead,), first, dtype=idx.dtype, device=idx.device)]
         if first != last:  # a run of first, first + 1 .. last - 1 once each, a run of last
@@ -1389,7 +1431,7 @@ def _lean(
     params = _scheme_parameters(scheme)
     engine = _LeanAttention
     # a causal mask alone hides the offsets above n_k - n_q: the per-offset paths take it
-    causal_only = replace(mask, causal=False).empty and n_q <= k.shape[2]
+    causal_only = replace(mask, causal=False).empty and (not mask.causal or n_q <= k.shape[2])
     if (
         _fused_cpu_available(q, replace(hooks, value_term=None))
         and hooks.offset_term is not None
