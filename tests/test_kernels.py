@@ -514,6 +514,36 @@ def test_offset_bias_path_with_frozen_tables(monkeypatch, name):
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("scheme_name", ["relative", "relative-2d"])
+def test_a_content_term_is_never_clamped(monkeypatch, scheme_name):
+    """q.r spans 400 but q.k cancels it for one key: that key counts (no BIAS_SPAN clamp)."""
+    from posenc import RelativeQueryEmbedding, RelativeQueryEmbedding2D
+
+    if scheme_name == "relative":
+        scheme = RelativeQueryEmbedding(8, 4).double()
+        table, row = scheme.weight, 7 + 7  # offset +7
+    else:
+        scheme = RelativeQueryEmbedding2D((2, 4), 4).double()
+        table, row = scheme.width, 3 + 3  # column offset +3: key 7 from query 0
+    with torch.no_grad():
+        for p in scheme.parameters():
+            p.zero_()
+        table[row, 0] = -100.0
+    q = torch.zeros(1, 1, 8, 4, dtype=torch.float64)
+    q[..., 0] = 8.0  # scaled term of (0, 7): -400
+    k = torch.zeros(1, 1, 8, 4, dtype=torch.float64)
+    k[0, 0, 7, 0] = 100.0  # scaled q.k of (0, 7): +400, so key 7 ties with the others
+    v = torch.arange(8.0, dtype=torch.float64).view(1, 1, 8, 1).expand(1, 1, 8, 4)
+    pos = torch.arange(8)[None]
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 8)  # the fast paths even at this size
+    with torch.no_grad():
+        got = run("auto", scheme, q, k, v, pos, pos, Mask(8, 8))
+        expected = run("math", scheme, q, k, v, pos, pos, Mask(8, 8))
+    torch.testing.assert_close(got, expected)
+    if scheme_name == "relative":
+        assert float(expected[0, 0, 0, 0]) == pytest.approx(3.5)  # the mean of keys 0..7
+
+
 def test_offset_term_rejects_offsets_beyond_the_table():
     from posenc import RelativeQueryEmbedding
 

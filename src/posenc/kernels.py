@@ -1086,7 +1086,7 @@ class _OffsetTermAttention(torch.autograd.Function):
             values = None if value_table is None else _Rows(value_table, index, cols)
             for hs in _head_groups(b, h):
                 qh, kh, vh = q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen]  # [b, g, ., d]
-                attn_mask = _term_mask(qh, keys, hs, scale, seen, q, causal)  # [b, g, rows, seen]
+                attn_mask = _term_mask(qh, keys, hs, scale, seen, causal)  # [b, g, rows, seen]
                 out_blk, lse[:, hs, blk] = _flash_cpu(
                     qh, kh, vh, 0.0, False, attn_mask=attn_mask, scale=scale
                 )  # [b, g, rows, d], [b, g, rows]
@@ -1117,7 +1117,7 @@ class _OffsetTermAttention(torch.autograd.Function):
             for hs in _head_groups(b, h):
                 qh, kh, vh = q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen]  # [b, g, ., d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
-                attn_mask = _term_mask(qh, keys, hs, scale, seen, q, ctx.causal)
+                attn_mask = _term_mask(qh, keys, hs, scale, seen, ctx.causal)
                 probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, seen]
                 probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
                 grad_v[:, hs, :seen] += probs.transpose(-2, -1) @ gh
@@ -1156,26 +1156,18 @@ def _term_blocks(n_q: int, n_k: int, rows: int, causal: bool) -> Iterator[tuple[
 
 
 def _term_mask(
-    q_blk: Tensor, keys: _Rows, heads: slice, scale: float, n_k: int, like: Tensor, causal: bool
+    q_blk: Tensor, keys: _Rows, heads: slice, scale: float, n_k: int, causal: bool
 ) -> Tensor:
     """A block's query term as the fused kernel's mask: ``[b, g, rows, n_k]``, a strided view
-    of ``scale * q_blk @ r^T`` through the skew (a copy, clamped, only when it spans more
-    than ``BIAS_SPAN``). Causal (``n_k`` the keys the block sees): the last ``rows - 1``
-    offsets, which only queries before the block's last may not see, are ``-inf``."""
+    of ``scale * q_blk @ r^T`` through the skew. Causal (``n_k`` the keys the block sees):
+    the last ``rows - 1`` offsets, which only queries before the block's last may not see,
+    are ``-inf``. Never clamped (unlike a content-free bias, see :data:`BIAS_SPAN`): the
+    term is content, as ``q . k`` is, and a clamp could change a weight that ``q . k``
+    makes count."""
     logits = keys.logits(q_blk * scale, heads)  # [b, g, rows, rows + n_k - 1]
-    count = logits.shape[-2]
-    visible = logits[..., :n_k] if causal else logits  # offsets j - i <= n_k - rows
-    low, high = torch.aminmax(visible)
-    if causal and count > 1:
+    if causal and logits.shape[-2] > 1:
         logits[..., n_k:] = float("-inf")
-    term = skew_rows(logits, n_k)  # [b, g, rows, n_k], a view
-    if float(high - low) <= BIAS_SPAN:
-        return term
-    term = _kernel_mask(term, None, like)  # copied, far terms raised (the -inf ones too)
-    if causal and count > 1:
-        rows_, cols_ = torch.arange(count)[:, None], torch.arange(n_k)[None, :]
-        term = term.masked_fill_(cols_ - rows_ > n_k - count, float("-inf"))
-    return term
+    return skew_rows(logits, n_k)  # [b, g, rows, n_k], a view
 
 
 def _grid_kernel_values(grid: Tensor) -> Tensor | None:
@@ -1318,7 +1310,7 @@ class _GridTermAttention(torch.autograd.Function):
         for r in range(rows):
             blk = slice(r * cols, (r + 1) * cols)
             for hs in _head_groups(b, h):
-                attn_mask = _grid_term_mask(q[:, hs, blk], height, width, hs, r, scale, q)
+                attn_mask = _grid_term_mask(q[:, hs, blk], height, width, hs, r, scale)
                 out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
                     q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
                 )  # [b, g, W, d], [b, g, W]
@@ -1342,7 +1334,7 @@ class _GridTermAttention(torch.autograd.Function):
             for hs in _head_groups(b, h):
                 qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, W | n, d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
-                attn_mask = _grid_term_mask(qh, height, width, hs, r, scale, q)  # [b, g, W, n]
+                attn_mask = _grid_term_mask(qh, height, width, hs, r, scale)  # [b, g, W, n]
                 probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, W, n]
                 probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
                 grad_v[:, hs] += probs.transpose(-2, -1) @ gh
@@ -1371,7 +1363,7 @@ class _GridTermAttention(torch.autograd.Function):
 
 
 def _grid_term_mask(
-    q_blk: Tensor, height: Tensor, width: Tensor, heads: slice, r: int, scale: float, like: Tensor
+    q_blk: Tensor, height: Tensor, width: Tensor, heads: slice, r: int, scale: float
 ) -> Tensor:
     """The 2-D term of the queries of map row ``r``: ``[b, g, W, H * W]``, contiguous."""
     rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
@@ -1379,11 +1371,8 @@ def _grid_term_mask(
     used = _rows_of(height, heads)[..., rows - 1 - r : 2 * rows - 1 - r, :]  # [(g,) H, d]
     by_row = q_scaled @ used.transpose(-2, -1)  # [b, g, W, H]
     by_col = skew_rows(q_scaled @ _rows_of(width, heads).transpose(-2, -1), cols)  # [b, g, W, W]
-    term = (by_row[..., :, None] + by_col[..., None, :]).flatten(-2)  # [b, g, W, H * W]
-    low, high = torch.aminmax(term)
-    if float(high - low) > BIAS_SPAN:
-        return _kernel_mask(term, None, like)  # type: ignore[return-value]
-    return term
+    # never clamped: content, as q . k is (see _term_mask)
+    return (by_row[..., :, None] + by_col[..., None, :]).flatten(-2)  # [b, g, W, H * W]
 
 
 def _offset_rows(
