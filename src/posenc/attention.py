@@ -24,23 +24,28 @@ hook                                       place  what it does
 =========================================  =====  =============================================
 
 so that the attention computes ``softmax((q k^T + score_term) / sqrt(d) + score_bias) v +
-value_term``. Optional extras: ``reference_score_term`` / ``reference_value_term`` (a
-literal form that ``backend="math"`` prefers), ``flex_score_mod(q_pos, k_pos)`` (the bias
-as a FlexAttention ``score_mod``), ``offset_bias(q_pos, k_pos)`` (a relative bias as one
-value per offset, ``[h, n_q + n_k - 1]``, when the positions are one consecutive run:
-the lean engine then never writes the ``[n_q, n_k]`` bias), ``offset_term(q_pos, k_pos)``
-(the same for a query term ``q_i . r_(j-i)``: the rows ``r [(h,) n_q + n_k - 1, d]``, or
-``(table, index)`` with ``r = table[index]``, which lets a clipped table such as Shaw's
-skip its repeated rows),
-``offset_value(q_pos, k_pos)`` (Shaw's ``a^V`` rows per offset, likewise),
-``grid_bias(q_pos, k_pos)`` / ``grid_term(q_pos, k_pos)`` (the 2-D counterparts, for
-queries and keys that are a whole ``H x W`` map in order), ``key_shift(q, q_pos, k_pos)``
-(a score term of the key alone, ``q_i . e_j``, as the vector ``e [B', 1, n_k, d]`` added
-to the keys: any kernel computes it, the fused ones included), and
-``validate_attention(heads, head_dim)`` (called once at construction, to reject a scheme
-built for another shape). An extra counts only where the hook it stands for is defined in
-the same class or above: a subclass that overrides ``score_bias`` alone (a steeper
-ALiBi) runs on its ``score_bias``, not on the parent's ``offset_bias``. Hooks must accept any
+value_term``. Optional extras:
+
+- ``reference_score_term`` / ``reference_value_term``: a literal form that
+  ``backend="math"`` prefers;
+- ``flex_score_mod(q_pos, k_pos)``: the bias as a FlexAttention ``score_mod``;
+- ``offset_bias(q_pos, k_pos)``: a relative bias as one value per offset,
+  ``[h, n_q + n_k - 1]``, when the positions are one consecutive run (the lean engine
+  then never writes an ``[n_q, n_k]`` bias);
+- ``offset_term(q_pos, k_pos)``: the same for a query term ``q_i . r_(j-i)``, the rows
+  ``r [(h,) n_q + n_k - 1, d]`` or ``(table, index)`` with ``r = table[index]`` (a
+  clipped table such as Shaw's then skips its repeated rows); ``offset_value`` likewise
+  for Shaw's ``a^V``;
+- ``grid_bias(q_pos, k_pos)`` / ``grid_term(q_pos, k_pos)``: the 2-D counterparts, for
+  queries and keys that are a whole ``H x W`` map in order;
+- ``key_shift(q, q_pos, k_pos)``: a score term of the key alone, ``q_i . e_j``, as the
+  vector ``e [B', 1, n_k, d]`` added to the keys (any kernel computes it);
+- ``validate_attention(heads, head_dim)``: called once at construction, to reject a
+  scheme built for another shape.
+
+An extra counts only where the hook it stands for is defined in the same class or above:
+a subclass that overrides ``score_bias`` alone (a steeper ALiBi) runs on its
+``score_bias``, not on the parent's ``offset_bias``. Hooks must accept any
 positions (a block of queries against all keys, shifted, per-batch), never assume
 ``n_q == n_k``. Masks are the attention's job, never a hook's.
 
