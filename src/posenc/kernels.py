@@ -709,6 +709,50 @@ def _group_masks(
         yield hs, shared[0]
 
 
+def _block_grads(
+    qh: Tensor,
+    kh: Tensor,
+    vh: Tensor,
+    gh: Tensor,
+    oh: Tensor,
+    lh: Tensor,
+    attn_mask: Tensor | None,
+    scale: float,
+    *,
+    need_ds: bool,
+    extra_dp: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """One block's backward on the fused paths: ``(dq, dk, dv, P, dS)``.
+
+    Without ``need_ds``, the fused kernel's backward (``P`` and ``dS`` None). With it, the
+    same five products written out, because they yield ``dS = P (dP - D)``, which a
+    scheme's table or query term needs: ``P = exp(S + mask - lse)``, ``dP = dO v^T``
+    (plus ``extra_dp``, e.g. Shaw's ``a^V`` share), ``D = dO . O``. ``dq`` is
+    ``dS k * scale`` alone: a term's share of it is the caller's.
+
+    Args:
+        qh, kh, vh: ``[b, g, rows | n_k, d]``; gh, oh: ``[b, g, rows, d]``;
+            lh: ``[b, g, rows]``; attn_mask: broadcastable to ``[b, g, rows, n_k]``.
+    """
+    if not need_ds:
+        gq, gk, gv = _flash_cpu_backward(
+            gh, qh, kh, vh, oh, lh, 0.0, False, attn_mask=attn_mask, scale=scale
+        )
+        return gq, gk, gv, None, None
+    # no floor on exp: a mask's biases are within BIAS_SPAN of their row's best
+    probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, n_k]
+    if attn_mask is not None:
+        probs = probs.add_(attn_mask)
+    probs = probs.sub_(lh.unsqueeze(-1)).exp_()
+    grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]: dP through v
+    if extra_dp is not None:
+        grad_s += extra_dp
+    grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
+    gq = (grad_s @ kh).mul_(scale)
+    gk = (grad_s.transpose(-2, -1) @ qh).mul_(scale)
+    return gq, gk, probs.transpose(-2, -1) @ gh, probs, grad_s
+
+
 class _LeanFusedAttention(torch.autograd.Function):
     """The lean engine on PyTorch's fused CPU flash kernels, a block of rows and heads at a time.
 
@@ -780,24 +824,14 @@ class _LeanFusedAttention(torch.autograd.Function):
             for hs, attn_mask in _group_masks(term, keep, groups, q):
                 qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, rows | n_k, d]
                 gh, oh, lh = g_out[:, hs], out[:, hs, blk], lse[:, hs, blk]
-                if grad_extra is None:
-                    gq, gk, gv = _flash_cpu_backward(
-                        gh, qh, kh, vh, oh, lh, 0.0, False, attn_mask=attn_mask, scale=scale
-                    )
-                    grad_q[:, hs, blk] = gq
-                    grad_k[:, hs] += gk
-                    grad_v[:, hs] += gv
+                gq, gk, gv, _, grad_s = _block_grads(
+                    qh, kh, vh, gh, oh, lh, attn_mask, scale, need_ds=grad_extra is not None
+                )
+                grad_q[:, hs, blk] = gq
+                grad_k[:, hs] += gk
+                grad_v[:, hs] += gv
+                if grad_extra is None:  # the fused backward: nothing more to add
                     continue
-                # P = exp(S - lse), dP = dO v^T, D = dO . O, dS = P (dP - D). No floor on
-                # exp: the mask's biases are within BIAS_SPAN of their row's best, so a
-                # denormal needs q.k itself to span ~27 within a row
-                probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, n_k]
-                probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
-                grad_v[:, hs] += probs.transpose(-2, -1) @ gh
-                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]
-                grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
-                grad_q[:, hs, blk] = (grad_s @ kh).mul_(scale)
-                grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
                 # dS summed over what the term broadcast: [B'|1, g|1, rows, n_k]
                 if grad_extra.shape[1] == 1 and hs.start > 0:
                     grad_extra.add_(_sum_to(grad_s, grad_extra.shape))
@@ -930,22 +964,14 @@ class _OffsetFusedAttention(torch.autograd.Function):
                 attn_mask = skewed.block(start, count, hs, seen)  # [1, g|1, rows, seen]
                 qh, kh, vh = q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen]  # [b, g, ., d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
-                if grad_values is None:
-                    gq, gk, gv = _flash_cpu_backward(
-                        gh, qh, kh, vh, oh, lh, 0.0, False, attn_mask=attn_mask, scale=scale
-                    )
-                    grad_q[:, hs, blk] = gq
-                    grad_k[:, hs, :seen] += gk
-                    grad_v[:, hs, :seen] += gv
+                gq, gk, gv, _, grad_s = _block_grads(
+                    qh, kh, vh, gh, oh, lh, attn_mask, scale, need_ds=grad_values is not None
+                )
+                grad_q[:, hs, blk] = gq
+                grad_k[:, hs, :seen] += gk
+                grad_v[:, hs, :seen] += gv
+                if grad_values is None:  # the fused backward: nothing more to add
                     continue
-                # written out as in _LeanFusedAttention, for dS = P (dP - D)
-                probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, n_k]
-                probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
-                grad_v[:, hs, :seen] += probs.transpose(-2, -1) @ gh
-                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, seen]
-                grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
-                grad_q[:, hs, blk] = (grad_s @ kh).mul_(scale)
-                grad_k[:, hs, :seen] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
                 # query start + i, key j: offset column j - i + (n_q - start - count) + count - 1
                 sums = diagonal_sums(grad_s).sum(dim=0)  # [g, count + seen - 1]
                 cols = slice(n_q - start - count, n_q - start + seen - 1)
@@ -1118,19 +1144,18 @@ class _OffsetTermAttention(torch.autograd.Function):
                 qh, kh, vh = q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen]  # [b, g, ., d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
                 attn_mask = _term_mask(qh, keys, hs, scale, seen, ctx.causal)
-                probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, seen]
-                probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
-                grad_v[:, hs, :seen] += probs.transpose(-2, -1) @ gh
-                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, seen]: dP through v
+                # dP through a^V too; D = dO . O with O the whole output (a^V included)
+                extra_dp = None if values is None else skew_rows(values.logits(gh, hs), seen)
+                gq, gk, gv, probs, grad_s = _block_grads(
+                    qh, kh, vh, gh, oh, lh, attn_mask, scale, need_ds=True, extra_dp=extra_dp
+                )
+                grad_k[:, hs, :seen] += gk
+                grad_v[:, hs, :seen] += gv
                 if values is not None and grad_values is not None:
-                    grad_s += skew_rows(values.logits(gh, hs), seen)  # dP through a^V
                     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
                     values.add_grad(grad_values, hs, by_offset, gh, 1.0)
-                # D = dO . O with O the whole output (a^V included): sum_j P_ij dP_ij
-                grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
-                grad_k[:, hs, :seen] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
                 grad_logits = _unskew(grad_s, padded, "s")  # [b, g, rows, rows + n_k - 1]
-                grad_q[:, hs, blk] = (grad_s @ kh).add_(keys.combine(grad_logits, hs)).mul_(scale)
+                grad_q[:, hs, blk] = gq.add_(keys.combine(grad_logits, hs).mul_(scale))
                 keys.add_grad(grad_table, hs, grad_logits, qh, scale)
         return grad_q, grad_k, grad_v, grad_table, grad_values, None, None, None, None
 
@@ -1260,21 +1285,14 @@ class _GridFusedAttention(torch.autograd.Function):
                 attn_mask = masks.block(row, hs)  # [1, g, W, H * W]
                 qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, W | n, d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
-                if grad_grid is None:
-                    gq, gk, gv = _flash_cpu_backward(
-                        gh, qh, kh, vh, oh, lh, 0.0, False, attn_mask=attn_mask, scale=scale
-                    )
-                    grad_q[:, hs, blk] = gq
-                    grad_k[:, hs] += gk
-                    grad_v[:, hs] += gv
+                gq, gk, gv, _, grad_s = _block_grads(
+                    qh, kh, vh, gh, oh, lh, attn_mask, scale, need_ds=grad_grid is not None
+                )
+                grad_q[:, hs, blk] = gq
+                grad_k[:, hs] += gk
+                grad_v[:, hs] += gv
+                if grad_grid is None:  # the fused backward: nothing more to add
                     continue
-                probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, W, n]
-                probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
-                grad_v[:, hs] += probs.transpose(-2, -1) @ gh
-                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, W, n]
-                grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
-                grad_q[:, hs, blk] = (grad_s @ kh).mul_(scale)
-                grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
                 # [g, c_i, r_j, c_j] -> [g, r_j, c_i, c_j]; key row r_j is row offset r_j - row
                 per_key_row = grad_s.sum(dim=0).view(-1, w, height, w).transpose(1, 2)
                 grad_grid[hs, height - 1 - row : 2 * height - 1 - row] += diagonal_sums(
@@ -1327,7 +1345,7 @@ class _GridTermAttention(torch.autograd.Function):
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         grad_height, grad_width = torch.zeros_like(height), torch.zeros_like(width)
         grad_out = grad_out.contiguous()
-        padded: dict[tuple[int, ...], Tensor] = {}  # the skew's adjoint, zero outside
+        padded: dict[tuple[Any, ...], Tensor] = {}  # the skew's adjoint, zero outside
         for r in range(rows):
             blk = slice(r * cols, (r + 1) * cols)
             key_rows = slice(rows - 1 - r, 2 * rows - 1 - r)  # height rows of key rows 0..H-1
@@ -1335,22 +1353,17 @@ class _GridTermAttention(torch.autograd.Function):
                 qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, W | n, d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
                 attn_mask = _grid_term_mask(qh, height, width, hs, r, scale)  # [b, g, W, n]
-                probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, W, n]
-                probs = probs.add_(attn_mask).sub_(lh.unsqueeze(-1)).exp_()
-                grad_v[:, hs] += probs.transpose(-2, -1) @ gh
-                grad_s = gh @ vh.transpose(-2, -1)  # [b, g, W, n]
-                grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
-                grad_k[:, hs] += (grad_s.transpose(-2, -1) @ qh).mul_(scale)
+                gq, gk, gv, _, grad_s = _block_grads(
+                    qh, kh, vh, gh, oh, lh, attn_mask, scale, need_ds=True
+                )
+                grad_k[:, hs] += gk
+                grad_v[:, hs] += gv
                 per_cell = grad_s.view(*grad_s.shape[:-1], rows, cols)  # [b, g, W, H, W]
                 grad_rows = per_cell.sum(dim=-1)  # [b, g, W, H]: the height logits used
-                shape = (*grad_s.shape[:-1], 2 * cols - 1)
-                if shape not in padded:
-                    padded[shape] = grad_s.new_zeros(shape)  # [b, g, W, 2W-1]
-                grad_cols = padded[shape]
-                skew_rows(grad_cols, cols).copy_(per_cell.sum(dim=-2))  # the width logits
+                grad_cols = _unskew(per_cell.sum(dim=-2), padded, "w")  # [b, g, W, 2W-1]
                 used = _rows_of(height, hs)[..., key_rows, :]  # [(g,) H, d]
                 term_q = (grad_rows @ used).add_(grad_cols @ _rows_of(width, hs))
-                grad_q[:, hs, blk] = (grad_s @ kh).add_(term_q).mul_(scale)
+                grad_q[:, hs, blk] = gq.add_(term_q.mul_(scale))
                 d_height = (grad_rows.transpose(-2, -1) @ qh).sum(dim=0).mul_(scale)
                 d_width = (grad_cols.transpose(-2, -1) @ qh).sum(dim=0).mul_(scale)
                 if height.ndim == 2:  # a table shared by the heads: [H | 2W-1, d]
