@@ -118,3 +118,18 @@ def test_consecutive_positions_fast_path_equals_the_general_path(name):
         slow_grads = torch.autograd.grad(slow, wrt, grad)
         for a, b in zip(fast_grads, slow_grads, strict=True):
             torch.testing.assert_close(a, b)
+
+
+def test_run_offsets_and_whole_map():
+    from posenc.indices import is_whole_map, run_offsets
+
+    q_pos, k_pos = torch.arange(5, 8)[None], torch.arange(2, 6)[None]
+    # offsets k - q from 2 - 7 = -5 to 5 - 5 = 0, each once, in order
+    assert run_offsets(q_pos, k_pos).tolist() == [-5, -4, -3, -2, -1, 0]
+    assert run_offsets(torch.tensor([[0, 2]]), k_pos) is None  # not consecutive
+    assert run_offsets(q_pos.expand(2, -1), k_pos.expand(2, -1)) is None  # batch of 2
+    pos = torch.arange(6)[None]
+    assert is_whole_map(pos, pos, 6)
+    assert not is_whole_map(pos + 1, pos, 6)  # shifted
+    assert not is_whole_map(pos[:, :5], pos, 6)  # not all of the map
+    assert not is_whole_map(pos.flip(-1), pos, 6)  # not in order

@@ -29,8 +29,9 @@ from torch import Tensor, nn
 from . import _validate as check
 from .indices import (
     gather_rows,
-    offset_run,
+    is_whole_map,
     relative_distance,
+    run_offsets,
     t5_bucket,
     toeplitz,
     window_relative_index,
@@ -187,12 +188,10 @@ class RelativePositionBias(nn.Module):
         Raises:
             ValueError: a position outside the table (see :meth:`score_bias`).
         """
-        first = offset_run(q_pos, k_pos) if len(self.window) == 1 else None
-        if first is None:
+        offsets = run_offsets(q_pos, k_pos) if len(self.window) == 1 else None
+        if offsets is None:
             return None
         self._check_positions(q_pos, k_pos)
-        n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
-        offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
         return self.table[self.window[0] - 1 - offsets].t()  # [h, n_q + n_k - 1]
 
     def grid_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
@@ -207,11 +206,8 @@ class RelativePositionBias(nn.Module):
         """
         if len(self.window) != 2:
             return None
-        for pos in (q_pos, k_pos):
-            if pos.shape != (1, self.tokens) or not check._can_inspect(pos):
-                return None
-            if not bool((pos[0] == torch.arange(self.tokens, device=pos.device)).all()):
-                return None
+        if not is_whole_map(q_pos, k_pos, self.tokens):
+            return None
         wh, ww = self.window
         # Swin's rows are query minus key: flip both axes to index by key minus query
         grid = self.table.view(2 * wh - 1, 2 * ww - 1, self.heads).flip(0, 1)
@@ -395,12 +391,10 @@ class T5RelativeBias(nn.Module):
             ``k_pos[0, 0] - q_pos[0, -1] + m`` (see :func:`~posenc.indices.offset_run`), so
             that ``score_bias == toeplitz(offset_bias)``; None for other positions.
         """
-        first = offset_run(q_pos, k_pos)
-        if first is None:
+        offsets = run_offsets(q_pos, k_pos)
+        if offsets is None:
             return None
         reach = self.max_distance
-        n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
-        offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
         rows = offsets.clamp(-reach, reach) + reach  # [n_q + n_k - 1]
         return self.offset_table()[rows].t()  # [h, n_q + n_k - 1]
 
@@ -510,11 +504,9 @@ class ALiBi(nn.Module):
             ``k_pos[0, 0] - q_pos[0, -1] + m`` (see :func:`~posenc.indices.offset_run`), so
             that ``score_bias == toeplitz(offset_bias)``; None for other positions.
         """
-        first = offset_run(q_pos, k_pos)
-        if first is None:
+        offsets = run_offsets(q_pos, k_pos)
+        if offsets is None:
             return None
-        n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
-        offsets = torch.arange(first, first + n_q + n_k - 1, device=q_pos.device)
         return -self.slopes(q_pos.device)[:, None] * offsets.abs().float()  # [h, n_q + n_k - 1]
 
     def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:

@@ -26,7 +26,13 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from .absolute import _size2d
-from .indices import offset_run, relative_distance, relative_to_absolute, skew_rows
+from .indices import (
+    is_whole_map,
+    offset_run,
+    relative_distance,
+    relative_to_absolute,
+    skew_rows,
+)
 
 __all__ = [
     "AbsoluteQueryEmbedding",
@@ -653,12 +659,7 @@ class RelativeQueryEmbedding2D(nn.Module):
             other positions (the engine then takes :meth:`score_term`).
         """
         cells = math.prod(self.size)
-        for pos in (q_pos, k_pos):
-            if pos.shape != (1, cells) or not check._can_inspect(pos):
-                return None
-            if not bool((pos[0] == torch.arange(cells, device=pos.device)).all()):
-                return None
-        return self.height, self.width
+        return (self.height, self.width) if is_whole_map(q_pos, k_pos, cells) else None
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention with another head dim (or heads, for per-head tables)."""

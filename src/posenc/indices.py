@@ -24,13 +24,16 @@ from . import _validate as check
 
 __all__ = [
     "clipped_distance",
+    "diagonal_sums",
     "gather_rows",
+    "is_whole_map",
     "offset_run",
     "positions_from_documents",
     "positions_from_padding",
     "relative_distance",
     "relative_position_index",
     "relative_to_absolute",
+    "run_offsets",
     "skew_rows",
     "t5_bucket",
     "toeplitz",
@@ -129,6 +132,33 @@ def offset_run(q_pos: Tensor, k_pos: Tensor) -> int | None:
         if pos.shape[1] > 1 and not bool((pos[0, 1:] - pos[0, :-1] == 1).all()):
             return None
     return int(k_pos[0, 0] - q_pos[0, -1])
+
+
+def run_offsets(q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+    """The ``n_q + n_k - 1`` offsets of a run of consecutive positions, in increasing order.
+
+    Args:
+        q_pos: ``[B', n_q]`` int64 query positions.
+        k_pos: ``[B', n_k]`` int64 key positions.
+
+    Returns:
+        ``[n_q + n_k - 1]`` int64, ``first .. first + n_q + n_k - 2`` with ``first`` from
+        :func:`offset_run`; None when it gives None.
+    """
+    first = offset_run(q_pos, k_pos)
+    if first is None:
+        return None
+    count = q_pos.shape[-1] + k_pos.shape[-1] - 1
+    return torch.arange(first, first + count, device=q_pos.device)
+
+
+def is_whole_map(q_pos: Tensor, k_pos: Tensor, cells: int) -> bool:
+    """Whether queries and keys are both every token of a map in order, ``[[0 .. cells-1]]``
+    (checked only where :func:`offset_run` can check)."""
+    shapes = q_pos.shape == (1, cells) and k_pos.shape == (1, cells)
+    if not shapes or offset_run(q_pos, k_pos) is None:
+        return False
+    return int(q_pos[0, 0]) == 0 and int(k_pos[0, 0]) == 0
 
 
 def toeplitz(values: Tensor, n_q: int, n_k: int) -> Tensor:

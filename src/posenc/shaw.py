@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from .embedding import _check_q, _gather, _hook_positions
-from .indices import clipped_distance, offset_run
+from .indices import clipped_distance, run_offsets
 
 __all__ = [
     "ShawRelativePosition",
@@ -331,13 +331,11 @@ class ShawRelativePosition(nn.Module):
         return self._reference_value_term
 
     def _offset_index(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        first = offset_run(q_pos, k_pos)
-        if first is None:
+        offsets = run_offsets(q_pos, k_pos)
+        if offsets is None:
             return None
         k = self.max_distance
-        count = q_pos.shape[-1] + k_pos.shape[-1] - 1
-        offsets = torch.arange(first, first + count, device=self.keys.device)
-        return offsets.clamp(-k, k) + k  # [n_q + n_k - 1] rows of the tables
+        return offsets.to(self.keys.device).clamp(-k, k) + k  # [n_q + n_k - 1] rows of the tables
 
     def offset_term(self, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor] | None:
         """``a^K`` per offset when the positions are one consecutive run (lean engine).
