@@ -82,6 +82,29 @@ def run(backend, scheme, q, k, v, q_pos, k_pos, mask):
     return out
 
 
+def spy_on(monkeypatch, engine):
+    """A list that grows by one each time ``engine.apply`` runs: which path was taken."""
+    calls = []
+    apply = engine.apply
+    monkeypatch.setattr(engine, "apply", lambda *a: calls.append(1) or apply(*a))
+    return calls
+
+
+def lean_and_math(scheme, q, k, v, q_pos, k_pos, mask):
+    """``{backend: [out, dq, dk, dv, *parameter grads]}`` for math and lean, one weighted loss."""
+    results = {}
+    weights = torch.linspace(-1, 1, q.shape[-1], dtype=q.dtype)
+    params = [] if scheme is None else list(scheme.parameters())
+    for backend in ("math", "lean"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        for p in params:
+            p.grad = None
+        out = run(backend, scheme, *leaves, q_pos, k_pos, mask)
+        (out * weights).sum().backward()
+        results[backend] = [out, *(t.grad for t in leaves), *(p.grad for p in params)]
+    return results
+
+
 @pytest.fixture(params=["threads", "pairs"])
 def head_groups(request, monkeypatch):
     """The fused paths' head groups: as the machine's threads give (often one head on a
@@ -250,11 +273,7 @@ def test_offset_bias_path_equals_math(
 ):
     """Consecutive positions, no mask or a causal one: the per-offset engine, outputs and
     every gradient."""
-    calls = []
-    apply = kernels._OffsetFusedAttention.apply
-    monkeypatch.setattr(
-        kernels._OffsetFusedAttention, "apply", lambda *a: calls.append(1) or apply(*a)
-    )
+    calls = spy_on(monkeypatch, kernels._OffsetFusedAttention)
     b, h, d = 2, 3, 8
     n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 7 * n_k)  # 7 rows a block
@@ -263,15 +282,7 @@ def test_offset_bias_path_equals_math(
     q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for n in (n_q, n_k, n_k))
     q_pos, k_pos = torch.arange(*q_range)[None], torch.arange(*k_range)[None]
     mask = Mask(n_q, n_k, causal=causal)
-    grads = {}
-    for backend in ("math", "lean"):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        params = list(scheme.parameters())
-        for p in params:
-            p.grad = None
-        out = run(backend, scheme, *leaves, q_pos, k_pos, mask)
-        (out * torch.linspace(-1, 1, d, dtype=dtype)).sum().backward()
-        grads[backend] = [out, *(t.grad for t in leaves), *(p.grad for p in params)]
+    grads = lean_and_math(scheme, q, k, v, q_pos, k_pos, mask)
     # learned tables here span < 60; a causal mask hides the last case's offsets above
     # -110, and -110, ALiBi's best visible one, is met by every row
     expected_path = offset_path or name != "alibi" or causal
@@ -288,7 +299,7 @@ def test_offset_bias_path_equals_math(
     [
         ((0, 37), (0, 37), 0.5, True),  # self-attention
         ((24, 37), (0, 37), 0.5, True),  # decoding: the last queries against a cache
-        ((0, 37), (0, 37), 40.0, True),  # a term spanning > BIAS_SPAN: copied and clamped
+        ((0, 37), (0, 37), 40.0, True),  # a term spanning > BIAS_SPAN (never clamped)
         ((0, 37), (3, 40), 0.5, True),  # keys shifted from the queries
     ],
 )
@@ -301,11 +312,7 @@ def test_offset_term_path_equals_math(
     every gradient."""
     from posenc import RelativeQueryEmbedding
 
-    calls = []
-    apply = kernels._OffsetTermAttention.apply
-    monkeypatch.setattr(
-        kernels._OffsetTermAttention, "apply", lambda *a: calls.append(1) or apply(*a)
-    )
+    calls = spy_on(monkeypatch, kernels._OffsetTermAttention)
     b, h, d = 2, 3, 8
     n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 7 * n_k)  # 7 rows a block
@@ -316,13 +323,7 @@ def test_offset_term_path_equals_math(
     q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for n in (n_q, n_k, n_k))
     q_pos, k_pos = torch.arange(*q_range)[None], torch.arange(*k_range)[None]
     mask = Mask(n_q, n_k, causal=causal)
-    grads = {}
-    for backend in ("math", "lean"):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        scheme.weight.grad = None
-        out = run(backend, scheme, *leaves, q_pos, k_pos, mask)
-        (out * torch.linspace(-1, 1, d, dtype=dtype)).sum().backward()
-        grads[backend] = [out, *(t.grad for t in leaves), scheme.weight.grad]
+    grads = lean_and_math(scheme, q, k, v, q_pos, k_pos, mask)
     assert bool(calls) == offset_path
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     if std > 1 and dtype == torch.float32:
@@ -344,11 +345,7 @@ def test_shaw_offset_path_equals_math(
     literal form."""
     from posenc import ShawRelativePosition
 
-    calls = []
-    apply = kernels._OffsetTermAttention.apply
-    monkeypatch.setattr(
-        kernels._OffsetTermAttention, "apply", lambda *a: calls.append(1) or apply(*a)
-    )
+    calls = spy_on(monkeypatch, kernels._OffsetTermAttention)
     b, h, d = 2, 3, 8
     n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 7 * n_k)  # 7 rows a block
@@ -359,13 +356,7 @@ def test_shaw_offset_path_equals_math(
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for n in (n_q, n_k, n_k))
     q_pos, k_pos = torch.arange(*q_range)[None], torch.arange(*k_range)[None]
-    grads = {}
-    for backend in ("math", "lean"):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        scheme.zero_grad()
-        out = run(backend, scheme, *leaves, q_pos, k_pos, Mask(n_q, n_k, causal=causal))
-        (out * torch.linspace(-1, 1, d, dtype=dtype)).sum().backward()
-        grads[backend] = [out, *(t.grad for t in leaves), *(p.grad for p in scheme.parameters())]
+    grads = lean_and_math(scheme, q, k, v, q_pos, k_pos, Mask(n_q, n_k, causal=causal))
     assert calls
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     for a, c in zip(grads["math"], grads["lean"], strict=True):
@@ -571,11 +562,7 @@ def test_grid_bias_path_equals_math(head_groups, monkeypatch, window, table, gri
     """A 2-D table over a whole map, no mask: the map-row engine, outputs and gradients."""
     from posenc import RelativePositionBias
 
-    calls = []
-    apply = kernels._GridFusedAttention.apply
-    monkeypatch.setattr(
-        kernels._GridFusedAttention, "apply", lambda *a: calls.append(1) or apply(*a)
-    )
+    calls = spy_on(monkeypatch, kernels._GridFusedAttention)
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 64)
     b, h, d = 2, 3, 8
     n = window[0] * window[1]
@@ -594,13 +581,7 @@ def test_grid_bias_path_equals_math(head_groups, monkeypatch, window, table, gri
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for _ in range(3))
     pos = torch.arange(n)[None]
-    grads = {}
-    for backend in ("math", "lean"):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        scheme.table.grad = None
-        out = run(backend, scheme, *leaves, pos, pos, Mask(n, n))
-        (out * torch.linspace(-1, 1, d, dtype=dtype)).sum().backward()
-        grads[backend] = [out, *(t.grad for t in leaves), scheme.table.grad]
+    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(n, n))
     assert bool(calls) == grid_path
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     for a, c in zip(grads["math"], grads["lean"], strict=True):
@@ -614,28 +595,18 @@ def test_grid_term_path_equals_math(head_groups, monkeypatch, per_head, size, st
     """2-D relative embedding over a whole map, no mask: outputs and every gradient."""
     from posenc import RelativeQueryEmbedding2D
 
-    calls = []
-    apply = kernels._GridTermAttention.apply
-    monkeypatch.setattr(
-        kernels._GridTermAttention, "apply", lambda *a: calls.append(1) or apply(*a)
-    )
+    calls = spy_on(monkeypatch, kernels._GridTermAttention)
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 64)
     b, h, d = 2, 3, 8
     n = size[0] * size[1]
     torch.manual_seed(1)
     scheme = RelativeQueryEmbedding2D(size, d, heads=h if per_head else None).to(dtype)
     for table in (scheme.height, scheme.width):
-        nn.init.normal_(table, std=std)  # 40: the term spans > BIAS_SPAN, copied and clamped
+        nn.init.normal_(table, std=std)  # 40: the term spans > BIAS_SPAN (never clamped)
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for _ in range(3))
     pos = torch.arange(n)[None]
-    grads = {}
-    for backend in ("math", "lean"):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        scheme.zero_grad()
-        out = run(backend, scheme, *leaves, pos, pos, Mask(n, n))
-        (out * torch.linspace(-1, 1, d, dtype=dtype)).sum().backward()
-        grads[backend] = [out, *(t.grad for t in leaves), scheme.height.grad, scheme.width.grad]
+    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(n, n))
     assert calls
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     if std > 1 and dtype == torch.float32:
