@@ -121,6 +121,13 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 64)
 
 
+def offset_rows(monkeypatch, rows: int, b: int, n_q: int, n_k: int) -> None:
+    """About ``rows`` query rows a block on the per-offset bias path: its kernel calls (the
+    skewed buffer of one head) and its written-out backward (one head; half with pairs)."""
+    monkeypatch.setattr(kernels, "SKEW_BUFFER_ELEMENTS", rows * (n_q + n_k - 1))
+    monkeypatch.setattr(kernels, "WRITTEN_BLOCK_ELEMENTS", b * rows * n_k)
+
+
 @pytest.mark.parametrize("scheme_name", list(SCHEMES))
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -276,7 +283,7 @@ def test_offset_bias_path_equals_math(
     calls = spy_on(monkeypatch, kernels._OffsetFusedAttention)
     b, h, d = 2, 3, 8
     n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
-    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 7 * n_k)  # 7 rows a block
+    offset_rows(monkeypatch, 7, b, n_q, n_k)
     scheme = _offset_scheme(name, h).to(dtype)
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for n in (n_q, n_k, n_k))
@@ -491,6 +498,7 @@ def test_a_subclass_overriding_a_hook_drops_the_parents_fast_forms():
 def test_offset_bias_path_with_frozen_tables(monkeypatch, name):
     """No table gradient wanted: the fused backward, q/k/v gradients still exact."""
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 2 * 3 * 5 * 20)
+    offset_rows(monkeypatch, 5, 2, 20, 20)
     scheme = _offset_scheme(name, 3).double().requires_grad_(False)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 20, 8, dtype=torch.float64) for _ in range(3))
@@ -637,12 +645,20 @@ def test_skewed_bias_blocks_are_the_toeplitz_rows():
 
     values = torch.randn(3, 11 + 6 - 1)
     full = toeplitz(values, 11, 6)  # [h, n_q, n_k]
-    skewed = kernels._SkewedBias(values, 11, 6, rows=4)
-    for start in (0, 4, 8):
-        count = min(4, 11 - start)
-        for heads in (slice(0, 3), slice(1, 2)):
-            block = skewed.block(start, count, heads)  # [1, g, count, n_k]
-            torch.testing.assert_close(block[0], full[heads, start : start + count], rtol=0, atol=0)
+    groups = [slice(0, 2), slice(2, 3)]
+    for shared in (False, True):
+        vals = values[:1] if shared else values
+        seen = []
+        for heads, skewed in kernels._SkewedBias.per_group(vals, groups, 11, 6, rows=4):
+            seen.append(heads)
+            for start in (0, 4, 8):
+                count = min(4, 11 - start)
+                block = skewed.block(start, count)  # [1, g|1, count, n_k]
+                want = full[:1] if shared else full[heads]
+                torch.testing.assert_close(block[0], want[:, start : start + count], rtol=0, atol=0)
+                first = skewed.block(start, count, keys=3)  # the first 3 keys
+                torch.testing.assert_close(first, block[..., :3], rtol=0, atol=0)
+        assert seen == groups
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -668,6 +684,14 @@ def test_block_rows():
     assert rows * 2 * 8 * 4096 <= kernels.LEAN_BLOCK_ELEMENTS < 2 * rows * 2 * 8 * 4096
     assert lean_block_rows(1, 1, 10, 10) == 10
     assert 16 <= lean_block_rows(64, 64, 8192, 8192) <= 512
+    # per-offset paths: one head's skewed buffer [rows, n_q + n_k - 1] within its budget
+    assert kernels._kernel_rows(4096, 4096) * 8191 <= kernels.SKEW_BUFFER_ELEMENTS
+    assert kernels._kernel_rows(4096, 4096) == 1024  # (the bench's case: long blocks)
+    assert kernels._kernel_rows(10, 10) == 10
+    assert kernels._kernel_rows(4096, 4096, causal=True) == kernels.CAUSAL_ROWS
+    assert kernels._kernel_rows(1 << 20, 1 << 20) >= 1
+    assert kernels._written_rows(2, 1, 4096, 4096) * 2 * 4096 == kernels.WRITTEN_BLOCK_ELEMENTS
+    assert kernels._written_rows(1, 1, 7, 7) == 7
 
 
 def test_auto_choice():

@@ -473,6 +473,38 @@ BIAS_SPAN = 60.0
 LEAN_BLOCK_ELEMENTS = 1 << 22
 
 
+#: elements of the skewed buffer ``[rows, n_q + n_k - 1]`` of one head on the per-offset
+#: paths (32 MiB in float32), the fused kernel's only per-block state there
+SKEW_BUFFER_ELEMENTS = 1 << 23
+
+#: elements of one block's scores ``[b, g, rows, n_k]`` when its backward is written out
+#: (its five products and the passes over ``P`` and ``dS`` then stay in the caches; measured
+#: here, n = 4096: 64 rows 1.5x the fused backward, 256 rows 1.75x)
+WRITTEN_BLOCK_ELEMENTS = 1 << 19
+
+#: query rows per kernel call on the per-offset paths under a causal mask: a block computes
+#: the keys its last query sees, so short blocks skip more of the hidden half
+CAUSAL_ROWS = 256
+
+
+def _kernel_rows(n_q: int, n_k: int, causal: bool = False) -> int:
+    """Query rows per fused-kernel call on the per-offset paths: a quarter of the queries
+    (64 to 1024, or :data:`CAUSAL_ROWS`), within :data:`SKEW_BUFFER_ELEMENTS`.
+
+    Long blocks save kernel calls (measured here, n = 4096: the kernel over blocks of 128
+    rows took 1.5x the time of the whole sequence in one call, over blocks of 1024 rows
+    1.15x); a block's buffer costs ``rows * (n_q + n_k - 1)`` writes per head, a quarter of
+    the queries keeps that about half the kernel's ``n_q * n_k`` reads of the mask.
+    """
+    rows = min(CAUSAL_ROWS if causal else 1024, max(64, n_q // 4))
+    return max(1, min(n_q, rows, SKEW_BUFFER_ELEMENTS // (n_q + n_k - 1)))
+
+
+def _written_rows(b: int, g: int, n_q: int, n_k: int) -> int:
+    """Query rows per block of a written-out backward (see :data:`WRITTEN_BLOCK_ELEMENTS`)."""
+    return max(1, min(n_q, 512, WRITTEN_BLOCK_ELEMENTS // max(1, b * g * n_k)))
+
+
 def lean_block_rows(b: int, h: int, n_q: int, n_k: int) -> int:
     """Query rows per block: about :data:`LEAN_BLOCK_ELEMENTS` scores, 16 to 512 rows."""
     rows = LEAN_BLOCK_ELEMENTS // max(1, b * h * n_k)
@@ -709,6 +741,26 @@ def _group_masks(
         yield hs, shared[0]
 
 
+class _KeyGrads:
+    """``dK`` and ``dV`` of the fused paths: one contiguous ``[b, g, n_k, d]`` buffer per head
+    group, into which a written-out backward adds its products in place (``baddbmm_``)
+    instead of adding a fresh ``[b, g, n_k, d]`` product per block."""
+
+    def __init__(self, k: Tensor, v: Tensor, groups: list[slice]) -> None:
+        b, _, n_k, _ = k.shape
+        sizes = {hs.start: hs.stop - hs.start for hs in groups}
+        self.k = {s: k.new_zeros(b, g, n_k, k.shape[-1]) for s, g in sizes.items()}
+        self.v = {s: v.new_zeros(b, g, n_k, v.shape[-1]) for s, g in sizes.items()}
+
+    def of(self, heads: slice, keys: int | None = None) -> tuple[Tensor, Tensor]:
+        """The accumulators of a head group for its first ``keys`` keys (default all)."""
+        return self.k[heads.start][:, :, :keys], self.v[heads.start][:, :, :keys]
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """``(dK, dV)``: ``[b, h, n_k, d]`` each."""
+        return torch.cat(list(self.k.values()), dim=1), torch.cat(list(self.v.values()), dim=1)
+
+
 def _block_grads(
     qh: Tensor,
     kh: Tensor,
@@ -718,11 +770,13 @@ def _block_grads(
     lh: Tensor,
     attn_mask: Tensor | None,
     scale: float,
+    grads: tuple[Tensor, Tensor],
     *,
     need_ds: bool,
     extra_dp: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """One block's backward on the fused paths: ``(dq, dk, dv, P, dS)``.
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One block's backward on the fused paths: ``(dq, P, dS)``; ``dk`` and ``dv`` are added
+    to ``grads``.
 
     Without ``need_ds``, the fused kernel's backward (``P`` and ``dS`` None). With it, the
     same five products written out, because they yield ``dS = P (dP - D)``, which a
@@ -732,15 +786,22 @@ def _block_grads(
 
     Args:
         qh, kh, vh: ``[b, g, rows | n_k, d]``; gh, oh: ``[b, g, rows, d]``;
-            lh: ``[b, g, rows]``; attn_mask: broadcastable to ``[b, g, rows, n_k]``.
+            lh: ``[b, g, rows]``; attn_mask: broadcastable to ``[b, g, rows, n_k]``;
+            grads: ``(dK, dV)`` accumulators ``[b, g, n_k, d]`` from :class:`_KeyGrads`.
     """
+    grad_k, grad_v = grads
     if not need_ds:
         gq, gk, gv = _flash_cpu_backward(
             gh, qh, kh, vh, oh, lh, 0.0, False, attn_mask=attn_mask, scale=scale
         )
-        return gq, gk, gv, None, None
+        grad_k += gk
+        grad_v += gv
+        return gq, None, None
+    b, g, rows, _ = qh.shape
+    n_k = kh.shape[2]
+    q_scaled = qh * scale  # [b, g, rows, d], contiguous
     # no floor on exp: a mask's biases are within BIAS_SPAN of their row's best
-    probs = torch.matmul(qh * scale, kh.transpose(-2, -1))  # [b, g, rows, n_k]
+    probs = torch.matmul(q_scaled, kh.transpose(-2, -1))  # [b, g, rows, n_k]
     if attn_mask is not None:
         probs = probs.add_(attn_mask)
     probs = probs.sub_(lh.unsqueeze(-1)).exp_()
@@ -749,8 +810,14 @@ def _block_grads(
         grad_s += extra_dp
     grad_s = grad_s.sub_((gh * oh).sum(dim=-1, keepdim=True)).mul_(probs)
     gq = (grad_s @ kh).mul_(scale)
-    gk = (grad_s.transpose(-2, -1) @ qh).mul_(scale)
-    return gq, gk, probs.transpose(-2, -1) @ gh, probs, grad_s
+    # dK += dS^T (q scale), dV += P^T dO, in place: [b g, n_k, rows] @ [b g, rows, d]
+    grad_k.view(b * g, n_k, -1).baddbmm_(
+        grad_s.view(b * g, rows, n_k).transpose(1, 2), q_scaled.view(b * g, rows, -1)
+    )
+    grad_v.view(b * g, n_k, -1).baddbmm_(
+        probs.view(b * g, rows, n_k).transpose(1, 2), gh.reshape(b * g, rows, -1)
+    )
+    return gq, probs, grad_s
 
 
 class _LeanFusedAttention(torch.autograd.Function):
@@ -801,11 +868,10 @@ class _LeanFusedAttention(torch.autograd.Function):
         q, k, v, out, q_pos, k_pos, lse, *params = ctx.saved_tensors
         hooks, mask, scale, rows = ctx.hooks, ctx.mask, ctx.scale, ctx.rows
         grad_q = torch.empty_like(q)
-        grad_k = torch.zeros_like(k)
-        grad_v = torch.zeros_like(v)
         grad_params = [torch.zeros_like(p) for p in params]
         grad_out = grad_out.contiguous()
         groups = _head_groups(q.shape[0], q.shape[1])
+        key_grads = _KeyGrads(k, v, groups)
         for start in range(0, q.shape[2], rows):
             blk = slice(start, min(start + rows, q.shape[2]))
             qp = q_pos[:, blk]
@@ -824,12 +890,11 @@ class _LeanFusedAttention(torch.autograd.Function):
             for hs, attn_mask in _group_masks(term, keep, groups, q):
                 qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, rows | n_k, d]
                 gh, oh, lh = g_out[:, hs], out[:, hs, blk], lse[:, hs, blk]
-                gq, gk, gv, _, grad_s = _block_grads(
-                    qh, kh, vh, gh, oh, lh, attn_mask, scale, need_ds=grad_extra is not None
-                )
+                gq, _, grad_s = _block_grads(
+                    qh, kh, vh, gh, oh, lh, attn_mask, scale, key_grads.of(hs),
+                    need_ds=grad_extra is not None,
+                )  # fmt: skip
                 grad_q[:, hs, blk] = gq
-                grad_k[:, hs] += gk
-                grad_v[:, hs] += gv
                 if grad_extra is None:  # the fused backward: nothing more to add
                     continue
                 # dS summed over what the term broadcast: [B'|1, g|1, rows, n_k]
@@ -847,6 +912,7 @@ class _LeanFusedAttention(torch.autograd.Function):
             for acc, g in zip(grad_params, grads, strict=True):
                 if g is not None:
                     acc += g
+        grad_k, grad_v = key_grads.result()
         return (grad_q, grad_k, grad_v, None, None, None, None, None, None, *grad_params)
 
 
@@ -882,7 +948,8 @@ def _offset_kernel_values(
 class _SkewedBias:
     """Every block's mask of a per-offset bias as a view of one buffer (no copy per block).
 
-    The buffer ``[h|1, rows, W]`` (``W = n_q + n_k - 1``) holds the values once per row;
+    The buffer ``[g|1, rows, W]`` (``W = n_q + n_k - 1``, ``g`` the heads of one kernel
+    call, 1 for values shared by the heads) holds the values once per row;
     read with row stride ``W - 1`` from column ``n_q - 1 - start``, row ``i`` of the view is
     shifted left by ``start + i``: ``view[i, j] = values[j - (start + i) + n_q - 1]``, the
     bias of query ``start + i`` and key ``j``. The fused kernels read strided masks.
@@ -890,31 +957,52 @@ class _SkewedBias:
 
     def __init__(self, values: Tensor, n_q: int, n_k: int, rows: int) -> None:
         heads, width = values.shape
-        self.buffer = values[:, None].expand(heads, rows, width).contiguous()  # [h|1, rows, W]
+        self.buffer = values.new_empty(heads, rows, width)  # [g|1, rows, W]
         self.n_q, self.n_k, self.rows, self.width = n_q, n_k, rows, width
+        self.fill(values)
 
-    def block(self, start: int, count: int, heads: slice, keys: int | None = None) -> Tensor:
+    def fill(self, values: Tensor) -> None:
+        """Hold ``values [g|1, W]`` (another head group's), in the same buffer when it fits."""
+        if values.shape[0] != self.buffer.shape[0]:
+            self.buffer = values.new_empty(values.shape[0], self.rows, self.width)
+        self.buffer.copy_(values[:, None].expand_as(self.buffer))
+
+    def block(self, start: int, count: int, keys: int | None = None) -> Tensor:
         """``[1, g|1, count, keys]``: the bias of queries ``start .. start + count - 1`` for
         the first ``keys`` keys (default all)."""
         buffer, w = self.buffer, self.width
-        first = 0 if buffer.shape[0] == 1 else heads.start
-        g = 1 if buffer.shape[0] == 1 else heads.stop - heads.start
         return buffer.as_strided(
-            (1, g, count, self.n_k if keys is None else keys),
+            (1, buffer.shape[0], count, self.n_k if keys is None else keys),
             (buffer.numel(), self.rows * w, w - 1, 1),
-            buffer.storage_offset() + first * self.rows * w + self.n_q - 1 - start,
+            buffer.storage_offset() + self.n_q - 1 - start,
         )
+
+    @staticmethod
+    def per_group(
+        values: Tensor, groups: list[slice], n_q: int, n_k: int, rows: int
+    ) -> Iterator[tuple[slice, _SkewedBias]]:
+        """``(heads, buffer)`` per head group: one buffer refilled with each group's heads
+        when the group comes (the kernel calls are synchronous), or once with values shared
+        by the heads."""
+        shared = values.shape[0] == 1
+        skewed = _SkewedBias(values if shared else values[groups[0]], n_q, n_k, rows)
+        for i, hs in enumerate(groups):
+            if i and not shared:
+                skewed.fill(values[hs])
+            yield hs, skewed
 
 
 class _OffsetFusedAttention(torch.autograd.Function):
     """The lean engine for a bias that depends on the offset ``j - i`` only.
 
     For consecutive positions with no mask, a relative bias (ALiBi, T5, 1-D relative table)
-    is ``toeplitz(values)``. Its masks are views of one :class:`_SkewedBias` buffer, and its
-    gradient is the diagonal sums of ``dS``, added to ``values``'s gradient block by block:
-    no ``[rows, n_k]`` bias is written, clamped or summed. Under a causal mask (folded into
-    the values as ``-inf``) a block stops at the last key its queries see: the kernel skips
-    about half the work, as with its own causal flag.
+    is ``toeplitz(values)``. Its masks are views of one :class:`_SkewedBias` buffer per head
+    group, and its gradient is the diagonal sums of ``dS``, added to ``values``'s gradient
+    block by block: no ``[rows, n_k]`` bias is written, clamped or summed. The kernel runs
+    over long blocks (:func:`_kernel_rows`); a written-out backward (a learned table) over
+    short ones (:func:`_written_rows`). Under a causal mask (folded into the values as
+    ``-inf``) a block stops at the last key its queries see: the kernel skips about half
+    the work, as with its own causal flag.
     """
 
     @staticmethod
@@ -926,50 +1014,54 @@ class _OffsetFusedAttention(torch.autograd.Function):
         values: Tensor,
         kernel_values: Tensor,
         scale: float,
-        rows: int,
         causal: bool,
     ) -> Tensor:
         b, h, n_q, _ = q.shape
+        n_k = k.shape[2]
         out = torch.empty_like(q)  # [b, h, n_q, d]
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n_q]
-        skewed = _SkewedBias(kernel_values, n_q, k.shape[2], rows)
-        for start in range(0, n_q, rows):
-            blk = slice(start, min(start + rows, n_q))
-            seen = _keys_seen(blk, n_q, k.shape[2], causal)
-            for hs in _head_groups(b, h):
-                attn_mask = skewed.block(start, blk.stop - start, hs, seen)  # [1, g|1, rows, seen]
+        rows = _kernel_rows(n_q, n_k, causal)
+        for hs, skewed in _SkewedBias.per_group(kernel_values, _head_groups(b, h), n_q, n_k, rows):
+            for start in range(0, n_q, rows):
+                blk = slice(start, min(start + rows, n_q))
+                seen = _keys_seen(blk, n_q, n_k, causal)
+                attn_mask = skewed.block(start, blk.stop - start, seen)  # [1, g|1, rows, seen]
                 out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
                     q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen], 0.0, False,
                     attn_mask=attn_mask, scale=scale,
                 )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, kernel_values)
-        ctx.scale, ctx.rows, ctx.learn, ctx.causal = scale, rows, values.requires_grad, causal
+        ctx.scale, ctx.learn, ctx.causal = scale, values.requires_grad, causal
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse, kernel_values = ctx.saved_tensors
-        scale, rows = ctx.scale, ctx.rows
+        scale, causal = ctx.scale, ctx.causal
         b, h, n_q, _ = q.shape
         n_k = k.shape[2]
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_q = torch.empty_like(q)
         grad_values = torch.zeros_like(kernel_values) if ctx.learn else None  # [h|1, W]
         grad_out = grad_out.contiguous()
-        skewed = _SkewedBias(kernel_values, n_q, n_k, rows)
-        for start in range(0, n_q, rows):
-            blk = slice(start, min(start + rows, n_q))
-            count = blk.stop - start
-            seen = _keys_seen(blk, n_q, n_k, ctx.causal)
-            for hs in _head_groups(b, h):
-                attn_mask = skewed.block(start, count, hs, seen)  # [1, g|1, rows, seen]
+        groups = _head_groups(b, h)
+        key_grads = _KeyGrads(k, v, groups)
+        if grad_values is None:  # the fused backward
+            rows = _kernel_rows(n_q, n_k, causal)
+        else:
+            rows = _written_rows(b, groups[0].stop - groups[0].start, n_q, n_k)
+        for hs, skewed in _SkewedBias.per_group(kernel_values, groups, n_q, n_k, rows):
+            for start in range(0, n_q, rows):
+                blk = slice(start, min(start + rows, n_q))
+                count = blk.stop - start
+                seen = _keys_seen(blk, n_q, n_k, causal)
+                attn_mask = skewed.block(start, count, seen)  # [1, g|1, rows, seen]
                 qh, kh, vh = q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen]  # [b, g, ., d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
-                gq, gk, gv, _, grad_s = _block_grads(
-                    qh, kh, vh, gh, oh, lh, attn_mask, scale, need_ds=grad_values is not None
-                )
+                gq, _, grad_s = _block_grads(
+                    qh, kh, vh, gh, oh, lh, attn_mask, scale, key_grads.of(hs, seen),
+                    need_ds=grad_values is not None,
+                )  # fmt: skip
                 grad_q[:, hs, blk] = gq
-                grad_k[:, hs, :seen] += gk
-                grad_v[:, hs, :seen] += gv
                 if grad_values is None:  # the fused backward: nothing more to add
                     continue
                 # query start + i, key j: offset column j - i + (n_q - start - count) + count - 1
@@ -979,7 +1071,8 @@ class _OffsetFusedAttention(torch.autograd.Function):
                     grad_values[:, cols] += sums.sum(dim=0, keepdim=True)
                 else:
                     grad_values[hs, cols] += sums
-        return grad_q, grad_k, grad_v, grad_values, None, None, None, None
+        grad_k, grad_v = key_grads.result()
+        return grad_q, grad_k, grad_v, grad_values, None, None, None
 
 
 def _keys_seen(blk: slice, n_q: int, n_k: int, causal: bool) -> int:
@@ -1132,7 +1225,8 @@ class _OffsetTermAttention(torch.autograd.Function):
         scale, rows = ctx.scale, ctx.rows
         b, h, n_q, _ = q.shape
         n_k = k.shape[2]
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_q = torch.empty_like(q)
+        key_grads = _KeyGrads(k, v, _head_groups(b, h))
         grad_table = torch.zeros_like(table)  # [(h,) R | n_q + n_k - 1, d]
         grad_values = None if value_table is None else torch.zeros_like(value_table)
         grad_out = grad_out.contiguous()
@@ -1146,17 +1240,17 @@ class _OffsetTermAttention(torch.autograd.Function):
                 attn_mask = _term_mask(qh, keys, hs, scale, seen, ctx.causal)
                 # dP through a^V too; D = dO . O with O the whole output (a^V included)
                 extra_dp = None if values is None else skew_rows(values.logits(gh, hs), seen)
-                gq, gk, gv, probs, grad_s = _block_grads(
-                    qh, kh, vh, gh, oh, lh, attn_mask, scale, need_ds=True, extra_dp=extra_dp
-                )
-                grad_k[:, hs, :seen] += gk
-                grad_v[:, hs, :seen] += gv
+                gq, probs, grad_s = _block_grads(
+                    qh, kh, vh, gh, oh, lh, attn_mask, scale, key_grads.of(hs, seen),
+                    need_ds=True, extra_dp=extra_dp,
+                )  # fmt: skip
                 if values is not None and grad_values is not None:
                     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
                     values.add_grad(grad_values, hs, by_offset, gh, 1.0)
                 grad_logits = _unskew(grad_s, padded, "s")  # [b, g, rows, rows + n_k - 1]
                 grad_q[:, hs, blk] = gq.add_(keys.combine(grad_logits, hs).mul_(scale))
                 keys.add_grad(grad_table, hs, grad_logits, qh, scale)
+        grad_k, grad_v = key_grads.result()
         return grad_q, grad_k, grad_v, grad_table, grad_values, None, None, None, None
 
 
@@ -1274,7 +1368,8 @@ class _GridFusedAttention(torch.autograd.Function):
         q, k, v, out, lse, kernel_grid = ctx.saved_tensors
         scale = ctx.scale
         b, h = q.shape[:2]
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_q = torch.empty_like(q)
+        key_grads = _KeyGrads(k, v, _head_groups(b, h))
         grad_grid = torch.zeros_like(kernel_grid) if ctx.learn else None  # [h, 2H-1, 2W-1]
         grad_out = grad_out.contiguous()
         masks = _GridBias(kernel_grid)
@@ -1285,12 +1380,11 @@ class _GridFusedAttention(torch.autograd.Function):
                 attn_mask = masks.block(row, hs)  # [1, g, W, H * W]
                 qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, W | n, d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
-                gq, gk, gv, _, grad_s = _block_grads(
-                    qh, kh, vh, gh, oh, lh, attn_mask, scale, need_ds=grad_grid is not None
-                )
+                gq, _, grad_s = _block_grads(
+                    qh, kh, vh, gh, oh, lh, attn_mask, scale, key_grads.of(hs),
+                    need_ds=grad_grid is not None,
+                )  # fmt: skip
                 grad_q[:, hs, blk] = gq
-                grad_k[:, hs] += gk
-                grad_v[:, hs] += gv
                 if grad_grid is None:  # the fused backward: nothing more to add
                     continue
                 # [g, c_i, r_j, c_j] -> [g, r_j, c_i, c_j]; key row r_j is row offset r_j - row
@@ -1298,6 +1392,7 @@ class _GridFusedAttention(torch.autograd.Function):
                 grad_grid[hs, height - 1 - row : 2 * height - 1 - row] += diagonal_sums(
                     per_key_row
                 )  # [g, H, 2W-1]
+        grad_k, grad_v = key_grads.result()
         return grad_q, grad_k, grad_v, grad_grid, None, None
 
 
@@ -1342,7 +1437,8 @@ class _GridTermAttention(torch.autograd.Function):
         scale = ctx.scale
         b, h = q.shape[:2]
         rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_q = torch.empty_like(q)
+        key_grads = _KeyGrads(k, v, _head_groups(b, h))
         grad_height, grad_width = torch.zeros_like(height), torch.zeros_like(width)
         grad_out = grad_out.contiguous()
         padded: dict[tuple[Any, ...], Tensor] = {}  # the skew's adjoint, zero outside
@@ -1353,11 +1449,9 @@ class _GridTermAttention(torch.autograd.Function):
                 qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, W | n, d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
                 attn_mask = _grid_term_mask(qh, height, width, hs, r, scale)  # [b, g, W, n]
-                gq, gk, gv, _, grad_s = _block_grads(
-                    qh, kh, vh, gh, oh, lh, attn_mask, scale, need_ds=True
+                gq, _, grad_s = _block_grads(
+                    qh, kh, vh, gh, oh, lh, attn_mask, scale, key_grads.of(hs), need_ds=True
                 )
-                grad_k[:, hs] += gk
-                grad_v[:, hs] += gv
                 per_cell = grad_s.view(*grad_s.shape[:-1], rows, cols)  # [b, g, W, H, W]
                 grad_rows = per_cell.sum(dim=-1)  # [b, g, W, H]: the height logits used
                 grad_cols = _unskew(per_cell.sum(dim=-2), padded, "w")  # [b, g, W, 2W-1]
@@ -1372,6 +1466,7 @@ class _GridTermAttention(torch.autograd.Function):
                 else:
                     grad_height[hs, key_rows] += d_height
                     grad_width[hs] += d_width
+        grad_k, grad_v = key_grads.result()
         return grad_q, grad_k, grad_v, grad_height, grad_width, None
 
 
@@ -1492,7 +1587,7 @@ def _lean(
             if kernel_values is not None:
                 q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
                 return _OffsetFusedAttention.apply(
-                    q, k, v, values, kernel_values, scale, rows, mask.causal
+                    q, k, v, values, kernel_values, scale, mask.causal
                 )
     if _fused_cpu_available(q, hooks):
         engine = _LeanFusedAttention
