@@ -683,6 +683,15 @@ def _head_groups(b: int, h: int) -> list[slice]:
     return [slice(s, min(s + group, h)) for s in range(0, h, group)]
 
 
+def _forward_groups(h: int) -> list[slice]:
+    """Heads per fused forward call on the grid paths: all of them. Their blocks are one map
+    row (``W`` queries): the forward kernel parallelizes over batch, heads and query tiles,
+    and one call per map row beats one per head and map row (measured here, n = 2048 on a
+    32 x 64 map: Swin-2d forward 1.48x the floor instead of 1.66x, relative-2d 1.59x instead
+    of 1.96x). The backward keeps :func:`_head_groups`."""
+    return [slice(0, h)]
+
+
 def _heads_of(x: Tensor, heads: slice) -> Tensor:
     """``x[:, heads]``, or ``x`` itself when its head dimension is a broadcast 1."""
     return x if x.shape[1] == 1 else x[:, heads]
@@ -1347,14 +1356,14 @@ class _GridFusedAttention(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, grid: Tensor, kernel_grid: Tensor, scale: float
     ) -> Tensor:
-        b, h = q.shape[:2]
+        h = q.shape[1]
         out = torch.empty_like(q)  # [b, h, n, d]
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n]
         masks = _GridBias(kernel_grid)
         w = masks.width
         for row in range(masks.height):
             blk = slice(row * w, (row + 1) * w)
-            for hs in _head_groups(b, h):
+            for hs in _forward_groups(h):
                 out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
                     q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False,
                     attn_mask=masks.block(row, hs), scale=scale,
@@ -1415,14 +1424,14 @@ class _GridTermAttention(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, height: Tensor, width: Tensor, scale: float
     ) -> Tensor:
-        b, h = q.shape[:2]
+        h = q.shape[1]
         out = torch.empty_like(q)  # [b, h, n, d]
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n]
         height, width = height.detach(), width.detach()
         rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
         for r in range(rows):
             blk = slice(r * cols, (r + 1) * cols)
-            for hs in _head_groups(b, h):
+            for hs in _forward_groups(h):
                 attn_mask = _grid_term_mask(q[:, hs, blk], height, width, hs, r, scale)
                 out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
                     q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
