@@ -341,7 +341,14 @@ def test_offset_term_path_equals_math(
 
 @pytest.mark.parametrize("values", [True, False])
 @pytest.mark.parametrize(
-    ("q_range", "k_range"), [((0, 37), (0, 37)), ((24, 37), (0, 37)), ((0, 30), (5, 40))]
+    ("q_range", "k_range"),
+    [
+        ((0, 37), (0, 37)),  # blocks with far keys on both sides and a strip
+        ((24, 37), (0, 37)),
+        ((0, 30), (5, 40)),
+        ((400, 410), (0, 30)),  # every key far before every query: no strip
+        ((0, 10), (300, 330)),  # every key far after
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("causal", [False, True])
@@ -386,6 +393,57 @@ class CyclicTerm(nn.Module):
         first = int(k_pos[0, 0] - q_pos[0, -1])
         offsets = torch.arange(first, first + q_pos.shape[-1] + k_pos.shape[-1] - 1)
         return self.table, offsets % 5
+
+
+class ClippedPerHead(nn.Module):
+    """``q_i . table[h, clip(j - i, -2, 2) + 2]``: a clipped table per head (Shaw's keys are
+    shared by the heads), so the far parts take a row per head."""
+
+    def __init__(self, heads, head_dim):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(heads, 5, head_dim))
+
+    def score_term(self, q, q_pos, k_pos):
+        rel = (k_pos[:, None, :] - q_pos[:, :, None]).clamp(-2, 2) + 2  # [B', n_q, n_k]
+        return torch.einsum("bhid,hbijd->bhij", q, self.table[:, rel])
+
+    def offset_term(self, q_pos, k_pos):
+        first = int(k_pos[0, 0] - q_pos[0, -1])
+        offsets = torch.arange(first, first + q_pos.shape[-1] + k_pos.shape[-1] - 1)
+        return self.table, offsets.clamp(-2, 2) + 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_offset_term_far_parts_with_a_table_per_head(head_groups, monkeypatch, causal):
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 2 * 3 * 4 * 21)  # 4 rows a block
+    calls = spy_on(monkeypatch, kernels._OffsetTermAttention)
+    torch.manual_seed(0)
+    scheme = ClippedPerHead(3, 8).double()
+    q, k, v = (torch.randn(2, 3, 21, 8, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(21)[None]
+    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(21, 21, causal=causal))
+    assert calls
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a)
+
+
+def test_far_keys_of_a_block():
+    """Keys [0, a) meet only the lead run's offsets for every query of the block, keys
+    [c, seen) only the tail run's, and the strip between holds the rest."""
+    n_q = n_k = 30
+    width = n_q + n_k - 1
+    index = (torch.arange(width) - (n_q - 1)).clamp(-4, 4) + 4  # Shaw, k = 4
+    runs = kernels._clipped_runs(index)
+    assert runs == (n_q - 4, n_k - 4)
+    for blk in (slice(0, 7), slice(14, 21), slice(28, 30)):
+        a, c = kernels._far_keys(runs, blk, n_q, width, n_k, causal=False)
+        cols = torch.arange(n_k)[None, :] - torch.arange(blk.start, blk.stop)[:, None] + n_q - 1
+        assert (index[cols[:, :a]] == 0).all() and (index[cols[:, c:]] == 8).all()
+        # the strip is as narrow as it can be: its first and last keys are not far for all
+        assert a == n_k or (index[cols[:, a]] != 0).any()
+        assert c == 0 or (index[cols[:, c - 1]] != 8).any()
+    assert kernels._far_keys(None, slice(0, 7), n_q, width, n_k, causal=False) == (0, n_k)
+    assert kernels._far_keys(runs, slice(14, 21), n_q, width, 21, causal=True)[1] == 21
 
 
 def test_offset_term_with_any_index_equals_math(monkeypatch):

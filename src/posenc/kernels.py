@@ -1090,6 +1090,24 @@ def _keys_seen(blk: slice, n_q: int, n_k: int, causal: bool) -> int:
     return min(n_k, blk.stop + n_k - n_q) if causal else n_k
 
 
+def _clipped_runs(idx: Tensor) -> tuple[int, int] | None:
+    """``(lead, tail)`` when ``idx [W]`` is a clipped run: ``lead`` times its first row, each
+    row between once, ``tail`` times its last (``tail`` 0 when all rows are the first), as
+    ``clip(offset, -k, k) + k`` over increasing offsets is; else None."""
+    first, last = int(idx[0]), int(idx[-1])
+    if last < first:  # clipped runs increase
+        return None
+    lead, tail = int((idx == first).sum()), int((idx == last).sum())
+    parts = [torch.full((lead,), first, dtype=idx.dtype, device=idx.device)]
+    if first != last:  # a run of first, first + 1 .. last - 1 once each, a run of last
+        parts.append(torch.arange(first + 1, last, dtype=idx.dtype, device=idx.device))
+        parts.append(torch.full((tail,), last, dtype=idx.dtype, device=idx.device))
+    clipped = torch.cat(parts)
+    if clipped.shape != idx.shape or not torch.equal(clipped, idx):
+        return None
+    return lead, tail if first != last else 0
+
+
 class _Rows:
     """The rows ``r_m`` of the offsets a block of queries meets, for :class:`_OffsetTermAttention`.
 
@@ -1107,20 +1125,11 @@ class _Rows:
             self.rows = table[..., cols, :]  # [(h,) W, d]
             return
         idx = index[cols]  # [W] rows of the table
-        first, last = int(idx[0]), int(idx[-1])
-        if last < first:  # not a clipped run (those increase): the rows themselves
+        self.runs = _clipped_runs(idx)
+        if self.runs is None:  # any index: the rows themselves
             self.rows, self.target = table[..., idx, :], idx
             return
-        lead, tail = int((idx == first).sum()), int((idx == last).sum())
-        parts = [torch.full((lead,), first, dtype=idx.dtype, device=idx.device)]
-        if first != last:  # a run of first, first + 1 .. last - 1 once each, a run of last
-            parts.append(torch.arange(first + 1, last, dtype=idx.dtype, device=idx.device))
-            parts.append(torch.full((tail,), last, dtype=idx.dtype, device=idx.device))
-        clipped = torch.cat(parts)
-        if clipped.shape != idx.shape or not torch.equal(clipped, idx):
-            self.rows, self.target = table[..., idx, :], idx  # any index: the rows themselves
-            return
-        self.runs = (lead, tail if first != last else 0)
+        first, last = int(idx[0]), int(idx[-1])
         self.rows, self.target = table[..., first : last + 1, :], slice(first, last + 1)
 
     def of(self, heads: slice) -> Tensor:
@@ -1174,19 +1183,75 @@ class _Rows:
             grad[heads].index_add_(1, self.target, rows)
 
 
+class _FarRows:
+    """The two constant ends of a clipped index over a block's keys (see :func:`_far_keys`):
+    keys ``[0, a)`` meet only offsets of the table's first row (``lead``), keys
+    ``[c, seen)`` only its last (``tail``), for every query of the block."""
+
+    def __init__(self, table: Tensor, value_table: Tensor | None, index: Tensor, which: int):
+        self.row = int(index[which])  # the table row of this end
+        self.keys = table[..., self.row, :]  # [(h,) d]
+        self.values = None if value_table is None else value_table[..., self.row, :]
+
+    def of(self, x: Tensor | None, heads: slice) -> Tensor | None:
+        """A row of these heads, broadcastable to ``[b, g, rows, d]``."""
+        if x is None:
+            return None
+        return (x if x.ndim == 1 else x[heads]).unsqueeze(-2)  # [(g,) 1, d]
+
+    def add(self, grad: Tensor, heads: slice, x: Tensor, y: Tensor) -> None:
+        """Add ``sum_b,i x_i y_i`` (``x [b, g, rows]``, ``y [b, g, rows, d]``) to the row."""
+        rows = torch.einsum("bgr,bgrd->gd", x, y)  # [g, d]
+        if grad.ndim == 2:
+            grad[self.row] += rows.sum(dim=0)
+        else:
+            grad[heads, self.row] += rows
+
+
+def _far_keys(
+    runs: tuple[int, int] | None, blk: slice, n_q: int, width: int, seen: int, causal: bool
+) -> tuple[int, int]:
+    """``(a, c)``: keys ``[0, a)`` meet only the offsets of the lead run (columns ``m < lead``
+    of the ``width`` offsets) for every query of ``blk``, keys ``[c, seen)`` only those of
+    the tail run; ``(0, seen)`` without runs. Query ``i``, key ``j`` meet column
+    ``j - i + n_q - 1``. Under a causal mask (``seen`` the keys the block's last query
+    sees) the lead part stops before the last key the block's first query sees, and there
+    is no tail part: the strip holds every key some query of the block may not see, and at
+    least one key each query sees (a row that sees none would get the kernel's logsumexp of
+    0, not -inf)."""
+    if runs is None:
+        return 0, seen
+    lead, tail = runs
+    a = min(max(lead - n_q + 1 + blk.start, 0), seen)
+    if causal:
+        return min(a, max(seen - (blk.stop - blk.start), 0)), seen
+    return a, min(max(width - tail - n_q + blk.stop, a), seen)
+
+
 class _OffsetTermAttention(torch.autograd.Function):
     """The lean engine for a query term ``q_i . r_(j-i)`` (relative embedding, Huang et al.;
     Shaw's keys), with Shaw's value term ``sum_j P_ij a^V_(j-i)`` when given its rows.
 
     For consecutive positions with no mask and no bias, each block's term is the skew of
-    ``q_blk @ r^T`` over the ``rows + n_k - 1`` offsets it meets, handed to the fused kernel
-    as a strided view (no ``[rows, n_k]`` copy). The value term is ``unskew(P) @ a^V`` with
-    ``P`` recomputed from the kernel's ``logsumexp``. Backward: ``dS`` (and ``P``) go back
-    through the skew into zero-padded buffers reused per block shape; small products give
-    the gradients of ``q`` and of the rows. Rows given as a clipped table (see
-    :class:`_Rows`) make every product with them ``R`` rows wide instead of ``W``. Under a
-    causal mask each block stops at the last key it sees, and the offsets its queries may
-    not see are ``-inf`` in its logits.
+    ``q_blk @ r^T`` over the offsets it meets, handed to the fused kernel as a strided view
+    (no ``[rows, n_k]`` copy). The value term is ``unskew(P) @ a^V`` with ``P`` recomputed
+    from the ``logsumexp``. Backward: ``dS`` (and ``P``) go back through the skew into
+    zero-padded buffers reused per block shape; small products give the gradients of ``q``
+    and of the rows. Rows given as a clipped table (see :class:`_Rows`) make every product
+    with them ``R`` rows wide instead of ``W``.
+
+    A clipped table (Shaw) is also constant far from the diagonal: keys more than ``k``
+    before every query of a block meet only its first row, keys more than ``k`` after only
+    its last. Those keys (:func:`_far_keys`) take the fused kernels without a mask: their
+    term is one number per query (``q_i . a^K``), added to the part's logsumexp, and their
+    value term is the part's weight times one row. Only a strip of ``rows + 2k - 1`` keys
+    around the diagonal is handled as above. The parts are merged by their logsumexps
+    (split-key flash attention); the backward runs the fused kernel on each far part with
+    the merged ``logsumexp`` and output, the output shifted by the part's value row so that
+    the kernel's ``D = dO . O`` misses exactly that row's share of ``dP``.
+
+    Under a causal mask each block stops at the last key it sees, and the offsets its
+    queries may not see are ``-inf`` in its logits.
     """
 
     @staticmethod
@@ -1204,61 +1269,136 @@ class _OffsetTermAttention(torch.autograd.Function):
     ) -> Tensor:
         b, h, n_q, _ = q.shape
         n_k = k.shape[2]
+        width = n_q + n_k - 1
         out = torch.empty_like(q)  # [b, h, n_q, d]
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n_q]
         table = table.detach()
         value_table = None if value_table is None else value_table.detach()
+        runs = None if index is None else _clipped_runs(index)
+        ends = None
+        if runs is not None:  # the far parts' rows, and their weights and outputs for backward
+            ends = (_FarRows(table, value_table, index, 0), _FarRows(table, value_table, index, -1))
+            weights = q.new_zeros(2, b, h, n_q)  # [lead | tail, b, h, n_q]
+            mixed = q.new_zeros(2, b, h, n_q, v.shape[-1])  # weight * the part's output
         padded: dict[tuple[Any, ...], Tensor] = {}
-        for blk, cols, seen in _term_blocks(n_q, n_k, rows, causal):
-            keys = _Rows(table, index, cols)
-            values = None if value_table is None else _Rows(value_table, index, cols)
+        for blk, _, seen in _term_blocks(n_q, n_k, rows, causal):
+            a, c = _far_keys(runs, blk, n_q, width, seen, causal)
+            keys = values = None
+            if c > a:  # the strip: offsets of keys a .. c - 1 from queries blk
+                cols = slice(a - blk.stop + n_q, c - blk.start + n_q - 1)
+                keys = _Rows(table, index, cols)
+                values = None if value_table is None else _Rows(value_table, index, cols)
             for hs in _head_groups(b, h):
-                qh, kh, vh = q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen]  # [b, g, ., d]
-                attn_mask = _term_mask(qh, keys, hs, scale, seen, causal)  # [b, g, rows, seen]
-                out_blk, lse[:, hs, blk] = _flash_cpu(
-                    qh, kh, vh, 0.0, False, attn_mask=attn_mask, scale=scale
-                )  # [b, g, rows, d], [b, g, rows]
-                if values is not None:
+                qh = q[:, hs, blk]  # [b, g, rows, d]
+                parts: list[tuple[Tensor, Tensor, int | None]] = []  # (out, lse, end)
+                for end, keys_of in ((0, slice(0, a)), (1, slice(c, seen))):
+                    if ends is None or keys_of.stop <= keys_of.start:
+                        continue
+                    term = (qh * ends[end].of(ends[end].keys, hs)).sum(dim=-1).mul_(scale)
+                    o, l = _flash_cpu(qh, k[:, hs, keys_of], v[:, hs, keys_of], scale=scale)
+                    parts.append((o, l + term, end))  # [b, g, rows, d], [b, g, rows]
+                attn_mask = None
+                if keys is not None:
+                    attn_mask = _term_mask(
+                        qh, keys, hs, scale, c - a, causal
+                    )  # [b, g, rows, c - a]
+                    o, l = _flash_cpu(
+                        qh, k[:, hs, a:c], v[:, hs, a:c], attn_mask=attn_mask, scale=scale
+                    )
+                    parts.append((o, l, None))
+                if len(parts) == 1 and parts[0][2] is None:  # the strip alone
+                    out_blk, lse_blk = parts[0][0], parts[0][1]
+                else:
+                    lse_blk = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
+                    out_blk = torch.zeros_like(qh)
+                    for o, l, end in parts:
+                        w = (l - lse_blk).exp_()  # [b, g, rows]: the part's share
+                        out_blk += o * w.unsqueeze(-1)
+                        if end is not None and ends is not None:
+                            weights[end, :, hs, blk] = w
+                            mixed[end, :, hs, blk] = o * w.unsqueeze(-1)
+                            value_row = ends[end].of(ends[end].values, hs)
+                            if value_row is not None:
+                                out_blk += w.unsqueeze(-1) * value_row
+                if values is not None and attn_mask is not None:
+                    kh = k[:, hs, a:c]
                     probs = torch.matmul(qh * scale, kh.transpose(-2, -1))
-                    probs = probs.add_(attn_mask).sub_(lse[:, hs, blk, None]).exp_()
-                    by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
+                    probs = probs.add_(attn_mask).sub_(lse_blk.unsqueeze(-1)).exp_()
+                    by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + c - a - 1]
                     out_blk = out_blk + values.combine(by_offset, hs)
-                out[:, hs, blk] = out_blk
-        ctx.save_for_backward(q, k, v, out, lse, table, value_table, index)
+                out[:, hs, blk], lse[:, hs, blk] = out_blk, lse_blk
+        far = (weights, mixed) if ends is not None else (None, None)
+        ctx.save_for_backward(q, k, v, out, lse, table, value_table, index, *far)
         ctx.scale, ctx.rows, ctx.causal = scale, rows, causal
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse, table, value_table, index = ctx.saved_tensors
-        scale, rows = ctx.scale, ctx.rows
+        q, k, v, out, lse, table, value_table, index, weights, mixed = ctx.saved_tensors
+        scale, rows, causal = ctx.scale, ctx.rows, ctx.causal
         b, h, n_q, _ = q.shape
         n_k = k.shape[2]
+        width = n_q + n_k - 1
         grad_q = torch.empty_like(q)
         key_grads = _KeyGrads(k, v, _head_groups(b, h))
         grad_table = torch.zeros_like(table)  # [(h,) R | n_q + n_k - 1, d]
         grad_values = None if value_table is None else torch.zeros_like(value_table)
         grad_out = grad_out.contiguous()
+        runs = None if index is None else _clipped_runs(index)
+        ends = None
+        if runs is not None:
+            ends = (_FarRows(table, value_table, index, 0), _FarRows(table, value_table, index, -1))
         padded: dict[tuple[Any, ...], Tensor] = {}  # through the skew, zero outside
-        for blk, cols, seen in _term_blocks(n_q, n_k, rows, ctx.causal):
-            keys = _Rows(table, index, cols)
-            values = None if value_table is None else _Rows(value_table, index, cols)
+        for blk, _, seen in _term_blocks(n_q, n_k, rows, causal):
+            a, c = _far_keys(runs, blk, n_q, width, seen, causal)
+            keys = values = None
+            if c > a:
+                cols = slice(a - blk.stop + n_q, c - blk.start + n_q - 1)
+                keys = _Rows(table, index, cols)
+                values = None if value_table is None else _Rows(value_table, index, cols)
             for hs in _head_groups(b, h):
-                qh, kh, vh = q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen]  # [b, g, ., d]
+                qh = q[:, hs, blk]  # [b, g, rows, d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
-                attn_mask = _term_mask(qh, keys, hs, scale, seen, ctx.causal)
-                # dP through a^V too; D = dO . O with O the whole output (a^V included)
-                extra_dp = None if values is None else skew_rows(values.logits(gh, hs), seen)
-                gq, probs, grad_s = _block_grads(
-                    qh, kh, vh, gh, oh, lh, attn_mask, scale, key_grads.of(hs, seen),
-                    need_ds=True, extra_dp=extra_dp,
-                )  # fmt: skip
-                if values is not None and grad_values is not None:
-                    by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
-                    values.add_grad(grad_values, hs, by_offset, gh, 1.0)
-                grad_logits = _unskew(grad_s, padded, "s")  # [b, g, rows, rows + n_k - 1]
-                grad_q[:, hs, blk] = gq.add_(keys.combine(grad_logits, hs).mul_(scale))
-                keys.add_grad(grad_table, hs, grad_logits, qh, scale)
+                grad_k, grad_v = key_grads.of(hs)
+                gq_blk = torch.zeros_like(qh)
+                for end, keys_of in ((0, slice(0, a)), (1, slice(c, seen))):
+                    if ends is None or keys_of.stop <= keys_of.start:
+                        continue
+                    far = ends[end]
+                    key_row, value_row = far.of(far.keys, hs), far.of(far.values, hs)
+                    term = (qh * key_row).sum(dim=-1).mul_(scale)  # [b, g, rows]
+                    # the kernel's D = dO . O' must miss the value row's share of dP
+                    o_seen = oh if value_row is None else oh - value_row
+                    gq, gk, gv = _flash_cpu_backward(
+                        gh, qh, k[:, hs, keys_of], v[:, hs, keys_of], o_seen, lh - term,
+                        0.0, False, scale=scale,
+                    )  # fmt: skip
+                    gq_blk += gq
+                    grad_k[:, :, keys_of] += gk
+                    grad_v[:, :, keys_of] += gv
+                    # the part's dS summed over its keys: sum_j P (dP - D), one per query
+                    w = weights[end, :, hs, blk]  # [b, g, rows]
+                    d_term = (gh * mixed[end, :, hs, blk]).sum(dim=-1)
+                    d_term -= w * (gh * o_seen).sum(dim=-1)
+                    gq_blk += d_term.unsqueeze(-1) * key_row * scale
+                    far.add(grad_table, hs, d_term * scale, qh)
+                    if grad_values is not None:
+                        far.add(grad_values, hs, w, gh)
+                if keys is not None:
+                    attn_mask = _term_mask(qh, keys, hs, scale, c - a, causal)
+                    # dP through a^V too; D = dO . O with O the whole output (a^V included)
+                    extra_dp = None if values is None else skew_rows(values.logits(gh, hs), c - a)
+                    gq, probs, grad_s = _block_grads(
+                        qh, k[:, hs, a:c], v[:, hs, a:c], gh, oh, lh, attn_mask, scale,
+                        (grad_k[:, :, a:c], grad_v[:, :, a:c]), need_ds=True, extra_dp=extra_dp,
+                    )  # fmt: skip
+                    if values is not None and grad_values is not None:
+                        by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + c - a - 1]
+                        values.add_grad(grad_values, hs, by_offset, gh, 1.0)
+                    grad_logits = _unskew(grad_s, padded, "s")  # [b, g, rows, rows + c - a - 1]
+                    gq_blk += gq.add_(keys.combine(grad_logits, hs).mul_(scale))
+                    keys.add_grad(grad_table, hs, grad_logits, qh, scale)
+                grad_q[:, hs, blk] = gq_blk
         grad_k, grad_v = key_grads.result()
         return grad_q, grad_k, grad_v, grad_table, grad_values, None, None, None, None
 
