@@ -427,23 +427,50 @@ def test_offset_term_far_parts_with_a_table_per_head(head_groups, monkeypatch, c
         torch.testing.assert_close(c, a)
 
 
-def test_far_keys_of_a_block():
-    """Keys [0, a) meet only the lead run's offsets for every query of the block, keys
-    [c, seen) only the tail run's, and the strip between holds the rest."""
-    n_q = n_k = 30
+@pytest.mark.parametrize(("n_q", "n_k"), [(9, 9), (4, 11), (11, 4), (1, 6)])
+@pytest.mark.parametrize("delta", [-12, -3, 0, 1, 2, 5, 20])
+def test_lead_pieces_cover_the_pairs_once(n_q, n_k, delta):
+    """The kernel calls of a far part cover exactly the pairs j <= i + delta - 1, once."""
+    covered = torch.zeros(n_q, n_k, dtype=torch.long)
+    for rows, keys, causal in kernels._lead_pieces(n_q, n_k, delta):
+        i = torch.arange(rows.start, rows.stop)[:, None]
+        j = torch.arange(keys.start, keys.stop)[None, :]
+        seen = (j - keys.start <= i - rows.start) if causal else torch.ones_like(i * j, dtype=bool)
+        covered[rows, keys] += seen.long()  # the kernel's causal mask is top-left
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    assert torch.equal(covered, (j <= i + delta - 1).long())
+
+
+@pytest.mark.parametrize(("n_q", "n_k"), [(30, 30), (10, 30), (30, 12)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_far_parts_and_strips_split_the_pairs(n_q, n_k, causal):
+    """Shaw, k = 4: every visible pair is in exactly one of the lead part (first row), the
+    tail part (last row) and its block's strip, whose hidden logit columns are the pairs
+    of the other parts or hidden by the causal mask."""
+    table = torch.zeros(9, 2)
     width = n_q + n_k - 1
-    index = (torch.arange(width) - (n_q - 1)).clamp(-4, 4) + 4  # Shaw, k = 4
-    runs = kernels._clipped_runs(index)
-    assert runs == (n_q - 4, n_k - 4)
-    for blk in (slice(0, 7), slice(14, 21), slice(28, 30)):
-        a, c = kernels._far_keys(runs, blk, n_q, width, n_k, causal=False)
-        cols = torch.arange(n_k)[None, :] - torch.arange(blk.start, blk.stop)[:, None] + n_q - 1
-        assert (index[cols[:, :a]] == 0).all() and (index[cols[:, c:]] == 8).all()
-        # the strip is as narrow as it can be: its first and last keys are not far for all
-        assert a == n_k or (index[cols[:, a]] != 0).any()
-        assert c == 0 or (index[cols[:, c - 1]] != 8).any()
-    assert kernels._far_keys(None, slice(0, 7), n_q, width, n_k, causal=False) == (0, n_k)
-    assert kernels._far_keys(runs, slice(14, 21), n_q, width, 21, causal=True)[1] == 21
+    offsets = torch.arange(width) - (n_q - 1)
+    index = offsets.clamp(-4, 4) + 4
+    parts, low, high = kernels._far_parts(table, None, index, n_q, n_k, causal)
+    assert len(parts) == (1 if causal else 2)
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    visible = (j <= i + n_k - n_q) if causal else torch.ones(n_q, n_k, dtype=torch.bool)
+    count = torch.zeros(n_q, n_k, dtype=torch.long)
+    for part in parts:
+        seq_i, seq_j = (n_q - 1 - i, n_k - 1 - j) if part.flip else (i, j)
+        mine = seq_j <= seq_i + part.delta - 1
+        assert (index[j - i + n_q - 1][mine] == part.row).all()  # one table row
+        count += mine.long()
+    for blk in (slice(s, min(s + 7, n_q)) for s in range(0, n_q, 7)):
+        keys, cols, left, right = kernels._strip(blk, n_q, n_k, low, high)
+        rows = blk.stop - blk.start
+        for r in range(rows):
+            for c in range(keys.start, keys.stop):
+                col = c - keys.start - r + rows - 1  # the logit column of (r, c) in the skew
+                assert index[cols][col] == index[c - (blk.start + r) + n_q - 1]
+                shown = col >= left and (right is None or col < right)
+                count[blk.start + r, c] += int(shown)
+    assert torch.equal(count, visible.long())
 
 
 def test_offset_term_with_any_index_equals_math(monkeypatch):
@@ -680,6 +707,46 @@ def test_grid_term_path_equals_math(head_groups, monkeypatch, per_head, size, st
     for a, c in zip(grads["math"], grads["lean"], strict=True):
         torch.testing.assert_close(c, a, atol=tol, rtol=tol)
     assert scheme.grid_term(pos[:, 1:], pos) is None  # not the whole map: general path
+
+
+@pytest.mark.parametrize("name", ["t5", "relative", "shaw", "swin-2d", "relative-2d"])
+def test_fast_paths_take_inputs_in_projection_layout(monkeypatch, name):
+    """q, k, v as a projection gives them, ``[b, n, h, d]`` viewed as ``[b, h, n, d]`` (not
+    contiguous): every fast path with a written-out backward, outputs and gradients."""
+    from posenc import (
+        RelativePositionBias,
+        RelativeQueryEmbedding,
+        RelativeQueryEmbedding2D,
+        ShawRelativePosition,
+        T5RelativeBias,
+    )
+
+    b, h, d, n = 2, 3, 8, 24
+    engine, scheme = {
+        "t5": (
+            kernels._OffsetFusedAttention,
+            lambda: T5RelativeBias(h, num_buckets=8, max_distance=16),
+        ),
+        "relative": (kernels._OffsetTermAttention, lambda: RelativeQueryEmbedding(n, d)),
+        "shaw": (kernels._OffsetTermAttention, lambda: ShawRelativePosition(d, 3)),
+        "swin-2d": (kernels._GridFusedAttention, lambda: RelativePositionBias((4, 6), h)),
+        "relative-2d": (kernels._GridTermAttention, lambda: RelativeQueryEmbedding2D((4, 6), d)),
+    }[name]
+    calls = spy_on(monkeypatch, engine)
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 5 * n)  # several blocks
+    offset_rows(monkeypatch, 5, b, n, n)
+    torch.manual_seed(1)
+    scheme = scheme().double()
+    for p in scheme.parameters():
+        nn.init.normal_(p, std=1.0)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, n, h, d, dtype=torch.float64).transpose(1, 2) for _ in range(3))
+    assert not q.is_contiguous()
+    pos = torch.arange(n)[None]
+    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(n, n))
+    assert calls
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a)
 
 
 def test_grid_bias_is_the_score_bias_by_offsets():

@@ -821,8 +821,8 @@ def _block_grads(
     gq = (grad_s @ kh).mul_(scale)
     # dK += dS^T (q scale), dV += P^T dO, in place: [b g, n_k, rows] @ [b g, rows, d]
     grad_k.view(b * g, n_k, -1).baddbmm_(
-        grad_s.view(b * g, rows, n_k).transpose(1, 2), q_scaled.view(b * g, rows, -1)
-    )
+        grad_s.view(b * g, rows, n_k).transpose(1, 2), q_scaled.reshape(b * g, rows, -1)
+    )  # (q scaled keeps q's strides: a view of a [b, n, h, d] projection is no batch)
     grad_v.view(b * g, n_k, -1).baddbmm_(
         probs.view(b * g, rows, n_k).transpose(1, 2), gh.reshape(b * g, rows, -1)
     )
@@ -1183,49 +1183,123 @@ class _Rows:
             grad[heads].index_add_(1, self.target, rows)
 
 
-class _FarRows:
-    """The two constant ends of a clipped index over a block's keys (see :func:`_far_keys`):
-    keys ``[0, a)`` meet only offsets of the table's first row (``lead``), keys
-    ``[c, seen)`` only its last (``tail``), for every query of the block."""
-
-    def __init__(self, table: Tensor, value_table: Tensor | None, index: Tensor, which: int):
-        self.row = int(index[which])  # the table row of this end
-        self.keys = table[..., self.row, :]  # [(h,) d]
-        self.values = None if value_table is None else value_table[..., self.row, :]
-
-    def of(self, x: Tensor | None, heads: slice) -> Tensor | None:
-        """A row of these heads, broadcastable to ``[b, g, rows, d]``."""
-        if x is None:
-            return None
-        return (x if x.ndim == 1 else x[heads]).unsqueeze(-2)  # [(g,) 1, d]
-
-    def add(self, grad: Tensor, heads: slice, x: Tensor, y: Tensor) -> None:
-        """Add ``sum_b,i x_i y_i`` (``x [b, g, rows]``, ``y [b, g, rows, d]``) to the row."""
-        rows = torch.einsum("bgr,bgrd->gd", x, y)  # [g, d]
-        if grad.ndim == 2:
-            grad[self.row] += rows.sum(dim=0)
-        else:
-            grad[heads, self.row] += rows
+def _lead_pieces(n_q: int, n_k: int, delta: int) -> list[tuple[slice, slice, bool]]:
+    """``(query rows, keys, causal)`` calls of the fused kernel covering exactly the pairs
+    ``j <= i + delta - 1`` (query ``i``, key ``j``), with the kernel's causal mask, which is
+    top-left (query ``i'`` of a call sees its keys ``j' <= i'``): rows from the first with
+    such a key; keys that all those rows see in one call without a mask, the rest causal."""
+    first = max(0, 1 - delta)  # the first row with a key
+    if first >= n_q or n_k == 0:
+        return []
+    last_of_first = first + delta - 1  # the first row's last key (>= 0)
+    rows = slice(first, n_q)
+    pieces = []
+    if last_of_first > 0:  # keys every row from the first sees: no mask
+        pieces.append((rows, slice(0, min(last_of_first, n_k)), False))
+    if last_of_first < n_k:
+        pieces.append((rows, slice(last_of_first, n_k), True))
+    return pieces
 
 
-def _far_keys(
-    runs: tuple[int, int] | None, blk: slice, n_q: int, width: int, seen: int, causal: bool
-) -> tuple[int, int]:
-    """``(a, c)``: keys ``[0, a)`` meet only the offsets of the lead run (columns ``m < lead``
-    of the ``width`` offsets) for every query of ``blk``, keys ``[c, seen)`` only those of
-    the tail run; ``(0, seen)`` without runs. Query ``i``, key ``j`` meet column
-    ``j - i + n_q - 1``. Under a causal mask (``seen`` the keys the block's last query
-    sees) the lead part stops before the last key the block's first query sees, and there
-    is no tail part: the strip holds every key some query of the block may not see, and at
-    least one key each query sees (a row that sees none would get the kernel's logsumexp of
-    0, not -inf)."""
+class _FarPart:
+    """The keys of one constant end of a clipped table (Shaw's first or last row): pairs
+    ``j <= i + delta - 1`` (the lead), or, on the sequences reversed, ``j >= i + delta'``
+    (the tail). Their term is one number per query, ``q_i . a^K``, and their value term one
+    row, ``a^V``: the fused kernel runs over them without a mask (:func:`_lead_pieces`)."""
+
+    def __init__(
+        self, table: Tensor, value_table: Tensor | None, row: int, delta: int, flip: bool
+    ) -> None:
+        self.row, self.delta, self.flip = row, delta, flip
+        self.keys = table[..., row, :]  # [(h,) d]
+        self.values = None if value_table is None else value_table[..., row, :]
+
+    @staticmethod
+    def broadcast(x: Tensor | None) -> Tensor | None:
+        """A row ``[(h,) d]`` broadcastable to ``[b, h, n, d]``."""
+        return None if x is None else x.unsqueeze(-2)  # [(h,) 1, d]
+
+    def _seq(self, x: Tensor) -> Tensor:
+        return x.flip(2) if self.flip else x
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """``(out, lse)``: ``[b, h, n_q, d]``, ``[b, h, n_q]`` over the part's keys, ``lse``
+        with the term added, ``-inf`` (and ``out`` 0) for rows with no key here."""
+        n_q, n_k = q.shape[2], k.shape[2]
+        q, k, v = self._seq(q), self._seq(k), self._seq(v)
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        lse = q.new_full(q.shape[:-1], float("-inf"))
+        for rows, keys, causal in _lead_pieces(n_q, n_k, self.delta):
+            o, l = _flash_cpu(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, causal, scale=scale)
+            merged = torch.logaddexp(lse[:, :, rows], l)
+            out[:, :, rows] = out[:, :, rows] * (lse[:, :, rows] - merged).exp().unsqueeze(
+                -1
+            ) + o * (l - merged).exp().unsqueeze(-1)
+            lse[:, :, rows] = merged
+        term = (q * self.broadcast(self.keys)).sum(dim=-1).mul_(scale)  # [b, h, n_q]
+        return self._seq(out), self._seq(lse + term)
+
+    def backward(
+        self, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """The kernel's gradients ``(dq, dk, dv)`` over the part's keys given the merged
+        ``out`` (less the part's value row) and ``lse`` (less the part's term)."""
+        n_q, n_k = q.shape[2], k.shape[2]
+        g, q, k, v, out, lse = (self._seq(x) for x in (grad_out, q, k, v, out, lse))
+        grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows, keys, causal in _lead_pieces(n_q, n_k, self.delta):
+            gq, gk, gv = _flash_cpu_backward(
+                g[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                lse[:, :, rows], 0.0, causal, scale=scale,
+            )  # fmt: skip
+            grad_q[:, :, rows] += gq
+            grad_k[:, :, keys] += gk
+            grad_v[:, :, keys] += gv
+        return self._seq(grad_q), self._seq(grad_k), self._seq(grad_v)
+
+
+def _far_parts(
+    table: Tensor, value_table: Tensor | None, index: Tensor | None, n_q: int, n_k: int,
+    causal: bool,
+) -> tuple[list[_FarPart], int | None, int | None]:  # fmt: skip
+    """The far parts of a clipped index and the band left between them: ``(parts, low,
+    high)``, query ``i`` meeting keys ``i + low .. i + high`` in the strip (None: unbounded).
+
+    Offset column ``m = j - i + n_q - 1``: columns below ``lead`` hold the first row, from
+    ``W - tail`` the last. Under a causal mask (aligned at the end) keys after
+    ``i + n_k - n_q`` are hidden: the lead stops there, and there is no tail part (the strip
+    takes its visible keys up to the causal bound).
+    """
+    runs = None if index is None else _clipped_runs(index)
+    high = n_k - n_q if causal else None
     if runs is None:
-        return 0, seen
+        return [], None, high
     lead, tail = runs
-    a = min(max(lead - n_q + 1 + blk.start, 0), seen)
+    low = lead - n_q + 1  # lead keys: j <= i + low - 1
     if causal:
-        return min(a, max(seen - (blk.stop - blk.start), 0)), seen
-    return a, min(max(width - tail - n_q + blk.stop, a), seen)
+        low = min(low, n_k - n_q + 1)
+    parts = [_FarPart(table, value_table, int(index[0]), low, flip=False)]
+    if not causal and tail:
+        high = n_k - tail - 1  # tail keys: j >= i + high + 1
+        # reversed: i* = n_q - 1 - i, j* = n_k - 1 - j: j* <= i* + (tail - n_q + 1) - 1
+        parts.append(_FarPart(table, value_table, int(index[-1]), tail - n_q + 1, flip=True))
+    return parts, low, high
+
+
+def _strip(
+    blk: slice, n_q: int, n_k: int, low: int | None, high: int | None
+) -> tuple[slice, slice, int, int | None]:
+    """A block's strip: ``(keys, offset columns, first hidden logit column from the left
+    (0: none), first hidden logit column on the right (None: none))``; keys ``a .. c - 1``,
+    logits column ``col`` of the block is offset ``col - (rows - 1) + a - start``."""
+    rows = blk.stop - blk.start
+    a = 0 if low is None else min(max(blk.start + low, 0), n_k)
+    c = n_k if high is None else min(max(blk.stop + high, a), n_k)
+    cols = slice(a - blk.stop + n_q, c - blk.start + n_q - 1)
+    left = 0 if low is None else max(low + rows - 1 - a + blk.start, 0)
+    right = None if high is None else high + rows - a + blk.start
+    return slice(a, c), cols, left, right
 
 
 class _OffsetTermAttention(torch.autograd.Function):
@@ -1240,15 +1314,16 @@ class _OffsetTermAttention(torch.autograd.Function):
     and of the rows. Rows given as a clipped table (see :class:`_Rows`) make every product
     with them ``R`` rows wide instead of ``W``.
 
-    A clipped table (Shaw) is also constant far from the diagonal: keys more than ``k``
-    before every query of a block meet only its first row, keys more than ``k`` after only
-    its last. Those keys (:func:`_far_keys`) take the fused kernels without a mask: their
-    term is one number per query (``q_i . a^K``), added to the part's logsumexp, and their
-    value term is the part's weight times one row. Only a strip of ``rows + 2k - 1`` keys
-    around the diagonal is handled as above. The parts are merged by their logsumexps
-    (split-key flash attention); the backward runs the fused kernel on each far part with
-    the merged ``logsumexp`` and output, the output shifted by the part's value row so that
-    the kernel's ``D = dO . O`` misses exactly that row's share of ``dP``.
+    A clipped table (Shaw) is also constant far from the diagonal: keys ``k`` or more before
+    a query meet only its first row, ``k`` or more after only its last. Those pairs take the
+    fused kernels over the whole sequence without a mask (:class:`_FarPart`: a causal call
+    shifted by ``k``, and one on the sequences reversed): their term is one number per
+    query, added to the part's logsumexp, their value term the part's weight times one row.
+    Only the band of ``2k - 1`` offsets around the diagonal is handled as above, block by
+    block (keys outside it ``-inf`` in the block's logits). The parts are merged by their
+    logsumexps (split-key flash attention); the backward runs the fused kernel on each far
+    part with the merged ``logsumexp`` and output, the output less the part's value row so
+    that the kernel's ``D = dO . O`` misses exactly that row's share of ``dP``.
 
     Under a causal mask each block stops at the last key it sees, and the offsets its
     queries may not see are ``-inf`` in its logits.
@@ -1269,66 +1344,61 @@ class _OffsetTermAttention(torch.autograd.Function):
     ) -> Tensor:
         b, h, n_q, _ = q.shape
         n_k = k.shape[2]
-        width = n_q + n_k - 1
-        out = torch.empty_like(q)  # [b, h, n_q, d]
-        lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n_q]
         table = table.detach()
         value_table = None if value_table is None else value_table.detach()
-        runs = None if index is None else _clipped_runs(index)
-        ends = None
-        if runs is not None:  # the far parts' rows, and their weights and outputs for backward
-            ends = (_FarRows(table, value_table, index, 0), _FarRows(table, value_table, index, -1))
-            weights = q.new_zeros(2, b, h, n_q)  # [lead | tail, b, h, n_q]
-            mixed = q.new_zeros(2, b, h, n_q, v.shape[-1])  # weight * the part's output
+        parts, low, high = _far_parts(table, value_table, index, n_q, n_k, causal)
+        far = [part.forward(q, k, v, scale) for part in parts]  # [(out, lse)] over all rows
+        groups = _strip_groups(b, h, parts)
+        # the strip's share so far: rows with no strip key keep -inf
+        out = torch.zeros_like(q)  # [b, h, n_q, d]
+        lse = q.new_full(q.shape[:-1], float("-inf"))  # [b, h, n_q]
         padded: dict[tuple[Any, ...], Tensor] = {}
-        for blk, _, seen in _term_blocks(n_q, n_k, rows, causal):
-            a, c = _far_keys(runs, blk, n_q, width, seen, causal)
-            keys = values = None
-            if c > a:  # the strip: offsets of keys a .. c - 1 from queries blk
-                cols = slice(a - blk.stop + n_q, c - blk.start + n_q - 1)
-                keys = _Rows(table, index, cols)
-                values = None if value_table is None else _Rows(value_table, index, cols)
-            for hs in _head_groups(b, h):
+        strips = [(blk, *_strip(blk, n_q, n_k, low, high)) for blk, _, _ in _term_blocks(
+            n_q, n_k, rows, causal)]  # fmt: skip
+        for blk, keys_of, cols, left, right in strips:
+            if keys_of.stop <= keys_of.start:
+                continue
+            keys = _Rows(table, index, cols)
+            seen = _band_rows(blk, keys_of, low, high)  # [rows] rows with a strip key
+            for hs in groups:
                 qh = q[:, hs, blk]  # [b, g, rows, d]
-                parts: list[tuple[Tensor, Tensor, int | None]] = []  # (out, lse, end)
-                for end, keys_of in ((0, slice(0, a)), (1, slice(c, seen))):
-                    if ends is None or keys_of.stop <= keys_of.start:
-                        continue
-                    term = (qh * ends[end].of(ends[end].keys, hs)).sum(dim=-1).mul_(scale)
-                    o, l = _flash_cpu(qh, k[:, hs, keys_of], v[:, hs, keys_of], scale=scale)
-                    parts.append((o, l + term, end))  # [b, g, rows, d], [b, g, rows]
-                attn_mask = None
-                if keys is not None:
-                    attn_mask = _term_mask(
-                        qh, keys, hs, scale, c - a, causal
-                    )  # [b, g, rows, c - a]
-                    o, l = _flash_cpu(
-                        qh, k[:, hs, a:c], v[:, hs, a:c], attn_mask=attn_mask, scale=scale
-                    )
-                    parts.append((o, l, None))
-                if len(parts) == 1 and parts[0][2] is None:  # the strip alone
-                    out_blk, lse_blk = parts[0][0], parts[0][1]
-                else:
-                    lse_blk = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
-                    out_blk = torch.zeros_like(qh)
-                    for o, l, end in parts:
-                        w = (l - lse_blk).exp_()  # [b, g, rows]: the part's share
-                        out_blk += o * w.unsqueeze(-1)
-                        if end is not None and ends is not None:
-                            weights[end, :, hs, blk] = w
-                            mixed[end, :, hs, blk] = o * w.unsqueeze(-1)
-                            value_row = ends[end].of(ends[end].values, hs)
-                            if value_row is not None:
-                                out_blk += w.unsqueeze(-1) * value_row
-                if values is not None and attn_mask is not None:
-                    kh = k[:, hs, a:c]
+                attn_mask = _term_mask(
+                    qh, keys, hs, scale, keys_of.stop - keys_of.start, left, right
+                )
+                o, l = _flash_cpu(
+                    qh, k[:, hs, keys_of], v[:, hs, keys_of], attn_mask=attn_mask, scale=scale
+                )
+                if seen is not None:
+                    o, l = o * seen[:, None], l.masked_fill(~seen, float("-inf"))
+                out[:, hs, blk], lse[:, hs, blk] = o, l
+        weights = mixed = None
+        if far:
+            total = torch.logsumexp(torch.stack([lse, *(l for _, l in far)]), dim=0)
+            out = out * (lse - total).exp_().unsqueeze(-1)
+            weights = torch.stack([(l - total).exp_() for _, l in far])  # [parts, b, h, n_q]
+            mixed = torch.stack(
+                [o * w.unsqueeze(-1) for (o, _), w in zip(far, weights, strict=True)]
+            )
+            out += mixed.sum(dim=0)
+            for part, w in zip(parts, weights, strict=True):
+                value_row = _FarPart.broadcast(part.values)
+                if value_row is not None:
+                    out += w.unsqueeze(-1) * value_row
+            lse = total
+        if value_table is not None:  # the strip's value term, with the merged lse
+            for blk, keys_of, cols, left, right in strips:
+                if keys_of.stop <= keys_of.start:
+                    continue
+                keys = _Rows(table, index, cols)
+                values = _Rows(value_table, index, cols)
+                for hs in groups:
+                    qh, kh = q[:, hs, blk], k[:, hs, keys_of]
+                    attn_mask = _term_mask(qh, keys, hs, scale, kh.shape[2], left, right)
                     probs = torch.matmul(qh * scale, kh.transpose(-2, -1))
-                    probs = probs.add_(attn_mask).sub_(lse_blk.unsqueeze(-1)).exp_()
+                    probs = probs.add_(attn_mask).sub_(lse[:, hs, blk, None]).exp_()
                     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + c - a - 1]
-                    out_blk = out_blk + values.combine(by_offset, hs)
-                out[:, hs, blk], lse[:, hs, blk] = out_blk, lse_blk
-        far = (weights, mixed) if ends is not None else (None, None)
-        ctx.save_for_backward(q, k, v, out, lse, table, value_table, index, *far)
+                    out[:, hs, blk] += values.combine(by_offset, hs)
+        ctx.save_for_backward(q, k, v, out, lse, table, value_table, index, weights, mixed)
         ctx.scale, ctx.rows, ctx.causal = scale, rows, causal
         return out
 
@@ -1338,69 +1408,93 @@ class _OffsetTermAttention(torch.autograd.Function):
         scale, rows, causal = ctx.scale, ctx.rows, ctx.causal
         b, h, n_q, _ = q.shape
         n_k = k.shape[2]
-        width = n_q + n_k - 1
-        grad_q = torch.empty_like(q)
-        key_grads = _KeyGrads(k, v, _head_groups(b, h))
+        grad_q = torch.zeros_like(q)
         grad_table = torch.zeros_like(table)  # [(h,) R | n_q + n_k - 1, d]
         grad_values = None if value_table is None else torch.zeros_like(value_table)
         grad_out = grad_out.contiguous()
-        runs = None if index is None else _clipped_runs(index)
-        ends = None
-        if runs is not None:
-            ends = (_FarRows(table, value_table, index, 0), _FarRows(table, value_table, index, -1))
+        parts, low, high = _far_parts(table, value_table, index, n_q, n_k, causal)
+        groups = _strip_groups(b, h, parts)
+        key_grads = _KeyGrads(k, v, groups)
+        far_k, far_v = torch.zeros_like(k), torch.zeros_like(v)
+        for i, part in enumerate(parts):
+            key_row, value_row = _FarPart.broadcast(part.keys), _FarPart.broadcast(part.values)
+            term = (q * key_row).sum(dim=-1).mul_(scale)  # [b, h, n_q]
+            # the kernel's D = dO . O' must miss the value row's share of dP
+            o_seen = out if value_row is None else out - value_row
+            gq, gk, gv = part.backward(grad_out, q, k, v, o_seen, lse - term, scale)
+            grad_q += gq
+            far_k += gk
+            far_v += gv
+            # the part's dS summed over its keys, one per query: sum_j P (dP - D)
+            d_term = (grad_out * mixed[i]).sum(dim=-1) - weights[i] * (grad_out * o_seen).sum(-1)
+            grad_q += d_term.unsqueeze(-1) * key_row * scale
+            _add_row(grad_table, part.row, torch.einsum("bhn,bhnd->hd", d_term * scale, q))
+            if grad_values is not None:
+                _add_row(grad_values, part.row, torch.einsum("bhn,bhnd->hd", weights[i], grad_out))
         padded: dict[tuple[Any, ...], Tensor] = {}  # through the skew, zero outside
-        for blk, _, seen in _term_blocks(n_q, n_k, rows, causal):
-            a, c = _far_keys(runs, blk, n_q, width, seen, causal)
-            keys = values = None
-            if c > a:
-                cols = slice(a - blk.stop + n_q, c - blk.start + n_q - 1)
-                keys = _Rows(table, index, cols)
-                values = None if value_table is None else _Rows(value_table, index, cols)
-            for hs in _head_groups(b, h):
+        for blk, _, _ in _term_blocks(n_q, n_k, rows, causal):
+            keys_of, cols, left, right = _strip(blk, n_q, n_k, low, high)
+            if keys_of.stop <= keys_of.start:
+                continue
+            keys = _Rows(table, index, cols)
+            values = None if value_table is None else _Rows(value_table, index, cols)
+            seen = _band_rows(blk, keys_of, low, high)
+            width = keys_of.stop - keys_of.start
+            for hs in groups:
                 qh = q[:, hs, blk]  # [b, g, rows, d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
+                if seen is not None:  # rows with no strip key: no share here
+                    gh = gh * seen[:, None]
                 grad_k, grad_v = key_grads.of(hs)
-                gq_blk = torch.zeros_like(qh)
-                for end, keys_of in ((0, slice(0, a)), (1, slice(c, seen))):
-                    if ends is None or keys_of.stop <= keys_of.start:
-                        continue
-                    far = ends[end]
-                    key_row, value_row = far.of(far.keys, hs), far.of(far.values, hs)
-                    term = (qh * key_row).sum(dim=-1).mul_(scale)  # [b, g, rows]
-                    # the kernel's D = dO . O' must miss the value row's share of dP
-                    o_seen = oh if value_row is None else oh - value_row
-                    gq, gk, gv = _flash_cpu_backward(
-                        gh, qh, k[:, hs, keys_of], v[:, hs, keys_of], o_seen, lh - term,
-                        0.0, False, scale=scale,
-                    )  # fmt: skip
-                    gq_blk += gq
-                    grad_k[:, :, keys_of] += gk
-                    grad_v[:, :, keys_of] += gv
-                    # the part's dS summed over its keys: sum_j P (dP - D), one per query
-                    w = weights[end, :, hs, blk]  # [b, g, rows]
-                    d_term = (gh * mixed[end, :, hs, blk]).sum(dim=-1)
-                    d_term -= w * (gh * o_seen).sum(dim=-1)
-                    gq_blk += d_term.unsqueeze(-1) * key_row * scale
-                    far.add(grad_table, hs, d_term * scale, qh)
-                    if grad_values is not None:
-                        far.add(grad_values, hs, w, gh)
-                if keys is not None:
-                    attn_mask = _term_mask(qh, keys, hs, scale, c - a, causal)
-                    # dP through a^V too; D = dO . O with O the whole output (a^V included)
-                    extra_dp = None if values is None else skew_rows(values.logits(gh, hs), c - a)
-                    gq, probs, grad_s = _block_grads(
-                        qh, k[:, hs, a:c], v[:, hs, a:c], gh, oh, lh, attn_mask, scale,
-                        (grad_k[:, :, a:c], grad_v[:, :, a:c]), need_ds=True, extra_dp=extra_dp,
-                    )  # fmt: skip
-                    if values is not None and grad_values is not None:
-                        by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + c - a - 1]
-                        values.add_grad(grad_values, hs, by_offset, gh, 1.0)
-                    grad_logits = _unskew(grad_s, padded, "s")  # [b, g, rows, rows + c - a - 1]
-                    gq_blk += gq.add_(keys.combine(grad_logits, hs).mul_(scale))
-                    keys.add_grad(grad_table, hs, grad_logits, qh, scale)
-                grad_q[:, hs, blk] = gq_blk
+                attn_mask = _term_mask(qh, keys, hs, scale, width, left, right)
+                # dP through a^V too; D = dO . O with O the whole output (a^V included)
+                extra_dp = None if values is None else skew_rows(values.logits(gh, hs), width)
+                gq, probs, grad_s = _block_grads(
+                    qh, k[:, hs, keys_of], v[:, hs, keys_of], gh, oh, lh, attn_mask, scale,
+                    (grad_k[:, :, keys_of], grad_v[:, :, keys_of]), need_ds=True,
+                    extra_dp=extra_dp,
+                )  # fmt: skip
+                if values is not None and grad_values is not None:
+                    by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + c - a - 1]
+                    values.add_grad(grad_values, hs, by_offset, gh, 1.0)
+                grad_logits = _unskew(grad_s, padded, "s")  # [b, g, rows, rows + c - a - 1]
+                grad_q[:, hs, blk] += gq.add_(keys.combine(grad_logits, hs).mul_(scale))
+                keys.add_grad(grad_table, hs, grad_logits, qh, scale)
         grad_k, grad_v = key_grads.result()
+        if parts:
+            grad_k, grad_v = grad_k + far_k, grad_v + far_v
         return grad_q, grad_k, grad_v, grad_table, grad_values, None, None, None, None
+
+
+def _strip_groups(b: int, h: int, parts: list[_FarPart]) -> list[slice]:
+    """Heads per block on the term path: with far parts the strip is narrow (``rows + 2k -
+    1`` keys), and all heads at once save the per-call overhead that dominates it; else
+    :func:`_head_groups`."""
+    return [slice(0, h)] if parts else _head_groups(b, h)
+
+
+def _add_row(grad: Tensor, row: int, rows: Tensor) -> None:
+    """Add ``rows [h, d]`` to row ``row`` of a table's gradient ``[(h,) R, d]`` (summed over
+    the heads for a shared table)."""
+    if grad.ndim == 2:
+        grad[row] += rows.sum(dim=0)
+    else:
+        grad[:, row] += rows
+
+
+def _band_rows(blk: slice, keys_of: slice, low: int | None, high: int | None) -> Tensor | None:
+    """``[rows]`` bool: the rows of a block that meet a key of its strip (query ``i`` meets
+    keys ``i + low .. i + high``); None when all do. A row that meets none must not take the
+    kernel's output and logsumexp (0, not -inf) for it."""
+    i = torch.arange(blk.start, blk.stop)
+    first = torch.full_like(i, keys_of.start) if low is None else (i + low).clamp(min=keys_of.start)
+    last = (
+        torch.full_like(i, keys_of.stop - 1)
+        if high is None
+        else (i + high).clamp(max=keys_of.stop - 1)
+    )
+    seen = first <= last
+    return None if bool(seen.all()) else seen
 
 
 def _unskew(x: Tensor, padded: dict[tuple[Any, ...], Tensor], tag: str) -> Tensor:
@@ -1424,17 +1518,25 @@ def _term_blocks(n_q: int, n_k: int, rows: int, causal: bool) -> Iterator[tuple[
 
 
 def _term_mask(
-    q_blk: Tensor, keys: _Rows, heads: slice, scale: float, n_k: int, causal: bool
+    q_blk: Tensor,
+    keys: _Rows,
+    heads: slice,
+    scale: float,
+    n_k: int,
+    left: int = 0,
+    right: int | None = None,
 ) -> Tensor:
     """A block's query term as the fused kernel's mask: ``[b, g, rows, n_k]``, a strided view
-    of ``scale * q_blk @ r^T`` through the skew. Causal (``n_k`` the keys the block sees):
-    the last ``rows - 1`` offsets, which only queries before the block's last may not see,
-    are ``-inf``. Never clamped (unlike a content-free bias, see :data:`BIAS_SPAN`): the
-    term is content, as ``q . k`` is, and a clamp could change a weight that ``q . k``
-    makes count."""
+    of ``scale * q_blk @ r^T`` through the skew. The logits columns (offsets) before ``left``
+    and from ``right`` are ``-inf``: keys the block's queries meet elsewhere (far parts) or
+    may not see (a causal mask). Never clamped (unlike a content-free bias, see
+    :data:`BIAS_SPAN`): the term is content, as ``q . k`` is, and a clamp could change a
+    weight that ``q . k`` makes count."""
     logits = keys.logits(q_blk * scale, heads)  # [b, g, rows, rows + n_k - 1]
-    if causal and logits.shape[-2] > 1:
-        logits[..., n_k:] = float("-inf")
+    if left > 0:
+        logits[..., :left] = float("-inf")
+    if right is not None and right < logits.shape[-1]:
+        logits[..., max(right, 0) :] = float("-inf")
     return skew_rows(logits, n_k)  # [b, g, rows, n_k], a view
 
 
