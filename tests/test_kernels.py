@@ -121,6 +121,12 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 64)
 
 
+def block_rows(monkeypatch, rows: int) -> None:
+    """Exactly ``rows`` query rows a block on the lean engine's paths that take
+    :func:`lean_block_rows` (which never gives fewer than 16)."""
+    monkeypatch.setattr(kernels, "lean_block_rows", lambda b, h, n_q, n_k: max(1, min(n_q, rows)))
+
+
 def offset_rows(monkeypatch, rows: int, b: int, n_q: int, n_k: int) -> None:
     """About ``rows`` query rows a block on the per-offset bias path: its kernel calls (the
     skewed buffer of one head) and its written-out backward (one head; half with pairs)."""
@@ -322,7 +328,7 @@ def test_offset_term_path_equals_math(
     calls = spy_on(monkeypatch, kernels._OffsetTermAttention)
     b, h, d = 2, 3, 8
     n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
-    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 7 * n_k)  # 7 rows a block
+    block_rows(monkeypatch, 7)
     torch.manual_seed(1)
     scheme = RelativeQueryEmbedding(45, d, heads=h if per_head else None).to(dtype)
     nn.init.normal_(scheme.weight, std=std)
@@ -362,7 +368,7 @@ def test_shaw_offset_path_equals_math(
     calls = spy_on(monkeypatch, kernels._OffsetTermAttention)
     b, h, d = 2, 3, 8
     n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
-    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 7 * n_k)  # 7 rows a block
+    block_rows(monkeypatch, 7)
     torch.manual_seed(1)
     scheme = ShawRelativePosition(d, 4, values=values).to(dtype)
     for table in scheme.parameters():
@@ -415,7 +421,7 @@ class ClippedPerHead(nn.Module):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_offset_term_far_parts_with_a_table_per_head(head_groups, monkeypatch, causal):
-    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 2 * 3 * 4 * 21)  # 4 rows a block
+    block_rows(monkeypatch, 4)
     calls = spy_on(monkeypatch, kernels._OffsetTermAttention)
     torch.manual_seed(0)
     scheme = ClippedPerHead(3, 8).double()
@@ -425,6 +431,42 @@ def test_offset_term_far_parts_with_a_table_per_head(head_groups, monkeypatch, c
     assert calls
     for a, c in zip(grads["math"], grads["lean"], strict=True):
         torch.testing.assert_close(c, a)
+
+
+def test_shaw_far_part_whose_share_underflows(monkeypatch):
+    """float32: a far part whose weight in a row is below exp(-EXP_FLOOR) gets that row's
+    logsumexp at +inf in its kernel backward (exactly 0, no denormal exp over its keys);
+    outputs and gradients still those of the literal form."""
+    from posenc import ShawRelativePosition
+
+    block_rows(monkeypatch, 8)
+    seen_lse = []
+    backward = kernels._flash_cpu_backward
+
+    def spy(*args, **kwargs):
+        seen_lse.append(args[5])  # (grad_out, q, k, v, out, lse, ...)
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "_flash_cpu_backward", spy)
+    torch.manual_seed(0)
+    scheme = ShawRelativePosition(8, 2)
+    with torch.no_grad():
+        scheme.keys.zero_()
+        scheme.keys[0, 0] = -60.0  # the lead (offsets <= -2): term about -106 for q[0] = 5
+    q, k, v = (torch.randn(2, 2, 24, 8) for _ in range(3))
+    q[..., 0] = 5.0
+    pos = torch.arange(24)[None]
+    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(24, 24))
+    assert any(bool(torch.isinf(lse).any()) for lse in seen_lse)
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
+
+
+def test_strip_rows():
+    assert kernels._strip_rows(512, None, 20) == 512  # no far parts: as given
+    assert kernels._strip_rows(512, -15, 15) == 64  # Shaw, k = 16: a band of 31 offsets
+    assert kernels._strip_rows(512, -127, 127) == 255
+    assert kernels._strip_rows(32, -15, 15) == 32
 
 
 @pytest.mark.parametrize(("n_q", "n_k"), [(9, 9), (4, 11), (11, 4), (1, 6)])
@@ -474,7 +516,7 @@ def test_far_parts_and_strips_split_the_pairs(n_q, n_k, causal):
 
 
 def test_offset_term_with_any_index_equals_math(monkeypatch):
-    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 2 * 2 * 5 * 19)  # 5 rows a block
+    block_rows(monkeypatch, 5)
     torch.manual_seed(0)
     scheme = CyclicTerm(8).double()
     q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64) for n in (13, 19, 19))
@@ -494,7 +536,7 @@ def test_offset_term_with_any_index_equals_math(monkeypatch):
 def test_offset_term_future_keys_have_exactly_no_influence(monkeypatch, std):
     from posenc import RelativeQueryEmbedding
 
-    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 1 * 2 * 4 * 12)  # 4 rows a block
+    block_rows(monkeypatch, 4)
     torch.manual_seed(0)
     scheme = RelativeQueryEmbedding(12, 4)
     nn.init.normal_(scheme.weight, std=std)
@@ -513,7 +555,7 @@ def test_offset_term_future_keys_have_exactly_no_influence(monkeypatch, std):
 @pytest.mark.parametrize("kind", ["cyclic", "direction"])
 def test_offset_term_any_index_any_size(monkeypatch, n, kind):
     """An index that is no clipped run, decreasing ones included, at several sizes."""
-    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 2 * 2 * 3 * n)  # 3 rows a block
+    block_rows(monkeypatch, 3)
     torch.manual_seed(0)
     scheme = CyclicTerm(8).double()
     if kind == "direction":  # row 1 for offsets <= 0, row 0 after: [1, .., 1, 0, .., 0]

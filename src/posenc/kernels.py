@@ -29,6 +29,7 @@ Positions ``q_pos [B', n_q]`` and ``k_pos [B', n_k]`` have ``B'`` 1 (shared) or 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -453,6 +454,7 @@ def attend(
 #: tens of times slower, for a probability that a float32 row summing to 1 cannot show.
 #: Masked keys (at the most negative float) get exactly 0, as before.
 EXP_FLOOR = 80.0
+_SHARE_FLOOR = math.exp(-EXP_FLOOR)
 
 
 def _exp_no_denormals(x: Tensor) -> Tensor:
@@ -783,6 +785,7 @@ def _block_grads(
     *,
     need_ds: bool,
     extra_dp: Tensor | None = None,
+    floor: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One block's backward on the fused paths: ``(dq, P, dS)``; ``dk`` and ``dv`` are added
     to ``grads``.
@@ -796,7 +799,9 @@ def _block_grads(
     Args:
         qh, kh, vh: ``[b, g, rows | n_k, d]``; gh, oh: ``[b, g, rows, d]``;
             lh: ``[b, g, rows]``; attn_mask: broadcastable to ``[b, g, rows, n_k]``;
-            grads: ``(dK, dV)`` accumulators ``[b, g, n_k, d]`` from :class:`_KeyGrads`.
+            grads: ``(dK, dV)`` accumulators ``[b, g, n_k, d]`` from :class:`_KeyGrads`;
+            floor: ``P`` by :func:`_exp_no_denormals` (a block whose rows' weight lies
+            mostly elsewhere, e.g. Shaw's strip beside its far parts).
     """
     grad_k, grad_v = grads
     if not need_ds:
@@ -809,11 +814,12 @@ def _block_grads(
     b, g, rows, _ = qh.shape
     n_k = kh.shape[2]
     q_scaled = qh * scale  # [b, g, rows, d], contiguous
-    # no floor on exp: a mask's biases are within BIAS_SPAN of their row's best
+    # no floor on exp unless asked: a mask's biases are within BIAS_SPAN of their row's best
     probs = torch.matmul(q_scaled, kh.transpose(-2, -1))  # [b, g, rows, n_k]
     if attn_mask is not None:
         probs = probs.add_(attn_mask)
-    probs = probs.sub_(lh.unsqueeze(-1)).exp_()
+    probs = probs.sub_(lh.unsqueeze(-1))
+    probs = _exp_no_denormals(probs) if floor else probs.exp_()
     grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]: dP through v
     if extra_dp is not None:
         grad_s += extra_dp
@@ -1349,6 +1355,7 @@ class _OffsetTermAttention(torch.autograd.Function):
         parts, low, high = _far_parts(table, value_table, index, n_q, n_k, causal)
         far = [part.forward(q, k, v, scale) for part in parts]  # [(out, lse)] over all rows
         groups = _strip_groups(b, h, parts)
+        rows = _strip_rows(rows, low, high)
         # the strip's share so far: rows with no strip key keep -inf
         out = torch.zeros_like(q)  # [b, h, n_q, d]
         lse = q.new_full(q.shape[:-1], float("-inf"))  # [b, h, n_q]
@@ -1369,7 +1376,8 @@ class _OffsetTermAttention(torch.autograd.Function):
                     qh, k[:, hs, keys_of], v[:, hs, keys_of], attn_mask=attn_mask, scale=scale
                 )
                 if seen is not None:
-                    o, l = o * seen[:, None], l.masked_fill(~seen, float("-inf"))
+                    o = torch.where(seen[:, None], o, 0.0)  # (whatever the kernel gave)
+                    l = l.masked_fill(~seen, float("-inf"))
                 out[:, hs, blk], lse[:, hs, blk] = o, l
         weights = mixed = None
         if far:
@@ -1395,7 +1403,7 @@ class _OffsetTermAttention(torch.autograd.Function):
                     qh, kh = q[:, hs, blk], k[:, hs, keys_of]
                     attn_mask = _term_mask(qh, keys, hs, scale, kh.shape[2], left, right)
                     probs = torch.matmul(qh * scale, kh.transpose(-2, -1))
-                    probs = probs.add_(attn_mask).sub_(lse[:, hs, blk, None]).exp_()
+                    probs = _exp_no_denormals(probs.add_(attn_mask).sub_(lse[:, hs, blk, None]))
                     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + c - a - 1]
                     out[:, hs, blk] += values.combine(by_offset, hs)
         ctx.save_for_backward(q, k, v, out, lse, table, value_table, index, weights, mixed)
@@ -1414,6 +1422,7 @@ class _OffsetTermAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         parts, low, high = _far_parts(table, value_table, index, n_q, n_k, causal)
         groups = _strip_groups(b, h, parts)
+        rows = _strip_rows(rows, low, high)
         key_grads = _KeyGrads(k, v, groups)
         far_k, far_v = torch.zeros_like(k), torch.zeros_like(v)
         for i, part in enumerate(parts):
@@ -1421,7 +1430,11 @@ class _OffsetTermAttention(torch.autograd.Function):
             term = (q * key_row).sum(dim=-1).mul_(scale)  # [b, h, n_q]
             # the kernel's D = dO . O' must miss the value row's share of dP
             o_seen = out if value_row is None else out - value_row
-            gq, gk, gv = part.backward(grad_out, q, k, v, o_seen, lse - term, scale)
+            part_lse = lse - term
+            if q.dtype == torch.float32:  # a part whose share underflows: exactly 0, no
+                # denormal exp over its keys (found in review: 8x slower kernel backward)
+                part_lse = part_lse.masked_fill(weights[i] < _SHARE_FLOOR, float("inf"))
+            gq, gk, gv = part.backward(grad_out, q, k, v, o_seen, part_lse, scale)
             grad_q += gq
             far_k += gk
             far_v += gv
@@ -1452,7 +1465,7 @@ class _OffsetTermAttention(torch.autograd.Function):
                 gq, probs, grad_s = _block_grads(
                     qh, k[:, hs, keys_of], v[:, hs, keys_of], gh, oh, lh, attn_mask, scale,
                     (grad_k[:, :, keys_of], grad_v[:, :, keys_of]), need_ds=True,
-                    extra_dp=extra_dp,
+                    extra_dp=extra_dp, floor=bool(parts),
                 )  # fmt: skip
                 if values is not None and grad_values is not None:
                     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + c - a - 1]
@@ -1464,6 +1477,16 @@ class _OffsetTermAttention(torch.autograd.Function):
         if parts:
             grad_k, grad_v = grad_k + far_k, grad_v + far_v
         return grad_q, grad_k, grad_v, grad_table, grad_values, None, None, None, None
+
+
+def _strip_rows(rows: int, low: int | None, high: int | None) -> int:
+    """Query rows per strip block: a block's strip is ``rows + band - 1`` keys wide, so with
+    far parts (a band of ``high - low + 1`` offsets) its work grows as ``rows^2``: at most
+    ``max(64, band)`` rows (found in review: 512 rows at n = 1024 made the strip half of
+    all pairs, 1.7x the time of 64 rows)."""
+    if low is None or high is None:
+        return rows
+    return min(rows, max(64, high - low + 1))
 
 
 def _strip_groups(b: int, h: int, parts: list[_FarPart]) -> list[slice]:
