@@ -769,6 +769,8 @@ class _KeyGrads:
 
     def result(self) -> tuple[Tensor, Tensor]:
         """``(dK, dV)``: ``[b, h, n_k, d]`` each."""
+        if len(self.k) == 1:  # one group of every head: the buffers themselves
+            return next(iter(self.k.values())), next(iter(self.v.values()))
         return torch.cat(list(self.k.values()), dim=1), torch.cat(list(self.v.values()), dim=1)
 
 
@@ -1221,17 +1223,28 @@ class _FarPart:
         self.values = None if value_table is None else value_table[..., row, :]
 
     @staticmethod
-    def broadcast(x: Tensor | None) -> Tensor | None:
-        """A row ``[(h,) d]`` broadcastable to ``[b, h, n, d]``."""
-        return None if x is None else x.unsqueeze(-2)  # [(h,) 1, d]
+    def broadcast(x: Tensor | None, heads: slice) -> Tensor | None:
+        """A row ``[(h,) d]`` of these heads, broadcastable to ``[b, g, n, d]``."""
+        if x is None:
+            return None
+        return (x if x.ndim == 1 else x[heads]).unsqueeze(-2)  # [(g,) 1, d]
+
+    def term(self, q: Tensor, heads: slice, scale: float) -> Tensor:
+        """``scale * q_i . a^K``: ``[b, g, n_q]`` for ``q [b, g, n_q, d]`` of these heads."""
+        row = self.broadcast(self.keys, heads)  # [(g,) 1, d]
+        return (q @ row.transpose(-2, -1)).squeeze(-1).mul_(scale)
 
     def _seq(self, x: Tensor) -> Tensor:
         return x.flip(2) if self.flip else x
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """``(out, lse)``: ``[b, h, n_q, d]``, ``[b, h, n_q]`` over the part's keys, ``lse``
-        with the term added, ``-inf`` (and ``out`` 0) for rows with no key here."""
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, heads: slice, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """``(out, lse)``: ``[b, g, n_q, d]``, ``[b, g, n_q]`` over the part's keys for the
+        heads ``heads`` (``q``, ``k``, ``v`` theirs), ``lse`` with the term added, ``-inf``
+        (and ``out`` 0) for rows with no key here."""
         n_q, n_k = q.shape[2], k.shape[2]
+        term = self.term(q, heads, scale)  # [b, g, n_q]
         q, k, v = self._seq(q), self._seq(k), self._seq(v)
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = q.new_full(q.shape[:-1], float("-inf"))
@@ -1242,8 +1255,7 @@ class _FarPart:
                 -1
             ) + o * (l - merged).exp().unsqueeze(-1)
             lse[:, :, rows] = merged
-        term = (q * self.broadcast(self.keys)).sum(dim=-1).mul_(scale)  # [b, h, n_q]
-        return self._seq(out), self._seq(lse + term)
+        return self._seq(out), self._seq(lse) + term
 
     def backward(
         self, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -1353,7 +1365,6 @@ class _OffsetTermAttention(torch.autograd.Function):
         table = table.detach()
         value_table = None if value_table is None else value_table.detach()
         parts, low, high = _far_parts(table, value_table, index, n_q, n_k, causal)
-        far = [part.forward(q, k, v, scale) for part in parts]  # [(out, lse)] over all rows
         groups = _strip_groups(b, h, parts)
         rows = _strip_rows(rows, low, high)
         # the strip's share so far: rows with no strip key keep -inf
@@ -1380,19 +1391,23 @@ class _OffsetTermAttention(torch.autograd.Function):
                     l = l.masked_fill(~seen, float("-inf"))
                 out[:, hs, blk], lse[:, hs, blk] = o, l
         weights = mixed = None
-        if far:
-            total = torch.logsumexp(torch.stack([lse, *(l for _, l in far)]), dim=0)
-            out = out * (lse - total).exp_().unsqueeze(-1)
-            weights = torch.stack([(l - total).exp_() for _, l in far])  # [parts, b, h, n_q]
-            mixed = torch.stack(
-                [o * w.unsqueeze(-1) for (o, _), w in zip(far, weights, strict=True)]
-            )
-            out += mixed.sum(dim=0)
-            for part, w in zip(parts, weights, strict=True):
-                value_row = _FarPart.broadcast(part.values)
-                if value_row is not None:
-                    out += w.unsqueeze(-1) * value_row
-            lse = total
+        if parts:  # merged into the strip's share, a head group at a time (their copies)
+            weights = q.new_empty(len(parts), b, h, n_q)  # each part's share of each row
+            mixed = q.new_empty(len(parts), b, h, n_q, v.shape[-1])  # share * its output
+            for hs in _head_groups(b, h):
+                qh, kh, vh = q[:, hs], k[:, hs], v[:, hs]  # [b, g, n, d]
+                far = [part.forward(qh, kh, vh, hs, scale) for part in parts]
+                total = torch.logsumexp(torch.stack([lse[:, hs], *(l for _, l in far)]), dim=0)
+                out_h = out[:, hs] * (lse[:, hs] - total).exp_().unsqueeze(-1)  # [b, g, n, d]
+                for i, (part, (o, l)) in enumerate(zip(parts, far, strict=True)):
+                    w = (l - total).exp_()  # [b, g, n_q]
+                    weights[i, :, hs] = w
+                    mixed[i, :, hs] = o.mul_(w.unsqueeze(-1))
+                    out_h += o
+                    value_row = _FarPart.broadcast(part.values, hs)
+                    if value_row is not None:
+                        out_h += w.unsqueeze(-1) * value_row
+                out[:, hs], lse[:, hs] = out_h, total
         if value_table is not None:  # the strip's value term, with the merged lse
             for blk, keys_of, cols, left, right in strips:
                 if keys_of.stop <= keys_of.start:
@@ -1424,26 +1439,6 @@ class _OffsetTermAttention(torch.autograd.Function):
         groups = _strip_groups(b, h, parts)
         rows = _strip_rows(rows, low, high)
         key_grads = _KeyGrads(k, v, groups)
-        far_k, far_v = torch.zeros_like(k), torch.zeros_like(v)
-        for i, part in enumerate(parts):
-            key_row, value_row = _FarPart.broadcast(part.keys), _FarPart.broadcast(part.values)
-            term = (q * key_row).sum(dim=-1).mul_(scale)  # [b, h, n_q]
-            # the kernel's D = dO . O' must miss the value row's share of dP
-            o_seen = out if value_row is None else out - value_row
-            part_lse = lse - term
-            if q.dtype == torch.float32:  # a part whose share underflows: exactly 0, no
-                # denormal exp over its keys (found in review: 8x slower kernel backward)
-                part_lse = part_lse.masked_fill(weights[i] < _SHARE_FLOOR, float("inf"))
-            gq, gk, gv = part.backward(grad_out, q, k, v, o_seen, part_lse, scale)
-            grad_q += gq
-            far_k += gk
-            far_v += gv
-            # the part's dS summed over its keys, one per query: sum_j P (dP - D)
-            d_term = (grad_out * mixed[i]).sum(dim=-1) - weights[i] * (grad_out * o_seen).sum(-1)
-            grad_q += d_term.unsqueeze(-1) * key_row * scale
-            _add_row(grad_table, part.row, torch.einsum("bhn,bhnd->hd", d_term * scale, q))
-            if grad_values is not None:
-                _add_row(grad_values, part.row, torch.einsum("bhn,bhnd->hd", weights[i], grad_out))
         padded: dict[tuple[Any, ...], Tensor] = {}  # through the skew, zero outside
         for blk, _, _ in _term_blocks(n_q, n_k, rows, causal):
             keys_of, cols, left, right = _strip(blk, n_q, n_k, low, high)
@@ -1474,8 +1469,28 @@ class _OffsetTermAttention(torch.autograd.Function):
                 grad_q[:, hs, blk] += gq.add_(keys.combine(grad_logits, hs).mul_(scale))
                 keys.add_grad(grad_table, hs, grad_logits, qh, scale)
         grad_k, grad_v = key_grads.result()
-        if parts:
-            grad_k, grad_v = grad_k + far_k, grad_v + far_v
+        for hs in _head_groups(b, h) if parts else []:  # the far parts, a head group at a time
+            qh, kh, vh = q[:, hs], k[:, hs], v[:, hs]  # [b, g, n, d]
+            gh, oh, lh = grad_out[:, hs], out[:, hs], lse[:, hs]
+            for i, part in enumerate(parts):
+                key_row = _FarPart.broadcast(part.keys, hs)  # [(g,) 1, d]
+                value_row = _FarPart.broadcast(part.values, hs)
+                # the kernel's D = dO . O' must miss the value row's share of dP
+                o_seen = oh if value_row is None else oh - value_row
+                part_lse = lh - part.term(qh, hs, scale)
+                share = weights[i, :, hs]  # [b, g, n_q]
+                if q.dtype == torch.float32:  # a part whose share underflows: exactly 0, no
+                    # denormal exp over its keys (found in review: 8x slower kernel backward)
+                    part_lse = part_lse.masked_fill(share < _SHARE_FLOOR, float("inf"))
+                gq, gk, gv = part.backward(gh, qh, kh, vh, o_seen, part_lse, scale)
+                grad_k[:, hs] += gk
+                grad_v[:, hs] += gv
+                # the part's dS summed over its keys, one per query: sum_j P (dP - D)
+                d_term = (gh * mixed[i, :, hs]).sum(dim=-1) - share * (gh * o_seen).sum(dim=-1)
+                grad_q[:, hs] += gq.add_(d_term.unsqueeze(-1) * key_row * scale)
+                _add_row(grad_table, part.row, hs, torch.einsum("bgn,bgnd->gd", d_term * scale, qh))
+                if grad_values is not None:
+                    _add_row(grad_values, part.row, hs, torch.einsum("bgn,bgnd->gd", share, gh))
         return grad_q, grad_k, grad_v, grad_table, grad_values, None, None, None, None
 
 
@@ -1496,13 +1511,13 @@ def _strip_groups(b: int, h: int, parts: list[_FarPart]) -> list[slice]:
     return [slice(0, h)] if parts else _head_groups(b, h)
 
 
-def _add_row(grad: Tensor, row: int, rows: Tensor) -> None:
-    """Add ``rows [h, d]`` to row ``row`` of a table's gradient ``[(h,) R, d]`` (summed over
-    the heads for a shared table)."""
+def _add_row(grad: Tensor, row: int, heads: slice, rows: Tensor) -> None:
+    """Add ``rows [g, d]`` of the heads ``heads`` to row ``row`` of a table's gradient
+    ``[(h,) R, d]`` (summed over the heads for a shared table)."""
     if grad.ndim == 2:
         grad[row] += rows.sum(dim=0)
     else:
-        grad[:, row] += rows
+        grad[heads, row] += rows
 
 
 def _band_rows(blk: slice, keys_of: slice, low: int | None, high: int | None) -> Tensor | None:
