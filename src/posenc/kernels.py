@@ -755,20 +755,36 @@ def _group_masks(
 class _KeyGrads:
     """``dK`` and ``dV`` of the fused paths: one contiguous ``[b, g, n_k, d]`` buffer per head
     group, into which a written-out backward adds its products in place (``baddbmm_``)
-    instead of adding a fresh ``[b, g, n_k, d]`` product per block."""
+    instead of adding a fresh ``[b, g, n_k, d]`` product per block.
+
+    One head per group: the buffers are heads of one ``[h, b, n_k, d]`` tensor, and the
+    result is that tensor seen as ``[b, h, n_k, d]`` (no copy). One group of every head: its
+    buffers. Otherwise the buffers are concatenated at the end."""
 
     def __init__(self, k: Tensor, v: Tensor, groups: list[slice]) -> None:
-        b, _, n_k, _ = k.shape
+        b, h, n_k, _ = k.shape
+        self.single = all(hs.stop - hs.start == 1 for hs in groups)
+        if self.single:  # [h, b, n_k, d]: head s is [b, 1, n_k, d], contiguous per batch
+            self.by_head = (
+                k.new_zeros(h, b, n_k, k.shape[-1]),
+                v.new_zeros(h, b, n_k, v.shape[-1]),
+            )
+            return
         sizes = {hs.start: hs.stop - hs.start for hs in groups}
         self.k = {s: k.new_zeros(b, g, n_k, k.shape[-1]) for s, g in sizes.items()}
         self.v = {s: v.new_zeros(b, g, n_k, v.shape[-1]) for s, g in sizes.items()}
 
     def of(self, heads: slice, keys: int | None = None) -> tuple[Tensor, Tensor]:
         """The accumulators of a head group for its first ``keys`` keys (default all)."""
+        if self.single:
+            gk, gv = (x[heads].transpose(0, 1) for x in self.by_head)  # [b, 1, n_k, d]
+            return gk[:, :, :keys], gv[:, :, :keys]
         return self.k[heads.start][:, :, :keys], self.v[heads.start][:, :, :keys]
 
     def result(self) -> tuple[Tensor, Tensor]:
         """``(dK, dV)``: ``[b, h, n_k, d]`` each."""
+        if self.single:
+            return self.by_head[0].transpose(0, 1), self.by_head[1].transpose(0, 1)
         if len(self.k) == 1:  # one group of every head: the buffers themselves
             return next(iter(self.k.values())), next(iter(self.v.values()))
         return torch.cat(list(self.k.values()), dim=1), torch.cat(list(self.v.values()), dim=1)
