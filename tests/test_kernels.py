@@ -358,14 +358,22 @@ def test_offset_term_path_equals_math(
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("far", [True, False])
 def test_shaw_offset_path_equals_math(
-    head_groups, monkeypatch, values, q_range, k_range, dtype, causal
+    head_groups, monkeypatch, values, q_range, k_range, dtype, causal, far
 ):
     """Shaw's keys and values, consecutive positions, no mask or a causal one: against the
-    literal form."""
+    literal form, with its far pairs on the fused kernels (as from FAR_PAIRS pairs) and
+    without (the strip over every key, as below)."""
     from posenc import ShawRelativePosition
 
     calls = spy_on(monkeypatch, kernels._OffsetTermAttention)
+    monkeypatch.setattr(kernels, "FAR_PAIRS", 0 if far else 1 << 40)
+    far_calls = []
+    far_forward = kernels._FarPart.forward
+    monkeypatch.setattr(
+        kernels._FarPart, "forward", lambda self, *a: far_calls.append(1) or far_forward(self, *a)
+    )
     b, h, d = 2, 3, 8
     n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
     block_rows(monkeypatch, 7)
@@ -378,6 +386,7 @@ def test_shaw_offset_path_equals_math(
     q_pos, k_pos = torch.arange(*q_range)[None], torch.arange(*k_range)[None]
     grads = lean_and_math(scheme, q, k, v, q_pos, k_pos, Mask(n_q, n_k, causal=causal))
     assert calls
+    assert bool(far_calls) == far
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     for a, c in zip(grads["math"], grads["lean"], strict=True):
         torch.testing.assert_close(c, a, atol=tol, rtol=tol)
@@ -421,6 +430,7 @@ class ClippedPerHead(nn.Module):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_offset_term_far_parts_with_a_table_per_head(head_groups, monkeypatch, causal):
+    monkeypatch.setattr(kernels, "FAR_PAIRS", 0)
     block_rows(monkeypatch, 4)
     calls = spy_on(monkeypatch, kernels._OffsetTermAttention)
     torch.manual_seed(0)
@@ -440,6 +450,7 @@ def test_shaw_far_part_whose_share_underflows(monkeypatch):
     from posenc import ShawRelativePosition
 
     block_rows(monkeypatch, 8)
+    monkeypatch.setattr(kernels, "FAR_PAIRS", 0)
     seen_lse = []
     backward = kernels._flash_cpu_backward
 
@@ -460,6 +471,15 @@ def test_shaw_far_part_whose_share_underflows(monkeypatch):
     assert any(bool(torch.isinf(lse).any()) for lse in seen_lse)
     for a, c in zip(grads["math"], grads["lean"], strict=True):
         torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
+
+
+def test_far_parts_only_on_long_sequences():
+    """Below FAR_PAIRS query-key pairs a clipped table keeps the strip over every key."""
+    for n in (64, 1024, 2048):
+        index = (torch.arange(2 * n - 1) - (n - 1)).clamp(-16, 16) + 16
+        parts, low, high = kernels._far_parts(torch.zeros(33, 4), None, index, n, n, False)
+        assert len(parts) == (2 if n * n >= kernels.FAR_PAIRS else 0)
+        assert (low is None) == (high is None) == (not parts)
 
 
 def test_strip_rows():
@@ -485,10 +505,11 @@ def test_lead_pieces_cover_the_pairs_once(n_q, n_k, delta):
 
 @pytest.mark.parametrize(("n_q", "n_k"), [(30, 30), (10, 30), (30, 12)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_far_parts_and_strips_split_the_pairs(n_q, n_k, causal):
+def test_far_parts_and_strips_split_the_pairs(monkeypatch, n_q, n_k, causal):
     """Shaw, k = 4: every visible pair is in exactly one of the lead part (first row), the
     tail part (last row) and its block's strip, whose hidden logit columns are the pairs
     of the other parts or hidden by the causal mask."""
+    monkeypatch.setattr(kernels, "FAR_PAIRS", 0)
     table = torch.zeros(9, 2)
     width = n_q + n_k - 1
     offsets = torch.arange(width) - (n_q - 1)
@@ -775,6 +796,7 @@ def test_fast_paths_take_inputs_in_projection_layout(monkeypatch, name):
         "relative-2d": (kernels._GridTermAttention, lambda: RelativeQueryEmbedding2D((4, 6), d)),
     }[name]
     calls = spy_on(monkeypatch, engine)
+    monkeypatch.setattr(kernels, "FAR_PAIRS", 0)  # Shaw's far parts too
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 5 * n)  # several blocks
     offset_rows(monkeypatch, 5, b, n, n)
     torch.manual_seed(1)

@@ -1207,6 +1207,14 @@ class _Rows:
             grad[heads].index_add_(1, self.target, rows)
 
 
+#: query-key pairs (per head) from which a clipped table's far pairs take the fused kernels
+#: (:class:`_FarPart`): below it their fixed costs (copies of q, k, v reversed, merges, two
+#: more calls) exceed what they save. Measured here for Shaw (k = 16, batch 2, 8 heads),
+#: fwd+bwd against the floor, without / with: n = 1024 2.48x / 2.75x, 1536 2.48x / 2.18x,
+#: 2048 2.37x / 1.93x.
+FAR_PAIRS = 1 << 21
+
+
 def _lead_pieces(n_q: int, n_k: int, delta: int) -> list[tuple[slice, slice, bool]]:
     """``(query rows, keys, causal)`` calls of the fused kernel covering exactly the pairs
     ``j <= i + delta - 1`` (query ``i``, key ``j``), with the kernel's causal mask, which is
@@ -1303,9 +1311,10 @@ def _far_parts(
     Offset column ``m = j - i + n_q - 1``: columns below ``lead`` hold the first row, from
     ``W - tail`` the last. Under a causal mask (aligned at the end) keys after
     ``i + n_k - n_q`` are hidden: the lead stops there, and there is no tail part (the strip
-    takes its visible keys up to the causal bound).
+    takes its visible keys up to the causal bound). No far parts below
+    :data:`FAR_PAIRS` pairs: the strip then covers every key, as for any term.
     """
-    runs = None if index is None else _clipped_runs(index)
+    runs = None if index is None or n_q * n_k < FAR_PAIRS else _clipped_runs(index)
     high = n_k - n_q if causal else None
     if runs is None:
         return [], None, high
@@ -1393,18 +1402,18 @@ class _OffsetTermAttention(torch.autograd.Function):
             if keys_of.stop <= keys_of.start:
                 continue
             keys = _Rows(table, index, cols)
+            # without far parts the kernel's lse is final: the value term comes at once
+            values = None if value_table is None or parts else _Rows(value_table, index, cols)
             seen = _band_rows(blk, keys_of, low, high)  # [rows] rows with a strip key
             for hs in groups:
-                qh = q[:, hs, blk]  # [b, g, rows, d]
-                attn_mask = _term_mask(
-                    qh, keys, hs, scale, keys_of.stop - keys_of.start, left, right
-                )
-                o, l = _flash_cpu(
-                    qh, k[:, hs, keys_of], v[:, hs, keys_of], attn_mask=attn_mask, scale=scale
-                )
+                qh, kh = q[:, hs, blk], k[:, hs, keys_of]  # [b, g, rows | c - a, d]
+                attn_mask = _term_mask(qh, keys, hs, scale, kh.shape[2], left, right)
+                o, l = _flash_cpu(qh, kh, v[:, hs, keys_of], attn_mask=attn_mask, scale=scale)
                 if seen is not None:
                     o = torch.where(seen[:, None], o, 0.0)  # (whatever the kernel gave)
                     l = l.masked_fill(~seen, float("-inf"))
+                if values is not None:
+                    o = o + _strip_values(qh, kh, attn_mask, l, values, hs, scale, padded, False)
                 out[:, hs, blk], lse[:, hs, blk] = o, l
         weights = mixed = None
         if parts:  # merged into the strip's share, a head group at a time (their copies)
@@ -1424,7 +1433,7 @@ class _OffsetTermAttention(torch.autograd.Function):
                     if value_row is not None:
                         out_h += w.unsqueeze(-1) * value_row
                 out[:, hs], lse[:, hs] = out_h, total
-        if value_table is not None:  # the strip's value term, with the merged lse
+        if value_table is not None and parts:  # the strip's value term, with the merged lse
             for blk, keys_of, cols, left, right in strips:
                 if keys_of.stop <= keys_of.start:
                     continue
@@ -1433,10 +1442,9 @@ class _OffsetTermAttention(torch.autograd.Function):
                 for hs in groups:
                     qh, kh = q[:, hs, blk], k[:, hs, keys_of]
                     attn_mask = _term_mask(qh, keys, hs, scale, kh.shape[2], left, right)
-                    probs = torch.matmul(qh * scale, kh.transpose(-2, -1))
-                    probs = _exp_no_denormals(probs.add_(attn_mask).sub_(lse[:, hs, blk, None]))
-                    by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + c - a - 1]
-                    out[:, hs, blk] += values.combine(by_offset, hs)
+                    out[:, hs, blk] += _strip_values(
+                        qh, kh, attn_mask, lse[:, hs, blk], values, hs, scale, padded, True
+                    )
         ctx.save_for_backward(q, k, v, out, lse, table, value_table, index, weights, mixed)
         ctx.scale, ctx.rows, ctx.causal = scale, rows, causal
         return out
@@ -1508,6 +1516,26 @@ class _OffsetTermAttention(torch.autograd.Function):
                 if grad_values is not None:
                     _add_row(grad_values, part.row, hs, torch.einsum("bgn,bgnd->gd", share, gh))
         return grad_q, grad_k, grad_v, grad_table, grad_values, None, None, None, None
+
+
+def _strip_values(
+    qh: Tensor,
+    kh: Tensor,
+    attn_mask: Tensor,
+    lse: Tensor,
+    values: _Rows,
+    heads: slice,
+    scale: float,
+    padded: dict[tuple[Any, ...], Tensor],
+    floor: bool,
+) -> Tensor:
+    """A strip block's value term ``sum_j P_ij a^V_(j-i)``: ``[b, g, rows, d]``, ``P``
+    recomputed from ``lse [b, g, rows]`` (floored, see :func:`_exp_no_denormals`, when the
+    row's weight may lie mostly in far parts)."""
+    probs = torch.matmul(qh * scale, kh.transpose(-2, -1)).add_(attn_mask).sub_(lse[..., None])
+    probs = _exp_no_denormals(probs) if floor else probs.exp_()
+    by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
+    return values.combine(by_offset, heads)
 
 
 def _strip_rows(rows: int, low: int | None, high: int | None) -> int:
