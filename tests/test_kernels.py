@@ -354,6 +354,8 @@ def test_offset_term_path_equals_math(
         ((0, 30), (5, 40)),
         ((400, 410), (0, 30)),  # every key far before every query: no strip
         ((0, 10), (300, 330)),  # every key far after
+        ((27, 38), (0, 30)),  # late queries meet no key in their band: rows without a strip
+        ((0, 11), (8, 38)),  # early queries likewise
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -1402,18 +1402,19 @@ class _OffsetTermAttention(torch.autograd.Function):
             if keys_of.stop <= keys_of.start:
                 continue
             keys = _Rows(table, index, cols)
-            # without far parts the kernel's lse is final: the value term comes at once
-            values = None if value_table is None or parts else _Rows(value_table, index, cols)
+            values = None if value_table is None else _Rows(value_table, index, cols)
             seen = _band_rows(blk, keys_of, low, high)  # [rows] rows with a strip key
             for hs in groups:
                 qh, kh = q[:, hs, blk], k[:, hs, keys_of]  # [b, g, rows | c - a, d]
                 attn_mask = _term_mask(qh, keys, hs, scale, kh.shape[2], left, right)
                 o, l = _flash_cpu(qh, kh, v[:, hs, keys_of], attn_mask=attn_mask, scale=scale)
+                if values is not None:  # normalized within the strip, as o: the merge
+                    # below scales both by the strip's share (rows with no strip key: 0)
+                    l_seen = l if seen is None else l.masked_fill(~seen, float("inf"))
+                    o = o + _strip_values(qh, kh, attn_mask, l_seen, values, hs, scale, padded)
                 if seen is not None:
                     o = torch.where(seen[:, None], o, 0.0)  # (whatever the kernel gave)
                     l = l.masked_fill(~seen, float("-inf"))
-                if values is not None:
-                    o = o + _strip_values(qh, kh, attn_mask, l, values, hs, scale, padded, False)
                 out[:, hs, blk], lse[:, hs, blk] = o, l
         weights = mixed = None
         if parts:  # merged into the strip's share, a head group at a time (their copies)
@@ -1433,18 +1434,6 @@ class _OffsetTermAttention(torch.autograd.Function):
                     if value_row is not None:
                         out_h += w.unsqueeze(-1) * value_row
                 out[:, hs], lse[:, hs] = out_h, total
-        if value_table is not None and parts:  # the strip's value term, with the merged lse
-            for blk, keys_of, cols, left, right in strips:
-                if keys_of.stop <= keys_of.start:
-                    continue
-                keys = _Rows(table, index, cols)
-                values = _Rows(value_table, index, cols)
-                for hs in groups:
-                    qh, kh = q[:, hs, blk], k[:, hs, keys_of]
-                    attn_mask = _term_mask(qh, keys, hs, scale, kh.shape[2], left, right)
-                    out[:, hs, blk] += _strip_values(
-                        qh, kh, attn_mask, lse[:, hs, blk], values, hs, scale, padded, True
-                    )
         ctx.save_for_backward(q, k, v, out, lse, table, value_table, index, weights, mixed)
         ctx.scale, ctx.rows, ctx.causal = scale, rows, causal
         return out
@@ -1527,13 +1516,11 @@ def _strip_values(
     heads: slice,
     scale: float,
     padded: dict[tuple[Any, ...], Tensor],
-    floor: bool,
 ) -> Tensor:
     """A strip block's value term ``sum_j P_ij a^V_(j-i)``: ``[b, g, rows, d]``, ``P``
-    recomputed from ``lse [b, g, rows]`` (floored, see :func:`_exp_no_denormals`, when the
-    row's weight may lie mostly in far parts)."""
+    recomputed from the strip's own ``lse [b, g, rows]`` (+inf: a row without a key)."""
     probs = torch.matmul(qh * scale, kh.transpose(-2, -1)).add_(attn_mask).sub_(lse[..., None])
-    probs = _exp_no_denormals(probs) if floor else probs.exp_()
+    probs = probs.exp_()
     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
     return values.combine(by_offset, heads)
 
