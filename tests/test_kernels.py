@@ -105,13 +105,15 @@ def lean_and_math(scheme, q, k, v, q_pos, k_pos, mask):
     return results
 
 
-@pytest.fixture(params=["threads", "pairs"])
+@pytest.fixture(params=["threads", "single", "pairs"])
 def head_groups(request, monkeypatch):
-    """The fused paths' head groups: as the machine's threads give (often one head on a
-    small machine), or forced to pairs of heads, so that group slicing is always tested."""
-    if request.param == "pairs":
-        pairs = lambda b, h: [slice(s, min(s + 2, h)) for s in range(0, h, 2)]  # noqa: E731
-        monkeypatch.setattr(kernels, "_head_groups", pairs)
+    """The fused paths' head groups: as the machine's threads give, or forced to one head
+    (the accumulators' one-tensor layout) or to pairs of heads, so that both group layouts
+    are tested on any machine."""
+    if request.param != "threads":
+        size = 1 if request.param == "single" else 2
+        groups = lambda b, h: [slice(s, min(s + size, h)) for s in range(0, h, size)]  # noqa: E731
+        monkeypatch.setattr(kernels, "_head_groups", groups)
     return request.param
 
 
@@ -555,7 +557,7 @@ def test_offset_term_with_any_index_equals_math(monkeypatch):
         torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("std", [0.5, 40.0])  # 40: a term spanning > BIAS_SPAN, clamped
+@pytest.mark.parametrize("std", [0.5, 40.0])  # 40: a term spanning > BIAS_SPAN (never clamped)
 def test_offset_term_future_keys_have_exactly_no_influence(monkeypatch, std):
     from posenc import RelativeQueryEmbedding
 
@@ -647,7 +649,14 @@ def test_a_subclass_overriding_a_hook_drops_the_parents_fast_forms():
 @pytest.mark.parametrize("name", ["t5", "relative"])
 def test_offset_bias_path_with_frozen_tables(monkeypatch, name):
     """No table gradient wanted: the fused backward, q/k/v gradients still exact."""
-    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 2 * 3 * 5 * 20)
+    calls = spy_on(monkeypatch, kernels._OffsetFusedAttention)
+    fused_backward = []
+    backward = kernels._flash_cpu_backward
+    monkeypatch.setattr(
+        kernels,
+        "_flash_cpu_backward",
+        lambda *a, **kw: fused_backward.append(1) or backward(*a, **kw),
+    )
     offset_rows(monkeypatch, 5, 2, 20, 20)
     scheme = _offset_scheme(name, 3).double().requires_grad_(False)
     torch.manual_seed(0)
@@ -659,6 +668,7 @@ def test_offset_bias_path_with_frozen_tables(monkeypatch, name):
         out = run(backend, scheme, *leaves, pos, pos, Mask(20, 20))
         out.square().sum().backward()
         results[backend] = [out, *(t.grad for t in leaves)]
+    assert calls and fused_backward
     for got, expected in zip(results["lean"], results["math"], strict=True):
         torch.testing.assert_close(got, expected)
 
@@ -799,7 +809,8 @@ def test_fast_paths_take_inputs_in_projection_layout(monkeypatch, name):
     }[name]
     calls = spy_on(monkeypatch, engine)
     monkeypatch.setattr(kernels, "FAR_PAIRS", 0)  # Shaw's far parts too
-    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 5 * n)  # several blocks
+    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 5 * n)  # the grid paths' gate
+    block_rows(monkeypatch, 5)
     offset_rows(monkeypatch, 5, b, n, n)
     torch.manual_seed(1)
     scheme = scheme().double()
@@ -880,7 +891,7 @@ def test_block_rows():
     assert kernels._kernel_rows(4096, 4096) == 1024  # (the bench's case: long blocks)
     assert kernels._kernel_rows(10, 10) == 10
     assert kernels._kernel_rows(4096, 4096, causal=True) == kernels.CAUSAL_ROWS
-    assert kernels._kernel_rows(1 << 20, 1 << 20) >= 1
+    assert kernels._kernel_rows(1 << 20, 1 << 20) * ((1 << 21) - 1) <= kernels.SKEW_BUFFER_ELEMENTS
     assert kernels._written_rows(2, 1, 4096, 4096) * 2 * 4096 == kernels.WRITTEN_BLOCK_ELEMENTS
     assert kernels._written_rows(1, 1, 7, 7) == 7
 

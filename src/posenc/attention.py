@@ -34,8 +34,9 @@ value_term``. Optional extras:
   then never writes an ``[n_q, n_k]`` bias);
 - ``offset_term(q_pos, k_pos)``: the same for a query term ``q_i . r_(j-i)``, the rows
   ``r [(h,) n_q + n_k - 1, d]`` or ``(table, index)`` with ``r = table[index]`` (a
-  clipped table such as Shaw's then skips its repeated rows, and its constant far pairs
-  take the fused kernels without a mask); ``offset_value`` likewise for Shaw's ``a^V``;
+  clipped table such as Shaw's then skips its repeated rows, and on long sequences its
+  constant far pairs take the fused kernels without a mask); ``offset_value`` likewise
+  for Shaw's ``a^V``;
 - ``grid_bias(q_pos, k_pos)`` / ``grid_term(q_pos, k_pos)``: the 2-D counterparts, for
   queries and keys that are a whole ``H x W`` map in order;
 - ``key_shift(q, q_pos, k_pos)``: a score term of the key alone, ``q_i . e_j``, as the

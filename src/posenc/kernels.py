@@ -24,6 +24,9 @@ and returns ``out [b, h, n_q, d]``. The paths differ only in how they get there:
 
 Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim.
 Positions ``q_pos [B', n_q]`` and ``k_pos [B', n_k]`` have ``B'`` 1 (shared) or ``b``.
+Inside the engines: ``g`` the heads of one head group, ``rows`` the queries of one block,
+``W`` the offsets ``n_q + n_k - 1`` (on the grid paths: the map's width, ``H`` its
+height), ``R`` the distinct rows of a clipped table (``2k + 1`` for Shaw).
 """
 
 from __future__ import annotations
@@ -476,7 +479,8 @@ LEAN_BLOCK_ELEMENTS = 1 << 22
 
 
 #: elements of the skewed buffer ``[rows, n_q + n_k - 1]`` of one head on the per-offset
-#: paths (32 MiB in float32), the fused kernel's only per-block state there
+#: paths (32 MiB in float32): filled once per head group (``g`` heads: ``g`` times this),
+#: it is the only state of the kernel's blocks there
 SKEW_BUFFER_ELEMENTS = 1 << 23
 
 #: elements of one block's scores ``[b, g, rows, n_k]`` when its backward is written out
@@ -490,13 +494,15 @@ CAUSAL_ROWS = 256
 
 
 def _kernel_rows(n_q: int, n_k: int, causal: bool = False) -> int:
-    """Query rows per fused-kernel call on the per-offset paths: a quarter of the queries
-    (64 to 1024, or :data:`CAUSAL_ROWS`), within :data:`SKEW_BUFFER_ELEMENTS`.
+    """Query rows per fused-kernel call on the per-offset paths: a quarter of the queries,
+    64 to 1024 (to :data:`CAUSAL_ROWS` under a causal mask; all of them for fewer than 64),
+    within :data:`SKEW_BUFFER_ELEMENTS`.
 
     Long blocks save kernel calls (measured here, n = 4096: the kernel over blocks of 128
     rows took 1.5x the time of the whole sequence in one call, over blocks of 1024 rows
-    1.15x); a block's buffer costs ``rows * (n_q + n_k - 1)`` writes per head, a quarter of
-    the queries keeps that about half the kernel's ``n_q * n_k`` reads of the mask.
+    1.15x); the skewed buffer costs ``rows * (n_q + n_k - 1)`` writes per head, once per
+    head group: a quarter of the queries keeps that about half the kernel's ``n_q * n_k``
+    reads of the mask.
     """
     rows = min(CAUSAL_ROWS if causal else 1024, max(64, n_q // 4))
     return max(1, min(n_q, rows, SKEW_BUFFER_ELEMENTS // (n_q + n_k - 1)))
@@ -689,7 +695,7 @@ def _forward_groups(h: int) -> list[slice]:
     """Heads per fused forward call on the grid paths: all of them. Their blocks are one map
     row (``W`` queries): the forward kernel parallelizes over batch, heads and query tiles,
     and one call per map row beats one per head and map row (measured here, n = 2048 on a
-    32 x 64 map: Swin-2d forward 1.48x the floor instead of 1.66x, relative-2d 1.59x instead
+    32 x 64 map, one profile run: Swin-2d forward 1.48x the floor instead of 1.66x, relative-2d 1.59x instead
     of 1.96x). The backward keeps :func:`_head_groups`."""
     return [slice(0, h)]
 
@@ -815,11 +821,18 @@ def _block_grads(
     ``dS k * scale`` alone: a term's share of it is the caller's.
 
     Args:
-        qh, kh, vh: ``[b, g, rows | n_k, d]``; gh, oh: ``[b, g, rows, d]``;
-            lh: ``[b, g, rows]``; attn_mask: broadcastable to ``[b, g, rows, n_k]``;
-            grads: ``(dK, dV)`` accumulators ``[b, g, n_k, d]`` from :class:`_KeyGrads`;
-            floor: ``P`` by :func:`_exp_no_denormals` (a block whose rows' weight lies
+        qh, kh, vh: ``[b, g, rows | n_k, d]``; gh, oh: ``[b, g, rows, d]`` (``oh`` the
+            whole output); lh: ``[b, g, rows]`` its logsumexp.
+        attn_mask: broadcastable to ``[b, g, rows, n_k]``, or None.
+        scale: the scores' scale.
+        grads: ``(dK, dV)`` accumulators ``[b, g, n_k, d]`` from :class:`_KeyGrads`.
+        need_ds: write the products out (and return ``P`` and ``dS``).
+        extra_dp: ``[b, g, rows, n_k]`` added to ``dP`` (a value term's share), or None.
+        floor: ``P`` by :func:`_exp_no_denormals` (a block whose rows' weight lies
             mostly elsewhere, e.g. Shaw's strip beside its far parts).
+
+    Returns:
+        ``(dq [b, g, rows, d], P, dS)``, ``P`` and ``dS`` ``[b, g, rows, n_k]`` or None.
     """
     grad_k, grad_v = grads
     if not need_ds:
@@ -831,8 +844,9 @@ def _block_grads(
         return gq, None, None
     b, g, rows, _ = qh.shape
     n_k = kh.shape[2]
-    q_scaled = qh * scale  # [b, g, rows, d], contiguous
-    # no floor on exp unless asked: a mask's biases are within BIAS_SPAN of their row's best
+    q_scaled = qh * scale  # [b, g, rows, d], with q's strides
+    # no floor on exp unless asked: a bias mask is within BIAS_SPAN of its row's best, and a
+    # term (never clamped) is content, as q . k is
     probs = torch.matmul(q_scaled, kh.transpose(-2, -1))  # [b, g, rows, n_k]
     if attn_mask is not None:
         probs = probs.add_(attn_mask)
@@ -1352,7 +1366,7 @@ class _OffsetTermAttention(torch.autograd.Function):
     For consecutive positions with no mask and no bias, each block's term is the skew of
     ``q_blk @ r^T`` over the offsets it meets, handed to the fused kernel as a strided view
     (no ``[rows, n_k]`` copy). The value term is ``unskew(P) @ a^V`` with ``P`` recomputed
-    from the ``logsumexp``. Backward: ``dS`` (and ``P``) go back through the skew into
+    from the kernel's ``logsumexp`` over the block's keys. Backward: ``dS`` (and ``P``) go back through the skew into
     zero-padded buffers reused per block shape; small products give the gradients of ``q``
     and of the rows. Rows given as a clipped table (see :class:`_Rows`) make every product
     with them ``R`` rows wide instead of ``W``.
@@ -1363,10 +1377,13 @@ class _OffsetTermAttention(torch.autograd.Function):
     shifted by ``k``, and one on the sequences reversed): their term is one number per
     query, added to the part's logsumexp, their value term the part's weight times one row.
     Only the band of ``2k - 1`` offsets around the diagonal is handled as above, block by
-    block (keys outside it ``-inf`` in the block's logits). The parts are merged by their
-    logsumexps (split-key flash attention); the backward runs the fused kernel on each far
-    part with the merged ``logsumexp`` and output, the output less the part's value row so
-    that the kernel's ``D = dO . O`` misses exactly that row's share of ``dP``.
+    block (keys outside it ``-inf`` in the block's logits; its value term normalised within
+    the band, as its output). The parts are merged by their logsumexps (split-key flash
+    attention), which scales the band's output and value term by its share; the backward
+    runs the fused kernel on each far part with the merged ``logsumexp`` and output, the
+    output less the part's value row so that the kernel's ``D = dO . O`` misses exactly
+    that row's share of ``dP``. Only from :data:`FAR_PAIRS` query-key pairs per head: below
+    it the band covers every key.
 
     Under a causal mask each block stops at the last key it sees, and the offsets its
     queries may not see are ``-inf`` in its logits.
@@ -1403,18 +1420,18 @@ class _OffsetTermAttention(torch.autograd.Function):
                 continue
             keys = _Rows(table, index, cols)
             values = None if value_table is None else _Rows(value_table, index, cols)
-            seen = _band_rows(blk, keys_of, low, high)  # [rows] rows with a strip key
+            has_key = _band_rows(blk, keys_of, low, high)  # [rows] rows with a strip key
             for hs in groups:
                 qh, kh = q[:, hs, blk], k[:, hs, keys_of]  # [b, g, rows | c - a, d]
                 attn_mask = _term_mask(qh, keys, hs, scale, kh.shape[2], left, right)
                 o, l = _flash_cpu(qh, kh, v[:, hs, keys_of], attn_mask=attn_mask, scale=scale)
                 if values is not None:  # normalized within the strip, as o: the merge
                     # below scales both by the strip's share (rows with no strip key: 0)
-                    l_seen = l if seen is None else l.masked_fill(~seen, float("inf"))
+                    l_seen = l if has_key is None else l.masked_fill(~has_key, float("inf"))
                     o = o + _strip_values(qh, kh, attn_mask, l_seen, values, hs, scale, padded)
-                if seen is not None:
-                    o = torch.where(seen[:, None], o, 0.0)  # (whatever the kernel gave)
-                    l = l.masked_fill(~seen, float("-inf"))
+                if has_key is not None:
+                    o = torch.where(has_key[:, None], o, 0.0)  # (whatever the kernel gave)
+                    l = l.masked_fill(~has_key, float("-inf"))
                 out[:, hs, blk], lse[:, hs, blk] = o, l
         weights = mixed = None
         if parts:  # merged into the strip's share, a head group at a time (their copies)
@@ -1459,13 +1476,13 @@ class _OffsetTermAttention(torch.autograd.Function):
                 continue
             keys = _Rows(table, index, cols)
             values = None if value_table is None else _Rows(value_table, index, cols)
-            seen = _band_rows(blk, keys_of, low, high)
+            has_key = _band_rows(blk, keys_of, low, high)  # [rows] rows with a strip key
             width = keys_of.stop - keys_of.start
             for hs in groups:
                 qh = q[:, hs, blk]  # [b, g, rows, d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
-                if seen is not None:  # rows with no strip key: no share here
-                    gh = gh * seen[:, None]
+                if has_key is not None:  # rows with no strip key: no share here
+                    gh = gh * has_key[:, None]
                 grad_k, grad_v = key_grads.of(hs)
                 attn_mask = _term_mask(qh, keys, hs, scale, width, left, right)
                 # dP through a^V too; D = dO . O with O the whole output (a^V included)
@@ -1521,7 +1538,7 @@ def _strip_values(
     recomputed from the strip's own ``lse [b, g, rows]`` (+inf: a row without a key)."""
     probs = torch.matmul(qh * scale, kh.transpose(-2, -1)).add_(attn_mask).sub_(lse[..., None])
     probs = probs.exp_()
-    by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + n_k - 1]
+    by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + c - a - 1]
     return values.combine(by_offset, heads)
 
 
@@ -1537,7 +1554,7 @@ def _strip_rows(rows: int, low: int | None, high: int | None) -> int:
 
 def _strip_groups(b: int, h: int, parts: list[_FarPart]) -> list[slice]:
     """Heads per block on the term path: with far parts the strip is narrow (``rows + 2k -
-    1`` keys), and all heads at once save the per-call overhead that dominates it; else
+    2`` keys), and all heads at once save the per-call overhead that dominates it; else
     :func:`_head_groups`."""
     return [slice(0, h)] if parts else _head_groups(b, h)
 
