@@ -695,8 +695,8 @@ def _forward_groups(h: int) -> list[slice]:
     """Heads per fused forward call on the grid paths: all of them. Their blocks are one map
     row (``W`` queries): the forward kernel parallelizes over batch, heads and query tiles,
     and one call per map row beats one per head and map row (measured here, n = 2048 on a
-    32 x 64 map, one profile run: Swin-2d forward 1.48x the floor instead of 1.66x, relative-2d 1.59x instead
-    of 1.96x). The backward keeps :func:`_head_groups`."""
+    32 x 64 map, one profile run: Swin-2d forward 1.48x the floor instead of 1.66x,
+    relative-2d 1.59x instead of 1.96x). The backward keeps :func:`_head_groups`."""
     return [slice(0, h)]
 
 
