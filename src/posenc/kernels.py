@@ -1366,9 +1366,9 @@ class _OffsetTermAttention(torch.autograd.Function):
     For consecutive positions with no mask and no bias, each block's term is the skew of
     ``q_blk @ r^T`` over the offsets it meets, handed to the fused kernel as a strided view
     (no ``[rows, n_k]`` copy). The value term is ``unskew(P) @ a^V`` with ``P`` recomputed
-    from the kernel's ``logsumexp`` over the block's keys. Backward: ``dS`` (and ``P``) go back through the skew into
-    zero-padded buffers reused per block shape; small products give the gradients of ``q``
-    and of the rows. Rows given as a clipped table (see :class:`_Rows`) make every product
+    from the kernel's ``logsumexp`` over the block's keys. Backward: ``dS`` (and ``P``) go
+    back through the skew into zero-padded buffers reused per block shape; small products
+    give the gradients of ``q`` and of the rows. Rows given as a clipped table (see :class:`_Rows`) make every product
     with them ``R`` rows wide instead of ``W``.
 
     A clipped table (Shaw) is also constant far from the diagonal: keys ``k`` or more before
