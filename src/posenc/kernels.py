@@ -1413,9 +1413,7 @@ class _OffsetTermAttention(torch.autograd.Function):
         out = torch.zeros_like(q)  # [b, h, n_q, d]
         lse = q.new_full(q.shape[:-1], float("-inf"))  # [b, h, n_q]
         padded: dict[tuple[Any, ...], Tensor] = {}
-        strips = [(blk, *_strip(blk, n_q, n_k, low, high)) for blk, _, _ in _term_blocks(
-            n_q, n_k, rows, causal)]  # fmt: skip
-        for blk, keys_of, cols, left, right in strips:
+        for blk, keys_of, cols, left, right in _strips(n_q, n_k, rows, low, high):
             if keys_of.stop <= keys_of.start:
                 continue
             keys = _Rows(table, index, cols)
@@ -1466,12 +1464,10 @@ class _OffsetTermAttention(torch.autograd.Function):
         grad_values = None if value_table is None else torch.zeros_like(value_table)
         grad_out = grad_out.contiguous()
         parts, low, high = _far_parts(table, value_table, index, n_q, n_k, causal)
-        groups = _strip_groups(b, h, parts)
-        rows = _strip_rows(rows, low, high)
+        groups = _strip_groups(b, h, parts)  # (rows: the forward's, already for the strip)
         key_grads = _KeyGrads(k, v, groups)
         padded: dict[tuple[Any, ...], Tensor] = {}  # through the skew, zero outside
-        for blk, _, _ in _term_blocks(n_q, n_k, rows, causal):
-            keys_of, cols, left, right = _strip(blk, n_q, n_k, low, high)
+        for blk, keys_of, cols, left, right in _strips(n_q, n_k, rows, low, high):
             if keys_of.stop <= keys_of.start:
                 continue
             keys = _Rows(table, index, cols)
@@ -1593,14 +1589,13 @@ def _unskew(x: Tensor, padded: dict[tuple[Any, ...], Tensor], tag: str) -> Tenso
     return padded[key]
 
 
-def _term_blocks(n_q: int, n_k: int, rows: int, causal: bool) -> Iterator[tuple[slice, slice, int]]:
-    """``(query rows, the offsets they meet, the keys they see)`` per block: queries
-    ``start + i`` against keys ``j < seen`` meet offsets ``j - i``, the columns
-    ``n_q - stop .. n_q - start + seen - 2`` (see :func:`_keys_seen`)."""
+def _strips(
+    n_q: int, n_k: int, rows: int, low: int | None, high: int | None
+) -> Iterator[tuple[slice, slice, slice, int, int | None]]:
+    """``(query rows, *_strip(...))`` per block of ``rows`` queries (see :func:`_strip`)."""
     for start in range(0, n_q, rows):
         blk = slice(start, min(start + rows, n_q))
-        seen = _keys_seen(blk, n_q, n_k, causal)
-        yield blk, slice(n_q - blk.stop, n_q - start + seen - 1), seen
+        yield (blk, *_strip(blk, n_q, n_k, low, high))
 
 
 def _term_mask(
@@ -1840,6 +1835,13 @@ def _expand_rows(table: Tensor, index: Tensor | None) -> Tensor:
     return table if index is None else table[..., index, :]
 
 
+def _dense_last(*xs: Tensor) -> tuple[Tensor, ...]:
+    """The tensors with a dense last dimension, which the fused kernels read as such (a
+    rotation written as a view, e.g. the channels of a 2-D RoPE re-interleaved, can leave
+    it strided): a copy only where it is not."""
+    return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in xs)
+
+
 def _lean(
     q: Tensor,
     k: Tensor,
@@ -1878,7 +1880,7 @@ def _lean(
         if hooks.value_term is not None and hooks.offset_value is not None:
             value = _offset_rows(hooks.offset_value(q_pos, k_pos))
         if term is not None and (hooks.value_term is None or value is not None):
-            q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+            q, k, v = _dense_last(q, k, v)
             (table, index), value_table = term, None
             if value is not None:
                 value_table, value_index = value
@@ -1890,31 +1892,22 @@ def _lean(
             return _OffsetTermAttention.apply(
                 q, k, v, table, value_table, index, scale, rows, mask.causal
             )
-    if (
-        _fused_cpu_available(q, hooks)
-        and hooks.grid_term is not None
-        and hooks.score_bias is None
-        and mask.empty
-        and h * n_q * k.shape[2] > LEAN_BLOCK_ELEMENTS  # else one block holds the whole term
-    ):
+    # the grid paths: no mask, and more than one block (else one block holds the whole term)
+    grid_ok = _fused_cpu_available(q, hooks) and mask.empty
+    grid_ok = grid_ok and h * n_q * k.shape[2] > LEAN_BLOCK_ELEMENTS
+    if grid_ok and hooks.grid_term is not None and hooks.score_bias is None:
         tables = hooks.grid_term(q_pos, k_pos)
         if tables is not None:
-            q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+            q, k, v = _dense_last(q, k, v)
             height, width = (t.to(q.dtype) for t in tables)
             return _GridTermAttention.apply(q, k, v, height, width, scale)
-    if (
-        _fused_cpu_available(q, hooks)
-        and hooks.grid_bias is not None
-        and hooks.score_term is None
-        and mask.empty
-        and h * n_q * k.shape[2] > LEAN_BLOCK_ELEMENTS  # else one block holds the whole bias
-    ):
+    if grid_ok and hooks.grid_bias is not None and hooks.score_term is None:
         grid = hooks.grid_bias(q_pos, k_pos)
         if grid is not None:
             grid = grid.to(q.dtype)  # [h, 2H-1, 2W-1]
             kernel_grid = _grid_kernel_values(grid)
             if kernel_grid is not None:
-                q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+                q, k, v = _dense_last(q, k, v)
                 return _GridFusedAttention.apply(q, k, v, grid, kernel_grid, scale)
     if _fused_cpu_available(q, hooks) and hooks.score_term is None and causal_only:
         values = None if hooks.offset_bias is None else hooks.offset_bias(q_pos, k_pos)
@@ -1922,13 +1915,11 @@ def _lean(
             values = values.to(q.dtype)  # [h|1, n_q + n_k - 1]
             kernel_values = _offset_kernel_values(values, n_q, k.shape[2], causal=mask.causal)
             if kernel_values is not None:
-                q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+                q, k, v = _dense_last(q, k, v)
                 return _OffsetFusedAttention.apply(
                     q, k, v, values, kernel_values, scale, mask.causal
                 )
     if _fused_cpu_available(q, hooks):
         engine = _LeanFusedAttention
-        # the fused kernels read the last dimension as dense: a rotation written as a view
-        # (e.g. the channels of a 2-D RoPE re-interleaved) can leave it strided
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        q, k, v = _dense_last(q, k, v)
     return engine.apply(q, k, v, hooks, q_pos, k_pos, mask, scale, rows, *params)
