@@ -810,6 +810,7 @@ def _block_grads(
     need_ds: bool,
     extra_dp: Tensor | None = None,
     floor: bool = False,
+    shifted_mask: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One block's backward on the fused paths: ``(dq, P, dS)``; ``dk`` and ``dv`` are added
     to ``grads``.
@@ -830,6 +831,10 @@ def _block_grads(
         extra_dp: ``[b, g, rows, n_k]`` added to ``dP`` (a value term's share), or None.
         floor: ``P`` by :func:`_exp_no_denormals` (a block whose rows' weight lies
             mostly elsewhere, e.g. Shaw's strip beside its far parts).
+        shifted_mask: instead of ``attn_mask``, a function of ``lh`` giving a new
+            contiguous ``mask - lse`` ``[b, g, rows, n_k]``, into which the scores are
+            accumulated (a mask built per block: one pass fewer than building it, adding
+            it and subtracting ``lse``).
 
     Returns:
         ``(dq [b, g, rows, d], P, dS)``, ``P`` and ``dS`` ``[b, g, rows, n_k]`` or None.
@@ -847,10 +852,16 @@ def _block_grads(
     q_scaled = qh * scale  # [b, g, rows, d], with q's strides
     # no floor on exp unless asked: a bias mask is within BIAS_SPAN of its row's best, and a
     # term (never clamped) is content, as q . k is
-    probs = torch.matmul(q_scaled, kh.transpose(-2, -1))  # [b, g, rows, n_k]
-    if attn_mask is not None:
-        probs = probs.add_(attn_mask)
-    probs = probs.sub_(lh.unsqueeze(-1))
+    if shifted_mask is not None:
+        probs = shifted_mask(lh)  # [b, g, rows, n_k]
+        probs.view(b * g, rows, n_k).baddbmm_(
+            q_scaled.reshape(b * g, rows, -1), kh.reshape(b * g, n_k, -1).transpose(1, 2)
+        )
+    else:
+        probs = torch.matmul(q_scaled, kh.transpose(-2, -1))  # [b, g, rows, n_k]
+        if attn_mask is not None:
+            probs = probs.add_(attn_mask)
+        probs = probs.sub_(lh.unsqueeze(-1))
     probs = _exp_no_denormals(probs) if floor else probs.exp_()
     grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]: dP through v
     if extra_dp is not None:
@@ -1639,40 +1650,112 @@ def _grid_kernel_values(grid: Tensor) -> Tensor | None:
     return torch.maximum(grid, high[..., None] - BIAS_SPAN)
 
 
-class _GridBias:
-    """The masks of a 2-D relative bias over a whole ``H x W`` map, a row of the map at a time.
+#: query rows per fused-kernel call on the grid paths, in whole map rows (at least one):
+#: measured here (n = 2048, a 32 x 64 map), the forward over 1, 2, 4 and 8 map rows a call
+#: took 1.38x, 1.30x, 1.23x and 1.24x the floor (a dense mask in one call: 1.19x)
+GRID_KERNEL_ROWS = 256
 
-    The buffer ``[h, W, 2H-1, W]`` holds, for each query column ``c_i``, the bias of every
-    (row offset, key column): ``buffer[h, c_i, dr, c_j] = grid[h, dr, c_j - c_i + W - 1]``.
-    For the queries of map row ``r_i``, reading ``H * W`` values from row offset
-    ``H - 1 - r_i`` gives the keys in order, so a map row's mask ``[1, g, W, H * W]`` is a
-    strided view (row stride ``(2H - 1) W``). The buffer is ``2 h n W`` values, not ``h n^2``.
+#: elements of one :class:`_GridBias` buffer (16 MiB in float32): it holds a head group's
+#: copies of the table, refilled per head group; kept below glibc's largest mmap threshold
+#: (32 MiB), a larger block is a fresh mapping, page-faulted on every call
+GRID_BUFFER_ELEMENTS = 1 << 22
+
+
+def _grid_steps(h: int, height: int, width: int, rows: int) -> tuple[int, list[slice]]:
+    """``(map rows per block, head groups)`` of the forward on the grid paths: ``rows``
+    queries in whole map rows (at least one), as many heads per buffer as
+    :data:`GRID_BUFFER_ELEMENTS` holds (at least one)."""
+    step = max(1, min(height, rows // width))
+    per_head = step * _GridBias.copy_size(height, width)
+    group = max(1, min(h, GRID_BUFFER_ELEMENTS // per_head))
+    return step, [slice(s, min(s + group, h)) for s in range(0, h, group)]
+
+
+class _GridBias:
+    """The masks of a 2-D relative bias over a whole ``H x W`` map, ``m`` map rows at a time.
+
+    A table ``[W, 2H-1, W]`` per head holds, for each query column ``c_i``, the bias of every
+    (row offset, key column): ``table[c_i, dr, c_j] = grid[dr, c_j - c_i + W - 1]``. For the
+    queries of map row ``r``, reading ``H * W`` values from row offset ``H - 1 - r`` gives
+    the keys in order: a map row's mask ``[W, H * W]`` is a strided view, row stride
+    ``P = (2H-1) W``. The next map row starts ``W`` values earlier, so ``m`` map rows are no
+    view of one table; the buffer holds ``m`` copies, copy ``i`` at ``i (W P + W)``: map
+    row ``r + i`` read from copy ``i`` starts ``i W P`` after map row ``r``, and the block's
+    ``m W`` queries are the rows of one view, stride ``P``. The buffer is ``m`` times
+    ``g W P`` values (``g`` heads, about ``2 m g n W``), not ``h n^2``; the masks' gradient
+    accumulates in a buffer of the same layout and is mapped back to the table once.
     """
 
-    def __init__(self, grid: Tensor) -> None:
-        self.height, self.width = (grid.shape[1] + 1) // 2, (grid.shape[2] + 1) // 2
-        w = self.width
-        cols = torch.arange(w, device=grid.device)
-        dc = cols[None, :] - cols[:, None] + (w - 1)  # [c_i, c_j] -> column offset
-        self.buffer = grid[:, :, dc].permute(0, 2, 1, 3).contiguous()  # [h, W, 2H-1, W]
+    def __init__(self, height: int, width: int, heads: int, copies: int, like: Tensor) -> None:
+        self.height, self.width, self.copies = height, width, copies
+        self.plane = (2 * height - 1) * width  # P: one query column's values
+        self.copy = width * self.plane + width  # a copy and a gap of W (never read)
+        self.buffer = like.new_empty(heads, copies * self.copy)  # [g, m (W P + W)]
 
-    def block(self, row: int, heads: slice) -> Tensor:
-        """``[1, g, W, H * W]``: the bias of the queries of map row ``row``."""
-        h, w = self.height, self.width
-        plane = w * (2 * h - 1) * w
-        return self.buffer.as_strided(
-            (1, heads.stop - heads.start, w, h * w),
-            (self.buffer.numel(), plane, (2 * h - 1) * w, 1),
-            self.buffer.storage_offset() + heads.start * plane + (h - 1 - row) * w,
+    @staticmethod
+    def copy_size(height: int, width: int) -> int:
+        """Values of one copy (and its gap) per head."""
+        return width * (2 * height - 1) * width + width
+
+    @staticmethod
+    def per_group(
+        grid: Tensor, groups: list[slice], copies: int
+    ) -> Iterator[tuple[slice, _GridBias]]:
+        """``(heads, masks)`` per head group of ``grid [h, 2H-1, 2W-1]``: one buffer, refilled
+        with each group's heads when the group comes (the kernel calls are synchronous)."""
+        height, width = (grid.shape[1] + 1) // 2, (grid.shape[2] + 1) // 2
+        masks = None
+        for hs in groups:
+            g = hs.stop - hs.start
+            if masks is None or masks.buffer.shape[0] != g:
+                masks = _GridBias(height, width, g, copies, grid)
+            masks.fill(grid[hs])
+            yield hs, masks
+
+    def fill(self, grid: Tensor) -> None:
+        """Hold ``grid [g, 2H-1, 2W-1]``: copy 0 a slice of columns per query column, the
+        others copies of copy 0."""
+        w, first = self.width, self.table(self.buffer, 0)  # [g, W, 2H-1, W]
+        for c in range(w):  # query column c: column offsets -c .. W-1-c
+            first[:, c] = grid[:, :, w - 1 - c : 2 * w - 1 - c]
+        for i in range(1, self.copies):
+            self.table(self.buffer, i).copy_(first)
+
+    def table(self, buffer: Tensor, i: int) -> Tensor:
+        """Copy ``i`` of ``buffer``'s table: ``[g, W, 2H-1, W]``, a view."""
+        start = i * self.copy
+        return buffer[:, start : start + self.copy - self.width].view(
+            buffer.shape[0], self.width, 2 * self.height - 1, self.width
         )
+
+    def block(self, row: int, count: int, buffer: Tensor | None = None) -> Tensor:
+        """``[1, g, count * W, H * W]``: the bias of the queries of map rows ``row`` to
+        ``row + count - 1`` (``count`` at most the copies), a view of the buffer (or of a
+        gradient buffer of the same layout)."""
+        buffer = self.buffer if buffer is None else buffer
+        h, w = self.height, self.width
+        return buffer.as_strided(
+            (1, buffer.shape[0], count * w, h * w),
+            (buffer.numel(), buffer.stride(0), self.plane, 1),
+            buffer.storage_offset() + (h - 1 - row) * w,
+        )
+
+    def table_grad(self, grad_buffer: Tensor) -> Tensor:
+        """The gradient of the grid ``[g, 2H-1, 2W-1]`` from its masks' (``grad_buffer``, the
+        layout of the buffer, zero in the gaps): the copies summed, then the column diagonals
+        of each row offset."""
+        total = self.table(grad_buffer, 0)
+        for i in range(1, self.copies):
+            total = total + self.table(grad_buffer, i)  # [g, W, 2H-1, W]
+        return diagonal_sums(total.transpose(1, 2))  # [g, 2H-1, W, W] -> [g, 2H-1, 2W-1]
 
 
 class _GridFusedAttention(torch.autograd.Function):
     """The lean engine for a 2-D relative bias over a whole map (Swin's table, global).
 
-    One map row of queries per block: the masks are views of one :class:`_GridBias`
-    buffer, and the table's gradient is, per block, ``dS`` summed over the batch and along
-    the column diagonals, added at the block's row offsets.
+    Whole map rows of queries per block (:func:`_grid_steps`): the masks are views of a
+    :class:`_GridBias` buffer, and so is ``dS`` summed over the batch when added to the
+    gradient buffer; the table's gradient is read from that buffer once per head group.
     """
 
     @staticmethod
@@ -1682,14 +1765,15 @@ class _GridFusedAttention(torch.autograd.Function):
         h = q.shape[1]
         out = torch.empty_like(q)  # [b, h, n, d]
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n]
-        masks = _GridBias(kernel_grid)
-        w = masks.width
-        for row in range(masks.height):
-            blk = slice(row * w, (row + 1) * w)
-            for hs in _forward_groups(h):
+        height, w = (kernel_grid.shape[1] + 1) // 2, (kernel_grid.shape[2] + 1) // 2
+        step, groups = _grid_steps(h, height, w, GRID_KERNEL_ROWS)
+        for hs, masks in _GridBias.per_group(kernel_grid, groups, step):
+            for row in range(0, height, step):
+                count = min(step, height - row)
+                blk = slice(row * w, (row + count) * w)
                 out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
                     q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False,
-                    attn_mask=masks.block(row, hs), scale=scale,
+                    attn_mask=masks.block(row, count), scale=scale,
                 )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, kernel_grid)
         ctx.scale, ctx.learn = scale, grid.requires_grad
@@ -1698,32 +1782,32 @@ class _GridFusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse, kernel_grid = ctx.saved_tensors
-        scale = ctx.scale
-        b, h = q.shape[:2]
+        scale, learn = ctx.scale, ctx.learn
+        b, h, n = q.shape[:3]
+        groups = _head_groups(b, h)
+        g = groups[0].stop - groups[0].start
         grad_q = torch.empty_like(q)
-        key_grads = _KeyGrads(k, v, _head_groups(b, h))
-        grad_grid = torch.zeros_like(kernel_grid) if ctx.learn else None  # [h, 2H-1, 2W-1]
+        key_grads = _KeyGrads(k, v, groups)
+        grad_grid = torch.empty_like(kernel_grid) if learn else None  # [h, 2H-1, 2W-1]
         grad_out = grad_out.contiguous()
-        masks = _GridBias(kernel_grid)
-        height, w = masks.height, masks.width
-        for row in range(height):
-            blk = slice(row * w, (row + 1) * w)
-            for hs in _head_groups(b, h):
-                attn_mask = masks.block(row, hs)  # [1, g, W, H * W]
-                qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, W | n, d]
+        height, w = (kernel_grid.shape[1] + 1) // 2, (kernel_grid.shape[2] + 1) // 2
+        step = max(1, min(height, (_written_rows(b, g, n, n) if learn else GRID_KERNEL_ROWS) // w))
+        for hs, masks in _GridBias.per_group(kernel_grid, groups, step):
+            grad_masks = torch.zeros_like(masks.buffer) if learn else None  # [g, m (W P + W)]
+            for row in range(0, height, step):
+                count = min(step, height - row)
+                blk = slice(row * w, (row + count) * w)
+                qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, m W | n, d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
                 gq, _, grad_s = _block_grads(
-                    qh, kh, vh, gh, oh, lh, attn_mask, scale, key_grads.of(hs),
-                    need_ds=grad_grid is not None,
+                    qh, kh, vh, gh, oh, lh, masks.block(row, count), scale,
+                    key_grads.of(hs), need_ds=learn,
                 )  # fmt: skip
                 grad_q[:, hs, blk] = gq
-                if grad_grid is None:  # the fused backward: nothing more to add
-                    continue
-                # [g, c_i, r_j, c_j] -> [g, r_j, c_i, c_j]; key row r_j is row offset r_j - row
-                per_key_row = grad_s.sum(dim=0).view(-1, w, height, w).transpose(1, 2)
-                grad_grid[hs, height - 1 - row : 2 * height - 1 - row] += diagonal_sums(
-                    per_key_row
-                )  # [g, H, 2W-1]
+                if grad_masks is not None and grad_s is not None:  # [b, g, m W, n]
+                    masks.block(row, count, grad_masks)[0] += grad_s.sum(dim=0)
+            if grad_grid is not None and grad_masks is not None:
+                grad_grid[hs] = masks.table_grad(grad_masks)
         grad_k, grad_v = key_grads.result()
         return grad_q, grad_k, grad_v, grad_grid, None, None
 
@@ -1733,32 +1817,43 @@ def _rows_of(table: Tensor, heads: slice) -> Tensor:
     return table if table.ndim == 2 else table[heads]
 
 
+def _grid_term_steps(b: int, h: int, n: int, width: int, rows: int) -> tuple[int, list[slice]]:
+    """``(map rows per block, head groups)`` of the forward on the grid term path: ``rows``
+    queries in whole map rows (at least one), as many heads per call as keep a block's term
+    ``[b, g, rows, n]`` within :data:`GRID_BUFFER_ELEMENTS` (at least one)."""
+    step = max(1, min(n // width, rows // width))
+    group = max(1, min(h, GRID_BUFFER_ELEMENTS // (b * step * width * n)))
+    return step, [slice(s, min(s + group, h)) for s in range(0, h, group)]
+
+
 class _GridTermAttention(torch.autograd.Function):
     """The lean engine for a 2-D relative embedding over a whole map (SASA / BoTNet).
 
-    One map row ``r`` of queries per block: ``q @ height^T`` gives one logit per key row
-    (the rows ``r_j - r + H - 1``), ``q @ width^T`` skewed gives one per key column; their
-    broadcast sum ``[b, g, W, H, W]`` is the block's mask. Backward: ``dS`` summed over key
-    columns is the height logits' gradient, summed over key rows and sent back through the
-    skew the width logits'; four small products give ``q``'s and the tables' gradients.
+    Whole map rows ``r .. r + m - 1`` of queries per block: ``q @ height^T`` gives one logit
+    per row offset, read per map row as one per key row (:func:`_by_key_row`), and
+    ``q @ width^T`` skewed one per key column; their broadcast sum ``[b, g, m W, H, W]`` is
+    the block's mask. Backward: ``dS`` summed over key columns is the height logits'
+    gradient, summed over key rows and sent back through the skew the width logits'; four
+    small products give ``q``'s and the tables' gradients.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, height: Tensor, width: Tensor, scale: float
     ) -> Tensor:
-        h = q.shape[1]
+        b, h, n = q.shape[:3]
         out = torch.empty_like(q)  # [b, h, n, d]
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n]
         height, width = height.detach(), width.detach()
         rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
-        for r in range(rows):
-            blk = slice(r * cols, (r + 1) * cols)
-            for hs in _forward_groups(h):
+        step, groups = _grid_term_steps(b, h, n, cols, GRID_KERNEL_ROWS)
+        for hs in groups:
+            for r in range(0, rows, step):
+                blk = slice(r * cols, min(r + step, rows) * cols)
                 attn_mask = _grid_term_mask(q[:, hs, blk], height, width, hs, r, scale)
                 out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
                     q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
-                )  # [b, g, W, d], [b, g, W]
+                )  # [b, g, m W, d], [b, g, m W]
         ctx.save_for_backward(q, k, v, out, lse, height, width)
         ctx.scale = scale
         return out
@@ -1767,52 +1862,84 @@ class _GridTermAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse, height, width = ctx.saved_tensors
         scale = ctx.scale
-        b, h = q.shape[:2]
+        b, h, n = q.shape[:3]
         rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
+        groups = _head_groups(b, h)
+        step = max(1, min(rows, _written_rows(b, groups[0].stop - groups[0].start, n, n) // cols))
         grad_q = torch.empty_like(q)
-        key_grads = _KeyGrads(k, v, _head_groups(b, h))
+        key_grads = _KeyGrads(k, v, groups)
         grad_height, grad_width = torch.zeros_like(height), torch.zeros_like(width)
         grad_out = grad_out.contiguous()
-        padded: dict[tuple[Any, ...], Tensor] = {}  # the skew's adjoint, zero outside
-        for r in range(rows):
-            blk = slice(r * cols, (r + 1) * cols)
-            key_rows = slice(rows - 1 - r, 2 * rows - 1 - r)  # height rows of key rows 0..H-1
-            for hs in _head_groups(b, h):
-                qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, W | n, d]
+        padded: dict[tuple[Any, ...], Tensor] = {}  # the width skew's adjoint, zero outside
+        for r in range(0, rows, step):
+            m = min(step, rows - r)
+            blk = slice(r * cols, (r + m) * cols)
+            for hs in groups:
+                qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, m W | n, d]
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
-                attn_mask = _grid_term_mask(qh, height, width, hs, r, scale)  # [b, g, W, n]
                 gq, _, grad_s = _block_grads(
-                    qh, kh, vh, gh, oh, lh, attn_mask, scale, key_grads.of(hs), need_ds=True
-                )
-                per_cell = grad_s.view(*grad_s.shape[:-1], rows, cols)  # [b, g, W, H, W]
-                grad_rows = per_cell.sum(dim=-1)  # [b, g, W, H]: the height logits used
-                grad_cols = _unskew(per_cell.sum(dim=-2), padded, "w")  # [b, g, W, 2W-1]
-                used = _rows_of(height, hs)[..., key_rows, :]  # [(g,) H, d]
-                term_q = (grad_rows @ used).add_(grad_cols @ _rows_of(width, hs))
+                    qh, kh, vh, gh, oh, lh, None, scale, key_grads.of(hs), need_ds=True,
+                    shifted_mask=functools.partial(_grid_term_mask, qh, height, width, hs, r, scale),
+                )  # fmt: skip
+                per_cell = grad_s.view(*grad_s.shape[:2], m, cols, rows, cols)  # [b, g, m, W, H, W]
+                # [b, g, m, W, 2H-1]: zero off the rows used (which move with r: a new buffer)
+                grad_rows = per_cell.new_zeros(*per_cell.shape[:4], 2 * rows - 1)
+                torch.sum(per_cell, dim=-1, out=_by_key_row(grad_rows, r))  # [b, g, m, W, H]
+                grad_rows = grad_rows.flatten(2, 3)  # [b, g, m W, 2H-1]
+                grad_cols = _unskew(per_cell.sum(dim=-2), padded, "w").flatten(2, 3)  # [.., 2W-1]
+                term_q = (grad_rows @ _rows_of(height, hs)).add_(grad_cols @ _rows_of(width, hs))
                 grad_q[:, hs, blk] = gq.add_(term_q.mul_(scale))
                 d_height = (grad_rows.transpose(-2, -1) @ qh).sum(dim=0).mul_(scale)
                 d_width = (grad_cols.transpose(-2, -1) @ qh).sum(dim=0).mul_(scale)
-                if height.ndim == 2:  # a table shared by the heads: [H | 2W-1, d]
-                    grad_height[key_rows] += d_height.sum(dim=0)
+                if height.ndim == 2:  # a table shared by the heads: [2H-1 | 2W-1, d]
+                    grad_height += d_height.sum(dim=0)
                     grad_width += d_width.sum(dim=0)
                 else:
-                    grad_height[hs, key_rows] += d_height
+                    grad_height[hs] += d_height
                     grad_width[hs] += d_width
         grad_k, grad_v = key_grads.result()
         return grad_q, grad_k, grad_v, grad_height, grad_width, None
 
 
+def _by_key_row(by_offset: Tensor, first: int) -> Tensor:
+    """``[b, g, m, W, 2H-1]`` (one logit per row offset, contiguous) read per key row for the
+    queries of map rows ``first .. first + m - 1``: ``[b, g, m, W, H]``, a view; map row
+    ``first + i`` reads offsets ``-(first + i) .. H - 1 - first - i``, so each map row
+    starts one column earlier (stride ``W (2H - 1) - 1``)."""
+    b, g, m, w, span = by_offset.shape
+    s = by_offset.stride()
+    return by_offset.as_strided(
+        (b, g, m, w, (span + 1) // 2),
+        (s[0], s[1], s[2] - 1, s[3], 1),
+        by_offset.storage_offset() + (span - 1) // 2 - first,
+    )
+
+
 def _grid_term_mask(
-    q_blk: Tensor, height: Tensor, width: Tensor, heads: slice, r: int, scale: float
+    q_blk: Tensor,
+    height: Tensor,
+    width: Tensor,
+    heads: slice,
+    r: int,
+    scale: float,
+    lse: Tensor | None = None,
 ) -> Tensor:
-    """The 2-D term of the queries of map row ``r``: ``[b, g, W, H * W]``, contiguous."""
+    """The 2-D term of the queries of map rows ``r .. r + m - 1``: ``[b, g, m W, H * W]``,
+    new and contiguous; less ``lse [b, g, m W]`` (the logsumexp of those rows) if given."""
     rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
-    q_scaled = q_blk * scale  # [b, g, W, d]
-    used = _rows_of(height, heads)[..., rows - 1 - r : 2 * rows - 1 - r, :]  # [(g,) H, d]
-    by_row = q_scaled @ used.transpose(-2, -1)  # [b, g, W, H]
-    by_col = skew_rows(q_scaled @ _rows_of(width, heads).transpose(-2, -1), cols)  # [b, g, W, W]
+    b, g, count = q_blk.shape[:3]
+    q_scaled = q_blk * scale  # [b, g, m W, d]
+    # [b, g, m W, 2H-1] (contiguous: _by_key_row reads it with strides)
+    by_offset = (q_scaled @ _rows_of(height, heads).transpose(-2, -1)).contiguous()
+    by_row = _by_key_row(by_offset.view(b, g, -1, cols, 2 * rows - 1), r)  # [b, g, m, W, H]
+    by_col = q_scaled @ _rows_of(width, heads).transpose(-2, -1)  # [b, g, m W, 2W-1]
+    by_col = skew_rows(by_col.view(b, g, -1, cols, 2 * cols - 1), cols)  # [b, g, m, W, W]
     # never clamped: content, as q . k is (see _term_mask)
-    return (by_row[..., :, None] + by_col[..., None, :]).flatten(-2)  # [b, g, W, H * W]
+    by_row = by_row.contiguous()  # small: read through its skewed strides, the sum was 3x slower
+    if lse is not None:
+        by_row = by_row.sub_(lse.view(b, g, -1, cols, 1))
+    mask = by_row[..., :, None] + by_col[..., None, :]  # [b, g, m, W, H, W]
+    return mask.view(b, g, count, rows * cols)  # [b, g, m W, H * W]
 
 
 def _offset_rows(
