@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import posenc.kernels as kernels
+from posenc.indices import run_offsets
 from posenc.kernels import Mask, attend, choose_backend, hooks_of, lean_block_rows
 
 
@@ -655,6 +656,38 @@ def test_a_subclass_overriding_a_hook_drops_the_parents_fast_forms():
     for scheme in (SteeperALiBi(4), SteeperSlopes(4), Doubled(16, 8).double()):
         expected = run("math", scheme, q, k, v, pos, pos, Mask(16, 16))
         torch.testing.assert_close(run("auto", scheme, q, k, v, pos, pos, Mask(16, 16)), expected)
+
+
+class SharedOffsetBias(nn.Module):
+    """A learned bias per offset shared by the heads: ``offset_bias`` in its ``[1, W]`` form."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.values = nn.Parameter(torch.randn(2 * n - 1))
+
+    def score_bias(self, q_pos, k_pos):
+        offsets = k_pos[:, None, :] - q_pos[:, :, None]  # [B', n_q, n_k]
+        return self.values[offsets + self.n - 1].unsqueeze(1)  # [B', 1, n_q, n_k]
+
+    def offset_bias(self, q_pos, k_pos):
+        offsets = run_offsets(q_pos, k_pos)
+        return None if offsets is None else self.values[offsets + self.n - 1][None]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_offset_bias_path_with_a_learned_bias_shared_by_the_heads(head_groups, monkeypatch, causal):
+    """``[1, W]`` values with a gradient: ``dS`` summed over heads too, every block."""
+    calls = spy_on(monkeypatch, kernels._OffsetFusedAttention)
+    offset_rows(monkeypatch, 5, 2, 20, 20)
+    torch.manual_seed(0)
+    scheme = SharedOffsetBias(20).double()
+    q, k, v = (torch.randn(2, 3, 20, 8, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(20)[None]
+    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(20, 20, causal=causal))
+    assert calls
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a)
 
 
 @pytest.mark.parametrize("name", ["t5", "relative"])

@@ -534,6 +534,14 @@ def _sum_into(dest: Tensor, grad: Tensor) -> None:
         dest.copy_(_sum_to(grad, dest.shape))
 
 
+def _add_leading_sum(dest: Tensor, x: Tensor, dims: int = 1) -> None:
+    """``dest += x.sum(dim=range(dims))``, as one in-place add per slice: a sum over a
+    leading dimension is a slow reduction on CPU (measured here, ``[2, 128, 2048]`` summed
+    into a strided view: 159 us, against 45 us as two adds)."""
+    for part in x.flatten(0, dims - 1) if dims > 1 else x:
+        dest.add_(part)
+
+
 def _scheme_parameters(scheme: Any) -> list[Tensor]:
     if isinstance(scheme, torch.nn.Module):
         return [p for p in scheme.parameters() if p.requires_grad]
@@ -1025,10 +1033,13 @@ class _SkewedBias:
             self.buffer = values.new_empty(values.shape[0], self.rows, self.width)
         self.buffer.copy_(values[:, None].expand_as(self.buffer))
 
-    def block(self, start: int, count: int, keys: int | None = None) -> Tensor:
+    def block(
+        self, start: int, count: int, keys: int | None = None, buffer: Tensor | None = None
+    ) -> Tensor:
         """``[1, g|1, count, keys]``: the bias of queries ``start .. start + count - 1`` for
-        the first ``keys`` keys (default all)."""
-        buffer, w = self.buffer, self.width
+        the first ``keys`` keys (default all); a view of the buffer, or of ``buffer`` (a
+        gradient buffer of its shape, whose rows summed give the gradient per offset)."""
+        buffer, w = self.buffer if buffer is None else buffer, self.width
         return buffer.as_strided(
             (1, buffer.shape[0], count, self.n_k if keys is None else keys),
             (buffer.numel(), self.rows * w, w - 1, 1),
@@ -1107,7 +1118,10 @@ class _OffsetFusedAttention(torch.autograd.Function):
             rows = _kernel_rows(n_q, n_k, causal)
         else:
             rows = _written_rows(b, groups[0].stop - groups[0].start, n_q, n_k)
+        shared = kernel_values.shape[0] == 1  # one bias for every head
         for hs, skewed in _SkewedBias.per_group(kernel_values, groups, n_q, n_k, rows):
+            # dS summed over the batch (and heads, if shared) at its mask's place
+            grad_masks = None if grad_values is None else torch.zeros_like(skewed.buffer)
             for start in range(0, n_q, rows):
                 blk = slice(start, min(start + rows, n_q))
                 count = blk.stop - start
@@ -1117,18 +1131,14 @@ class _OffsetFusedAttention(torch.autograd.Function):
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
                 gq, _, grad_s = _block_grads(
                     qh, kh, vh, gh, oh, lh, attn_mask, scale, key_grads.of(hs, seen),
-                    need_ds=grad_values is not None,
+                    need_ds=grad_masks is not None,
                 )  # fmt: skip
                 grad_q[:, hs, blk] = gq
-                if grad_values is None:  # the fused backward: nothing more to add
-                    continue
-                # query start + i, key j: offset column j - i + (n_q - start - count) + count - 1
-                sums = diagonal_sums(grad_s).sum(dim=0)  # [g, count + seen - 1]
-                cols = slice(n_q - start - count, n_q - start + seen - 1)
-                if grad_values.shape[0] == 1:
-                    grad_values[:, cols] += sums.sum(dim=0, keepdim=True)
-                else:
-                    grad_values[hs, cols] += sums
+                if grad_masks is not None and grad_s is not None:  # [b, g, count, seen]
+                    view = skewed.block(start, count, seen, grad_masks)[0]  # [g|1, count, seen]
+                    _add_leading_sum(view, grad_s, 2 if shared else 1)
+            if grad_values is not None and grad_masks is not None:  # [g|1, rows, W]
+                grad_values[0 if shared else hs] += grad_masks.sum(dim=1).squeeze(0)
         grad_k, grad_v = key_grads.result()
         return grad_q, grad_k, grad_v, grad_values, None, None, None
 
@@ -1805,7 +1815,7 @@ class _GridFusedAttention(torch.autograd.Function):
                 )  # fmt: skip
                 grad_q[:, hs, blk] = gq
                 if grad_masks is not None and grad_s is not None:  # [b, g, m W, n]
-                    masks.block(row, count, grad_masks)[0] += grad_s.sum(dim=0)
+                    _add_leading_sum(masks.block(row, count, grad_masks)[0], grad_s)
             if grad_grid is not None and grad_masks is not None:
                 grad_grid[hs] = masks.table_grad(grad_masks)
         grad_k, grad_v = key_grads.result()
