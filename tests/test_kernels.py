@@ -131,9 +131,10 @@ def block_rows(monkeypatch, rows: int) -> None:
 
 
 def offset_rows(monkeypatch, rows: int, b: int, n_q: int, n_k: int) -> None:
-    """About ``rows`` query rows a block on the per-offset bias path: its kernel calls (the
-    skewed buffer of one head) and its written-out backward (one head; half with pairs)."""
-    monkeypatch.setattr(kernels, "SKEW_BUFFER_ELEMENTS", rows * (n_q + n_k - 1))
+    """About ``rows`` query rows a block on the per-offset bias path: its kernel calls (always
+    under a causal mask; without one a call takes every query) and its written-out backward
+    (one head; half with pairs)."""
+    monkeypatch.setattr(kernels, "CAUSAL_ROWS", rows)
     monkeypatch.setattr(kernels, "WRITTEN_BLOCK_ELEMENTS", b * rows * n_k)
 
 
@@ -690,6 +691,31 @@ def test_offset_bias_path_with_a_learned_bias_shared_by_the_heads(head_groups, m
         torch.testing.assert_close(c, a)
 
 
+def test_offset_bias_kernel_calls_stop_at_the_last_key_seen(monkeypatch):
+    """Without a mask one kernel call takes every query and head; under a causal mask a block
+    of queries takes only the keys its last query sees (reversed: the last ones)."""
+    from posenc import ALiBi
+
+    shapes = []
+    forward = kernels._flash_cpu
+    monkeypatch.setattr(
+        kernels,
+        "_flash_cpu",
+        lambda q, k, *a, **kw: (
+            shapes.append((q.shape[1], q.shape[2], k.shape[2])) or forward(q, k, *a, **kw)
+        ),
+    )
+    monkeypatch.setattr(kernels, "CAUSAL_ROWS", 5)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 20, 8) for _ in range(3))
+    pos = torch.arange(20)[None]
+    run("lean", ALiBi(3), q, k, v, pos, pos, Mask(20, 20))
+    assert shapes == [(3, 20, 20)]
+    shapes.clear()
+    run("lean", ALiBi(3), q, k, v, pos, pos, Mask(20, 20, causal=True))
+    assert shapes == [(3, 5, 5), (3, 5, 10), (3, 5, 15), (3, 5, 20)]
+
+
 @pytest.mark.parametrize("name", ["t5", "relative"])
 def test_offset_bias_path_with_frozen_tables(monkeypatch, name):
     """No table gradient wanted: the fused backward, q/k/v gradients still exact."""
@@ -973,12 +999,10 @@ def test_block_rows():
     assert rows * 2 * 8 * 4096 <= kernels.LEAN_BLOCK_ELEMENTS < 2 * rows * 2 * 8 * 4096
     assert lean_block_rows(1, 1, 10, 10) == 10
     assert 16 <= lean_block_rows(64, 64, 8192, 8192) <= 512
-    # per-offset paths: one head's skewed buffer [rows, n_q + n_k - 1] within its budget
-    assert kernels._kernel_rows(4096, 4096) * 8191 <= kernels.SKEW_BUFFER_ELEMENTS
-    assert kernels._kernel_rows(4096, 4096) == 1024  # (the bench's case: long blocks)
-    assert kernels._kernel_rows(10, 10) == 10
-    assert kernels._kernel_rows(4096, 4096, causal=True) == kernels.CAUSAL_ROWS
-    assert kernels._kernel_rows(1 << 20, 1 << 20) * ((1 << 21) - 1) <= kernels.SKEW_BUFFER_ELEMENTS
+    # per-offset bias path: one call for every query, blocks under a causal mask
+    assert kernels._kernel_rows(4096) == 4096
+    assert kernels._kernel_rows(4096, causal=True) == kernels.CAUSAL_ROWS
+    assert kernels._kernel_rows(10, causal=True) == 10
     assert kernels._written_rows(2, 1, 4096, 4096) * 2 * 4096 == kernels.WRITTEN_BLOCK_ELEMENTS
     assert kernels._written_rows(1, 1, 7, 7) == 7
 

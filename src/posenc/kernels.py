@@ -478,11 +478,6 @@ BIAS_SPAN = 60.0
 LEAN_BLOCK_ELEMENTS = 1 << 22
 
 
-#: elements of the skewed buffer ``[rows, n_q + n_k - 1]`` of one head on the per-offset
-#: paths (32 MiB in float32): filled once per head group (``g`` heads: ``g`` times this),
-#: it is the only state of the kernel's blocks there
-SKEW_BUFFER_ELEMENTS = 1 << 23
-
 #: elements of one block's scores ``[b, g, rows, n_k]`` when its backward is written out
 #: (its five products and the passes over ``P`` and ``dS`` then stay in the caches; measured
 #: here, n = 4096: 64 rows 1.5x the fused backward, 256 rows 1.75x)
@@ -493,19 +488,28 @@ WRITTEN_BLOCK_ELEMENTS = 1 << 19
 CAUSAL_ROWS = 256
 
 
-def _kernel_rows(n_q: int, n_k: int, causal: bool = False) -> int:
-    """Query rows per fused-kernel call on the per-offset paths: a quarter of the queries,
-    64 to 1024 (to :data:`CAUSAL_ROWS` under a causal mask; all of them for fewer than 64),
-    within :data:`SKEW_BUFFER_ELEMENTS`.
+def _kernel_rows(n_q: int, causal: bool = False) -> int:
+    """Query rows per fused-kernel call on the per-offset bias path: all of them (its masks
+    are views of the values, of any size), or :data:`CAUSAL_ROWS` under a causal mask."""
+    return min(n_q, CAUSAL_ROWS) if causal else n_q
 
-    Long blocks save kernel calls (measured here, n = 4096: the kernel over blocks of 128
-    rows took 1.5x the time of the whole sequence in one call, over blocks of 1024 rows
-    1.15x); the skewed buffer costs ``rows * (n_q + n_k - 1)`` writes per head, once per
-    head group: a quarter of the queries keeps that about half the kernel's ``n_q * n_k``
-    reads of the mask.
+
+def _hankel(values_rev: Tensor, start: int, count: int, keys: slice) -> Tensor:
+    """The mask of a per-offset bias for queries ``start .. start + count - 1`` and the keys
+    reversed ``keys`` (key ``j' = n_k - 1 - j``): ``[1, g|1, count, keys]``, a view.
+
+    The pair ``(i, j)`` takes column ``j - i + n_q - 1`` of ``values [g|1, W]``: with the keys
+    reversed, column ``W - 1 - (i + j')``, so ``values_rev`` (the columns reversed) holds
+    it at ``i + j'``, and the mask is a view with strides ``(1, 1)``: no buffer, and reads
+    that stay in the caches (measured here, n = 2048: the kernel over 512-row blocks with
+    such a view took 1.05x the floor, with a skewed buffer 1.23x, reversing k and v 0.02x).
     """
-    rows = min(CAUSAL_ROWS if causal else 1024, max(64, n_q // 4))
-    return max(1, min(n_q, rows, SKEW_BUFFER_ELEMENTS // (n_q + n_k - 1)))
+    width = values_rev.shape[-1]
+    return values_rev.as_strided(
+        (1, values_rev.shape[0], count, keys.stop - keys.start),
+        (values_rev.numel(), width, 1, 1),
+        values_rev.storage_offset() + start + keys.start,
+    )
 
 
 def _written_rows(b: int, g: int, n_q: int, n_k: int) -> int:
@@ -1065,12 +1069,15 @@ class _OffsetFusedAttention(torch.autograd.Function):
     """The lean engine for a bias that depends on the offset ``j - i`` only.
 
     For consecutive positions with no mask, a relative bias (ALiBi, T5, 1-D relative table)
-    is ``toeplitz(values)``. Its masks are views of one :class:`_SkewedBias` buffer per head
-    group, and its gradient is the diagonal sums of ``dS``, added to ``values``'s gradient
-    block by block: no ``[rows, n_k]`` bias is written, clamped or summed. The kernel runs
-    over long blocks (:func:`_kernel_rows`); a written-out backward (a learned table) over
-    short ones (:func:`_written_rows`). Under a causal mask (folded into the values as
-    ``-inf``) a block stops at the last key its queries see: the kernel skips about half
+    is ``toeplitz(values)``. With the keys (and values) reversed it is a Hankel matrix, a
+    view of the values themselves (:func:`_hankel`): the forward and the fused backward run
+    the kernel over all queries and heads in one call, as the floor does. A learned table
+    needs ``dS``: its backward is written out over short blocks (:func:`_written_rows`) in
+    key order, with masks that are views of one :class:`_SkewedBias` buffer per head group,
+    and ``dS`` summed over the batch into a buffer of the same layout, whose rows summed
+    give the gradient per offset: no ``[rows, n_k]`` bias is written, clamped or summed.
+    Under a causal mask (folded into the values as ``-inf``) the kernel runs over blocks of
+    :data:`CAUSAL_ROWS` that stop at the last key their queries see: it skips about half
     the work, as with its own causal flag.
     """
 
@@ -1085,20 +1092,16 @@ class _OffsetFusedAttention(torch.autograd.Function):
         scale: float,
         causal: bool,
     ) -> Tensor:
-        b, h, n_q, _ = q.shape
-        n_k = k.shape[2]
+        n_q, n_k = q.shape[2], k.shape[2]
         out = torch.empty_like(q)  # [b, h, n_q, d]
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n_q]
-        rows = _kernel_rows(n_q, n_k, causal)
-        for hs, skewed in _SkewedBias.per_group(kernel_values, _head_groups(b, h), n_q, n_k, rows):
-            for start in range(0, n_q, rows):
-                blk = slice(start, min(start + rows, n_q))
-                seen = _keys_seen(blk, n_q, n_k, causal)
-                attn_mask = skewed.block(start, blk.stop - start, seen)  # [1, g|1, rows, seen]
-                out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
-                    q[:, hs, blk], k[:, hs, :seen], v[:, hs, :seen], 0.0, False,
-                    attn_mask=attn_mask, scale=scale,
-                )  # fmt: skip
+        values_rev = kernel_values.flip(-1).contiguous()  # [h|1, W]
+        k_rev, v_rev = k.flip(2), v.flip(2)  # [b, h, n_k, d], keys reversed
+        for blk, keys in _kernel_blocks(n_q, n_k, causal):
+            out[:, :, blk], lse[:, :, blk] = _flash_cpu(
+                q[:, :, blk], k_rev[:, :, keys], v_rev[:, :, keys], 0.0, False,
+                attn_mask=_hankel(values_rev, blk.start, blk.stop - blk.start, keys), scale=scale,
+            )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, kernel_values)
         ctx.scale, ctx.learn, ctx.causal = scale, values.requires_grad, causal
         return out
@@ -1107,21 +1110,26 @@ class _OffsetFusedAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse, kernel_values = ctx.saved_tensors
         scale, causal = ctx.scale, ctx.causal
+        grad_out = grad_out.contiguous()
+        if not ctx.learn:  # the fused backward, on the keys reversed as the forward
+            return (
+                *_offset_fused_backward(grad_out, q, k, v, out, lse, kernel_values, scale, causal),
+                None,
+                None,
+                None,
+                None,
+            )
         b, h, n_q, _ = q.shape
         n_k = k.shape[2]
         grad_q = torch.empty_like(q)
-        grad_values = torch.zeros_like(kernel_values) if ctx.learn else None  # [h|1, W]
-        grad_out = grad_out.contiguous()
+        grad_values = torch.zeros_like(kernel_values)  # [h|1, W]
         groups = _head_groups(b, h)
         key_grads = _KeyGrads(k, v, groups)
-        if grad_values is None:  # the fused backward
-            rows = _kernel_rows(n_q, n_k, causal)
-        else:
-            rows = _written_rows(b, groups[0].stop - groups[0].start, n_q, n_k)
+        rows = _written_rows(b, groups[0].stop - groups[0].start, n_q, n_k)
         shared = kernel_values.shape[0] == 1  # one bias for every head
         for hs, skewed in _SkewedBias.per_group(kernel_values, groups, n_q, n_k, rows):
             # dS summed over the batch (and heads, if shared) at its mask's place
-            grad_masks = None if grad_values is None else torch.zeros_like(skewed.buffer)
+            grad_masks = torch.zeros_like(skewed.buffer)  # [g|1, rows, W]
             for start in range(0, n_q, rows):
                 blk = slice(start, min(start + rows, n_q))
                 count = blk.stop - start
@@ -1131,16 +1139,53 @@ class _OffsetFusedAttention(torch.autograd.Function):
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
                 gq, _, grad_s = _block_grads(
                     qh, kh, vh, gh, oh, lh, attn_mask, scale, key_grads.of(hs, seen),
-                    need_ds=grad_masks is not None,
+                    need_ds=True,
                 )  # fmt: skip
                 grad_q[:, hs, blk] = gq
-                if grad_masks is not None and grad_s is not None:  # [b, g, count, seen]
+                if grad_s is not None:  # [b, g, count, seen]
                     view = skewed.block(start, count, seen, grad_masks)[0]  # [g|1, count, seen]
                     _add_leading_sum(view, grad_s, 2 if shared else 1)
-            if grad_values is not None and grad_masks is not None:  # [g|1, rows, W]
-                grad_values[0 if shared else hs] += grad_masks.sum(dim=1).squeeze(0)
+            grad_values[0 if shared else hs] += grad_masks.sum(dim=1).squeeze(0)
         grad_k, grad_v = key_grads.result()
         return grad_q, grad_k, grad_v, grad_values, None, None, None
+
+
+def _kernel_blocks(n_q: int, n_k: int, causal: bool) -> Iterator[tuple[slice, slice]]:
+    """``(query rows, keys seen reversed)`` per fused-kernel call on the per-offset bias path
+    (:func:`_kernel_rows` rows a call)."""
+    rows = _kernel_rows(n_q, causal)
+    for start in range(0, n_q, rows):
+        blk = slice(start, min(start + rows, n_q))
+        yield blk, slice(n_k - _keys_seen(blk, n_q, n_k, causal), n_k)
+
+
+def _offset_fused_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    kernel_values: Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of the per-offset bias path by the fused kernel's backward, on the keys
+    reversed (:func:`_hankel` masks), as its forward; no gradient for the values."""
+    values_rev = kernel_values.flip(-1).contiguous()  # [h|1, W]
+    k_rev, v_rev = k.flip(2), v.flip(2)  # [b, h, n_k, d]
+    grad_q = torch.empty_like(q)
+    grad_k_rev, grad_v_rev = torch.zeros_like(k_rev), torch.zeros_like(v_rev)
+    for blk, keys in _kernel_blocks(q.shape[2], k.shape[2], causal):
+        gq, gk, gv = _flash_cpu_backward(
+            grad_out[:, :, blk], q[:, :, blk], k_rev[:, :, keys], v_rev[:, :, keys],
+            out[:, :, blk], lse[:, :, blk], 0.0, False,
+            attn_mask=_hankel(values_rev, blk.start, blk.stop - blk.start, keys), scale=scale,
+        )  # fmt: skip
+        grad_q[:, :, blk] = gq
+        grad_k_rev[:, :, keys] += gk
+        grad_v_rev[:, :, keys] += gv
+    return grad_q, grad_k_rev.flip(2), grad_v_rev.flip(2)
 
 
 def _keys_seen(blk: slice, n_q: int, n_k: int, causal: bool) -> int:
