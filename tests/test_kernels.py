@@ -677,12 +677,14 @@ class SharedOffsetBias(nn.Module):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_offset_bias_path_with_a_learned_bias_shared_by_the_heads(head_groups, monkeypatch, causal):
-    """``[1, W]`` values with a gradient: ``dS`` summed over heads too, every block."""
+@pytest.mark.parametrize("learn", [True, False])
+def test_offset_bias_path_with_a_bias_shared_by_the_heads(head_groups, monkeypatch, causal, learn):
+    """``[1, W]`` values, learned (``dS`` summed over heads too, every block) or frozen (the
+    fused backward reads one row for every head)."""
     calls = spy_on(monkeypatch, kernels._OffsetFusedAttention)
     offset_rows(monkeypatch, 5, 2, 20, 20)
     torch.manual_seed(0)
-    scheme = SharedOffsetBias(20).double()
+    scheme = SharedOffsetBias(20).double().requires_grad_(learn)
     q, k, v = (torch.randn(2, 3, 20, 8, dtype=torch.float64) for _ in range(3))
     pos = torch.arange(20)[None]
     grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(20, 20, causal=causal))

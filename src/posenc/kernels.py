@@ -1171,21 +1171,34 @@ def _offset_fused_backward(
     causal: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of the per-offset bias path by the fused kernel's backward, on the keys
-    reversed (:func:`_hankel` masks), as its forward; no gradient for the values."""
+    reversed (:func:`_hankel` masks) as its forward, a head group at a time (the reversed
+    keys and their gradients are the group's: peak memory stays the floor's); no gradient
+    for the values."""
+    b, h = q.shape[:2]
     values_rev = kernel_values.flip(-1).contiguous()  # [h|1, W]
-    k_rev, v_rev = k.flip(2), v.flip(2)  # [b, h, n_k, d]
-    grad_q = torch.empty_like(q)
-    grad_k_rev, grad_v_rev = torch.zeros_like(k_rev), torch.zeros_like(v_rev)
-    for blk, keys in _kernel_blocks(q.shape[2], k.shape[2], causal):
-        gq, gk, gv = _flash_cpu_backward(
-            grad_out[:, :, blk], q[:, :, blk], k_rev[:, :, keys], v_rev[:, :, keys],
-            out[:, :, blk], lse[:, :, blk], 0.0, False,
-            attn_mask=_hankel(values_rev, blk.start, blk.stop - blk.start, keys), scale=scale,
-        )  # fmt: skip
-        grad_q[:, :, blk] = gq
-        grad_k_rev[:, :, keys] += gk
-        grad_v_rev[:, :, keys] += gv
-    return grad_q, grad_k_rev.flip(2), grad_v_rev.flip(2)
+    grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    blocks = list(_kernel_blocks(q.shape[2], k.shape[2], causal))
+    for hs in _head_groups(b, h):
+        k_rev, v_rev = k[:, hs].flip(2), v[:, hs].flip(2)  # [b, g, n_k, d], keys reversed
+        rev = _heads_of(values_rev[None], hs)[0]  # [g|1, W]
+        grad_k_rev = grad_v_rev = None
+        for blk, keys in blocks:
+            gq, gk, gv = _flash_cpu_backward(
+                grad_out[:, hs, blk], q[:, hs, blk], k_rev[:, :, keys], v_rev[:, :, keys],
+                out[:, hs, blk], lse[:, hs, blk], 0.0, False,
+                attn_mask=_hankel(rev, blk.start, blk.stop - blk.start, keys), scale=scale,
+            )  # fmt: skip
+            grad_q[:, hs, blk] = gq
+            if len(blocks) == 1:  # every key: the kernel's own gradients
+                grad_k_rev, grad_v_rev = gk, gv
+                continue
+            if grad_k_rev is None or grad_v_rev is None:
+                grad_k_rev, grad_v_rev = torch.zeros_like(k_rev), torch.zeros_like(v_rev)
+            grad_k_rev[:, :, keys] += gk
+            grad_v_rev[:, :, keys] += gv
+        if grad_k_rev is not None and grad_v_rev is not None:
+            grad_k[:, hs], grad_v[:, hs] = grad_k_rev.flip(2), grad_v_rev.flip(2)
+    return grad_q, grad_k, grad_v
 
 
 def _keys_seen(blk: slice, n_q: int, n_k: int, causal: bool) -> int:
