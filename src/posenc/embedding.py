@@ -651,7 +651,7 @@ class RelativeQueryEmbedding2D(nn.Module):
 
     def grid_term(self, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor] | None:
         """The two tables when queries and keys are the whole map in order (``0 .. H*W-1``,
-        shared by the batch): then the lean engine builds the term one map row at a time.
+        shared by the batch): then the lean engine builds the term a few map rows at a time.
 
         Returns:
             ``(height [(h,) 2H-1, d], width [(h,) 2W-1, d])``, row ``dr + H - 1`` and
