@@ -483,20 +483,20 @@ LEAN_BLOCK_ELEMENTS = 1 << 22
 #: here, n = 4096: 64 rows 1.5x the fused backward, 256 rows 1.75x)
 WRITTEN_BLOCK_ELEMENTS = 1 << 19
 
-#: query rows per kernel call on the per-offset paths under a causal mask: a block computes
-#: the keys its last query sees, so short blocks skip more of the hidden half
+#: query rows per kernel call on the per-offset bias path under a causal mask: a block
+#: computes the keys its last query sees, so short blocks skip more of the hidden half
 CAUSAL_ROWS = 256
 
 
 def _kernel_rows(n_q: int, causal: bool = False) -> int:
     """Query rows per fused-kernel call on the per-offset bias path: all of them (its masks
     are views of the values, of any size), or :data:`CAUSAL_ROWS` under a causal mask."""
-    return min(n_q, CAUSAL_ROWS) if causal else n_q
+    return max(1, min(n_q, CAUSAL_ROWS) if causal else n_q)
 
 
 def _hankel(values_rev: Tensor, start: int, count: int, keys: slice) -> Tensor:
     """The mask of a per-offset bias for queries ``start .. start + count - 1`` and the keys
-    reversed ``keys`` (key ``j' = n_k - 1 - j``): ``[1, g|1, count, keys]``, a view.
+    reversed ``keys`` (key ``j' = n_k - 1 - j``): ``[1, g|1, count, len(keys)]``, a view.
 
     The pair ``(i, j)`` takes column ``j - i + n_q - 1`` of ``values [g|1, W]``: with the keys
     reversed, column ``W - 1 - (i + j')``, so ``values_rev`` (the columns reversed) holds
@@ -703,15 +703,6 @@ def _head_groups(b: int, h: int) -> list[slice]:
     return [slice(s, min(s + group, h)) for s in range(0, h, group)]
 
 
-def _forward_groups(h: int) -> list[slice]:
-    """Heads per fused forward call on the grid paths: all of them. Their blocks are one map
-    row (``W`` queries): the forward kernel parallelizes over batch, heads and query tiles,
-    and one call per map row beats one per head and map row (measured here, n = 2048 on a
-    32 x 64 map, one profile run: Swin-2d forward 1.48x the floor instead of 1.66x,
-    relative-2d 1.59x instead of 1.96x). The backward keeps :func:`_head_groups`."""
-    return [slice(0, h)]
-
-
 def _heads_of(x: Tensor, heads: slice) -> Tensor:
     """``x[:, heads]``, or ``x`` itself when its head dimension is a broadcast 1."""
     return x if x.shape[1] == 1 else x[:, heads]
@@ -822,7 +813,7 @@ def _block_grads(
     need_ds: bool,
     extra_dp: Tensor | None = None,
     floor: bool = False,
-    shifted_mask: Callable[[Tensor], Tensor] | None = None,
+    fresh_mask: Callable[[], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One block's backward on the fused paths: ``(dq, P, dS)``; ``dk`` and ``dv`` are added
     to ``grads``.
@@ -843,10 +834,11 @@ def _block_grads(
         extra_dp: ``[b, g, rows, n_k]`` added to ``dP`` (a value term's share), or None.
         floor: ``P`` by :func:`_exp_no_denormals` (a block whose rows' weight lies
             mostly elsewhere, e.g. Shaw's strip beside its far parts).
-        shifted_mask: instead of ``attn_mask``, a function of ``lh`` giving a new
-            contiguous ``mask - lse`` ``[b, g, rows, n_k]``, into which the scores are
-            accumulated (a mask built per block: one pass fewer than building it, adding
-            it and subtracting ``lse``).
+        fresh_mask: instead of ``attn_mask``, a function giving a new contiguous mask
+            ``[b, g, rows, n_k]``, into which the scores are accumulated (a mask built per
+            block: one pass fewer than adding it to the scores). ``lse`` is subtracted
+            after: folded into the mask first, float32 lost precision (a term in the
+            hundreds: dq 3x further from float64, found in review).
 
     Returns:
         ``(dq [b, g, rows, d], P, dS)``, ``P`` and ``dS`` ``[b, g, rows, n_k]`` or None.
@@ -864,8 +856,8 @@ def _block_grads(
     q_scaled = qh * scale  # [b, g, rows, d], with q's strides
     # no floor on exp unless asked: a bias mask is within BIAS_SPAN of its row's best, and a
     # term (never clamped) is content, as q . k is
-    if shifted_mask is not None:
-        probs = shifted_mask(lh)  # [b, g, rows, n_k]
+    if fresh_mask is not None:
+        probs = fresh_mask()  # [b, g, rows, n_k]
         probs.view(b * g, rows, n_k).baddbmm_(
             q_scaled.reshape(b * g, rows, -1), kh.reshape(b * g, n_k, -1).transpose(1, 2)
         )
@@ -873,7 +865,7 @@ def _block_grads(
         probs = torch.matmul(q_scaled, kh.transpose(-2, -1))  # [b, g, rows, n_k]
         if attn_mask is not None:
             probs = probs.add_(attn_mask)
-        probs = probs.sub_(lh.unsqueeze(-1))
+    probs = probs.sub_(lh.unsqueeze(-1))
     probs = _exp_no_denormals(probs) if floor else probs.exp_()
     grad_s = gh @ vh.transpose(-2, -1)  # [b, g, rows, n_k]: dP through v
     if extra_dp is not None:
@@ -1018,11 +1010,13 @@ def _offset_kernel_values(
 class _SkewedBias:
     """Every block's mask of a per-offset bias as a view of one buffer (no copy per block).
 
-    The buffer ``[g|1, rows, W]`` (``W = n_q + n_k - 1``, ``g`` the heads of one kernel
-    call, 1 for values shared by the heads) holds the values once per row;
-    read with row stride ``W - 1`` from column ``n_q - 1 - start``, row ``i`` of the view is
-    shifted left by ``start + i``: ``view[i, j] = values[j - (start + i) + n_q - 1]``, the
-    bias of query ``start + i`` and key ``j``. The fused kernels read strided masks.
+    The buffer ``[g|1, rows, W]`` (``W = n_q + n_k - 1``, ``g`` the heads of one block of
+    the written-out backward, 1 for values shared by the heads) holds the values once per
+    row; read with row stride ``W - 1`` from column ``n_q - 1 - start``, row ``i`` of the
+    view is shifted left by ``start + i``: ``view[i, j] = values[j - (start + i) + n_q -
+    1]``, the bias of query ``start + i`` and key ``j``. A gradient buffer of the same
+    layout, written through the same views (their rows never overlap), holds ``dS`` per
+    offset. (The forward and the fused backward need no buffer: see :func:`_hankel`.)
     """
 
     def __init__(self, values: Tensor, n_q: int, n_k: int, rows: int) -> None:
@@ -1070,8 +1064,10 @@ class _OffsetFusedAttention(torch.autograd.Function):
 
     For consecutive positions with no mask, a relative bias (ALiBi, T5, 1-D relative table)
     is ``toeplitz(values)``. With the keys (and values) reversed it is a Hankel matrix, a
-    view of the values themselves (:func:`_hankel`): the forward and the fused backward run
-    the kernel over all queries and heads in one call, as the floor does. A learned table
+    view of the values themselves (:func:`_hankel`): the forward runs the kernel over all
+    queries and heads in one call, as the floor does, and the fused backward (nothing to
+    learn) over all queries a head group at a time (the reversed keys and their gradients
+    are the group's). A learned table
     needs ``dS``: its backward is written out over short blocks (:func:`_written_rows`) in
     key order, with masks that are views of one :class:`_SkewedBias` buffer per head group,
     and ``dS`` summed over the batch into a buffer of the same layout, whose rows summed
@@ -1723,19 +1719,27 @@ def _grid_kernel_values(grid: Tensor) -> Tensor | None:
 #: took 1.38x, 1.30x, 1.23x and 1.24x the floor (a dense mask in one call: 1.19x)
 GRID_KERNEL_ROWS = 256
 
-#: elements of one :class:`_GridBias` buffer (16 MiB in float32): it holds a head group's
-#: copies of the table, refilled per head group; kept below glibc's largest mmap threshold
-#: (32 MiB), a larger block is a fresh mapping, page-faulted on every call
+#: elements of one :class:`_GridBias` buffer, and of one forward block's term on the 2-D
+#: term path (16 MiB in float32): a buffer holds a head group's copies of the table,
+#: refilled per head group; kept below glibc's largest mmap threshold (32 MiB), a larger
+#: block is a fresh mapping, page-faulted on every call. At least one map row of one head
+#: is always taken, whatever it costs.
 GRID_BUFFER_ELEMENTS = 1 << 22
 
 
+def _grid_step(height: int, width: int, rows: int, heads: int) -> int:
+    """Map rows per block on the 2-D bias path: ``rows`` queries in whole map rows, as many
+    as ``heads`` heads' copies fit :data:`GRID_BUFFER_ELEMENTS` (at least one)."""
+    copies = GRID_BUFFER_ELEMENTS // (heads * _GridBias.copy_size(height, width))
+    return max(1, min(height, rows // width, copies))
+
+
 def _grid_steps(h: int, height: int, width: int, rows: int) -> tuple[int, list[slice]]:
-    """``(map rows per block, head groups)`` of the forward on the grid paths: ``rows``
-    queries in whole map rows (at least one), as many heads per buffer as
-    :data:`GRID_BUFFER_ELEMENTS` holds (at least one)."""
-    step = max(1, min(height, rows // width))
-    per_head = step * _GridBias.copy_size(height, width)
-    group = max(1, min(h, GRID_BUFFER_ELEMENTS // per_head))
+    """``(map rows per block, head groups)`` of the 2-D bias path's forward: ``rows``
+    queries in whole map rows, then as many heads per buffer as
+    :data:`GRID_BUFFER_ELEMENTS` holds (at least one map row, at least one head)."""
+    step = _grid_step(height, width, rows, 1)
+    group = max(1, min(h, GRID_BUFFER_ELEMENTS // (step * _GridBias.copy_size(height, width))))
     return step, [slice(s, min(s + group, h)) for s in range(0, h, group)]
 
 
@@ -1770,7 +1774,8 @@ class _GridBias:
         grid: Tensor, groups: list[slice], copies: int
     ) -> Iterator[tuple[slice, _GridBias]]:
         """``(heads, masks)`` per head group of ``grid [h, 2H-1, 2W-1]``: one buffer, refilled
-        with each group's heads when the group comes (the kernel calls are synchronous)."""
+        with each group's heads when the group comes (the kernel calls are synchronous); a
+        new one for a last group of another size."""
         height, width = (grid.shape[1] + 1) // 2, (grid.shape[2] + 1) // 2
         masks = None
         for hs in groups:
@@ -1859,7 +1864,7 @@ class _GridFusedAttention(torch.autograd.Function):
         grad_grid = torch.empty_like(kernel_grid) if learn else None  # [h, 2H-1, 2W-1]
         grad_out = grad_out.contiguous()
         height, w = (kernel_grid.shape[1] + 1) // 2, (kernel_grid.shape[2] + 1) // 2
-        step = max(1, min(height, (_written_rows(b, g, n, n) if learn else GRID_KERNEL_ROWS) // w))
+        step = _grid_step(height, w, _written_rows(b, g, n, n) if learn else GRID_KERNEL_ROWS, g)
         for hs, masks in _GridBias.per_group(kernel_grid, groups, step):
             grad_masks = torch.zeros_like(masks.buffer) if learn else None  # [g, m (W P + W)]
             for row in range(0, height, step):
@@ -1947,7 +1952,7 @@ class _GridTermAttention(torch.autograd.Function):
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
                 gq, _, grad_s = _block_grads(
                     qh, kh, vh, gh, oh, lh, None, scale, key_grads.of(hs), need_ds=True,
-                    shifted_mask=functools.partial(_grid_term_mask, qh, height, width, hs, r, scale),
+                    fresh_mask=functools.partial(_grid_term_mask, qh, height, width, hs, r, scale),
                 )  # fmt: skip
                 per_cell = grad_s.view(*grad_s.shape[:2], m, cols, rows, cols)  # [b, g, m, W, H, W]
                 # [b, g, m, W, 2H-1]: zero off the rows used (which move with r: a new buffer)
@@ -1990,10 +1995,9 @@ def _grid_term_mask(
     heads: slice,
     r: int,
     scale: float,
-    lse: Tensor | None = None,
 ) -> Tensor:
     """The 2-D term of the queries of map rows ``r .. r + m - 1``: ``[b, g, m W, H * W]``,
-    new and contiguous; less ``lse [b, g, m W]`` (the logsumexp of those rows) if given."""
+    new and contiguous."""
     rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
     b, g, count = q_blk.shape[:3]
     q_scaled = q_blk * scale  # [b, g, m W, d]
@@ -2004,8 +2008,6 @@ def _grid_term_mask(
     by_col = skew_rows(by_col.view(b, g, -1, cols, 2 * cols - 1), cols)  # [b, g, m, W, W]
     # never clamped: content, as q . k is (see _term_mask)
     by_row = by_row.contiguous()  # small: read through its skewed strides, the sum was 3x slower
-    if lse is not None:
-        by_row = by_row.sub_(lse.view(b, g, -1, cols, 1))
     mask = by_row[..., :, None] + by_col[..., None, :]  # [b, g, m, W, H, W]
     return mask.view(b, g, count, rows * cols)  # [b, g, m W, H * W]
 
