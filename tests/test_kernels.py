@@ -810,6 +810,7 @@ def test_grid_bias_path_equals_math(
 
     calls = spy_on(monkeypatch, kernels._GridFusedAttention)
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 64)
+    monkeypatch.setattr(kernels, "GRID_BIAS_PAIRS", 0)
     grid_rows(monkeypatch, map_rows, *window)
     b, h, d = 2, 3, 8
     n = window[0] * window[1]
@@ -881,6 +882,7 @@ def test_grid_bias_path_with_a_frozen_table(monkeypatch, map_rows):
         lambda *a, **kw: fused_backward.append(a[1].shape[2]) or backward(*a, **kw),
     )
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 64)
+    monkeypatch.setattr(kernels, "GRID_BIAS_PAIRS", 0)
     monkeypatch.setattr(kernels, "_head_groups", lambda b, h: [slice(i, i + 1) for i in range(h)])
     b, h, d, window = 2, 3, 8, (5, 3)
     grid_rows(monkeypatch, map_rows, *window)
@@ -900,6 +902,27 @@ def test_grid_bias_path_with_a_frozen_table(monkeypatch, map_rows):
         torch.testing.assert_close(c, a)
 
 
+def test_grid_paths_by_size(monkeypatch):
+    """A 2-D bias takes its grid path from GRID_BIAS_PAIRS query-key pairs per head (below,
+    the general engine's one block is faster); a 2-D term at any size."""
+    from posenc import RelativePositionBias, RelativeQueryEmbedding2D
+
+    bias_calls = spy_on(monkeypatch, kernels._GridFusedAttention)
+    term_calls = spy_on(monkeypatch, kernels._GridTermAttention)
+    q, k, v = (torch.randn(2, 3, 24, 8) for _ in range(3))
+    pos = torch.arange(24)[None]
+    bias, term = RelativePositionBias((4, 6), 3), RelativeQueryEmbedding2D((4, 6), 8)
+    for pairs, taken in ((24 * 24 + 1, 0), (24 * 24, 1)):
+        monkeypatch.setattr(kernels, "GRID_BIAS_PAIRS", pairs)
+        bias_calls.clear()
+        with torch.no_grad():
+            run("auto", bias, q, k, v, pos, pos, Mask(24, 24))
+        assert len(bias_calls) == taken
+    with torch.no_grad():
+        run("auto", term, q, k, v, pos, pos, Mask(24, 24))
+    assert term_calls
+
+
 @pytest.mark.parametrize("learn", [True, False])
 def test_grid_bias_buffers_stay_within_their_budget(monkeypatch, learn):
     """Every :class:`_GridBias` buffer, forward and backward (learned or frozen table, with
@@ -915,6 +938,7 @@ def test_grid_bias_buffers_stay_within_their_budget(monkeypatch, learn):
 
     monkeypatch.setattr(kernels._GridBias, "__init__", spy)
     monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", 64)
+    monkeypatch.setattr(kernels, "GRID_BIAS_PAIRS", 0)
     monkeypatch.setattr(kernels, "_head_groups", lambda b, h: [slice(0, 2), slice(2, 3)])
     budget = 3 * kernels._GridBias.copy_size(5, 3)  # three map rows of one head
     monkeypatch.setattr(kernels, "GRID_BUFFER_ELEMENTS", budget)
@@ -953,7 +977,7 @@ def test_fast_paths_take_inputs_in_projection_layout(monkeypatch, name):
     }[name]
     calls = spy_on(monkeypatch, engine)
     monkeypatch.setattr(kernels, "FAR_PAIRS", 0)  # Shaw's far parts too
-    monkeypatch.setattr(kernels, "LEAN_BLOCK_ELEMENTS", b * h * 5 * n)  # the grid paths' gate
+    monkeypatch.setattr(kernels, "GRID_BIAS_PAIRS", 0)  # the 2-D bias's gate
     block_rows(monkeypatch, 5)
     offset_rows(monkeypatch, 5, b, n, n)
     torch.manual_seed(1)

@@ -1719,6 +1719,14 @@ def _grid_kernel_values(grid: Tensor) -> Tensor | None:
 #: took 1.38x, 1.30x, 1.23x and 1.24x the floor (a dense mask in one call: 1.19x)
 GRID_KERNEL_ROWS = 256
 
+#: query-key pairs (per head) from which a 2-D bias over a whole map takes its grid path;
+#: below it the general engine (one block of every head) is faster. Measured here, fwd+bwd
+#: against the floor, general / grid: 7 x 7 windows (b = 256, h = 4) 1.30x / 1.82x,
+#: 14 x 14 1.34x / 1.49x, 16 x 16 2.29x / 2.44x, 16 x 32 (n = 512) 2.00x / 1.84x. The 2-D
+#: term takes its grid path at any size (same cases: 2.83x / 2.18x, 3.68x / 1.77x, 3.40x
+#: / 2.25x, 3.34x / 1.76x).
+GRID_BIAS_PAIRS = 1 << 18
+
 #: elements of one :class:`_GridBias` buffer, and of one forward block's term on the 2-D
 #: term path (16 MiB in float32): a buffer holds a head group's copies of the table,
 #: refilled per head group; kept below glibc's largest mmap threshold (32 MiB), a larger
@@ -2089,16 +2097,16 @@ def _lean(
             return _OffsetTermAttention.apply(
                 q, k, v, table, value_table, index, scale, rows, mask.causal
             )
-    # the grid paths: no mask, and more than one block (else one block holds the whole term)
+    # the grid paths: no mask (the bias's from GRID_BIAS_PAIRS pairs)
     grid_ok = _fused_cpu_available(q, hooks) and mask.empty
-    grid_ok = grid_ok and h * n_q * k.shape[2] > LEAN_BLOCK_ELEMENTS
     if grid_ok and hooks.grid_term is not None and hooks.score_bias is None:
         tables = hooks.grid_term(q_pos, k_pos)
         if tables is not None:
             q, k, v = _dense_last(q, k, v)
             height, width = (t.to(q.dtype) for t in tables)
             return _GridTermAttention.apply(q, k, v, height, width, scale)
-    if grid_ok and hooks.grid_bias is not None and hooks.score_term is None:
+    big = n_q * k.shape[2] >= GRID_BIAS_PAIRS
+    if grid_ok and big and hooks.grid_bias is not None and hooks.score_term is None:
         grid = hooks.grid_bias(q_pos, k_pos)
         if grid is not None:
             grid = grid.to(q.dtype)  # [h, 2H-1, 2W-1]
