@@ -146,7 +146,9 @@ def grid_rows(monkeypatch, rows: int | None, height: int, width: int) -> None:
     if rows is None:
         return
     monkeypatch.setattr(kernels, "GRID_KERNEL_ROWS", rows * width)
-    monkeypatch.setattr(kernels, "_written_rows", lambda b, g, n_q, n_k: rows * width)
+    monkeypatch.setattr(
+        kernels, "_written_rows", lambda b, g, n_q, n_k, elements=None: rows * width
+    )
     copy = kernels._GridBias.copy_size(height, width)
     monkeypatch.setattr(kernels, "GRID_BUFFER_ELEMENTS", rows * copy)
 
@@ -1059,6 +1061,7 @@ def test_block_rows():
     assert kernels._kernel_rows(4096, causal=True) == kernels.CAUSAL_ROWS
     assert kernels._kernel_rows(10, causal=True) == 10
     assert kernels._written_rows(2, 1, 4096, 4096) * 2 * 4096 == kernels.WRITTEN_BLOCK_ELEMENTS
+    assert kernels._written_rows(2, 1, 4096, 4096, 1 << 20) == 128  # the 2-D term's budget
     assert kernels._written_rows(1, 1, 7, 7) == 7
 
 
