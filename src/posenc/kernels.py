@@ -513,8 +513,9 @@ def _hankel(values_rev: Tensor, start: int, count: int, keys: slice) -> Tensor:
 
 
 #: :data:`WRITTEN_BLOCK_ELEMENTS` for the 2-D term's written-out backward, whose blocks
-#: carry more fixed work (the term rebuilt, four small products, two sums): measured here,
-#: relative-2d fwd+bwd at n = 2048 1.71x with 2^19, 1.59x with 2^20; at 4096 1.69x / 1.49x
+#: carry more fixed work (the term rebuilt, four small products, two sums): measured here
+#: (interleaved profile runs), relative-2d fwd+bwd at n = 2048 1.71x with 2^19, 1.59x with
+#: 2^20; at 4096 1.69x / 1.49x
 GRID_TERM_WRITTEN_ELEMENTS = 1 << 20
 
 
@@ -1842,7 +1843,10 @@ class _GridBias:
 class _GridFusedAttention(torch.autograd.Function):
     """The lean engine for a 2-D relative bias over a whole map (Swin's table, global).
 
-    Whole map rows of queries per block (:func:`_grid_steps`): the masks are views of a
+    Whole map rows of queries per block: forward :data:`GRID_KERNEL_ROWS` queries and as
+    many heads as a buffer holds (:func:`_grid_steps`); backward per head group of
+    :func:`_head_groups`, over :func:`_written_rows` queries for a learned table (as many
+    map rows as the group's buffer holds, :func:`_grid_step`). The masks are views of a
     :class:`_GridBias` buffer, and so is ``dS`` summed over the batch when added to the
     gradient buffer; the table's gradient is read from that buffer once per head group.
     """
