@@ -88,3 +88,30 @@ def test_peak_memory_is_measured_in_a_fresh_process():
     assert peaks["floor"] is not None and peaks["floor"] > 0
     one_score_matrix_mib = 1 * 2 * 2048 * 2048 * 4 / 2**20
     assert peaks["reference"] > 2 * one_score_matrix_mib > peaks["posenc"], peaks
+
+
+def test_allocator_thresholds_for_timing_and_memory(monkeypatch):
+    """Timing runs under the thresholds glibc reaches by itself in a long-running program
+    (mmap 32 MiB, trim twice that); memory under a low mmap threshold and the default trim
+    threshold. Both are set together: fixing one by hand freezes glibc's rule for both."""
+    import ctypes
+
+    from posenc.cli import bench
+
+    calls = []
+
+    class FakeLibc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeLibc())
+    bench._set_mmap_threshold(bench.TIMING_MMAP_THRESHOLD, bench.TIMING_TRIM_THRESHOLD)
+    bench._set_mmap_threshold(bench.MEMORY_MMAP_THRESHOLD, bench.MEMORY_TRIM_THRESHOLD)
+    m_mmap_threshold, m_trim_threshold = -3, -1
+    assert calls == [
+        (m_mmap_threshold, 32 << 20),
+        (m_trim_threshold, 64 << 20),
+        (m_mmap_threshold, 64 << 10),
+        (m_trim_threshold, 128 << 10),
+    ]

@@ -144,24 +144,36 @@ def _status_kib(field_name: str) -> int | None:
 #: glibc's mmap threshold while timing: its largest dynamic value on 64-bit Linux, the
 #: steady state of a long-running program (large blocks are reused from the heap)
 TIMING_MMAP_THRESHOLD = 32 << 20
-#: ... and while measuring memory: every block >= 64 KiB its own mmap, returned on free
+#: glibc's trim threshold while timing: twice the mmap threshold, as glibc's dynamic rule
+#: sets it whenever it raises the mmap threshold (fixing the mmap threshold by hand froze
+#: it at its 128 KiB default: every large block freed at the top of the heap went back to
+#: the system and the next one was page-faulted; relative-2d's forward read 1.5x or 2.0x
+#: the floor from run to run under it, 1.51-1.52x with this, measured here)
+TIMING_TRIM_THRESHOLD = 2 * TIMING_MMAP_THRESHOLD
+#: ... and while measuring memory: every block >= 64 KiB its own mmap, returned on free,
+#: and glibc's default trim threshold
 MEMORY_MMAP_THRESHOLD = 64 << 10
+MEMORY_TRIM_THRESHOLD = 128 << 10
 
 
-def _set_mmap_threshold(threshold: int) -> None:
-    """Fix glibc's mmap threshold (``mallopt(M_MMAP_THRESHOLD)``; no-op elsewhere).
+def _set_mmap_threshold(threshold: int, trim: int) -> None:
+    """Fix glibc's mmap and trim thresholds (``mallopt(M_MMAP_THRESHOLD)``,
+    ``mallopt(M_TRIM_THRESHOLD)``; no-op elsewhere).
 
-    By default glibc raises its threshold as large blocks are freed and keeps them in its
-    heap, so the resident set stops following what is live and a peak reads as 0: memory
-    is measured with a low fixed threshold. Timing must not run under it: a fresh mmap
-    and its page faults for every block made the lean engine look 35% slower than it is
-    (ALiBi at n = 2048: 3.0x the floor instead of 2.2x, measured here).
+    By default glibc raises its mmap threshold as large blocks are freed and keeps them in
+    its heap, so the resident set stops following what is live and a peak reads as 0:
+    memory is measured with a low fixed threshold. Timing must not run under it: a fresh
+    mmap and its page faults for every block made the lean engine look 35% slower than it
+    is (ALiBi at n = 2048: 3.0x the floor instead of 2.2x, measured here); it runs under
+    the thresholds a long-running program reaches (:data:`TIMING_MMAP_THRESHOLD`,
+    :data:`TIMING_TRIM_THRESHOLD`).
     """
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, trim)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):  # not glibc: peaks may read low
         pass
 
@@ -173,7 +185,7 @@ class PeakMemory:
         self.device = device
         self.available = device.type == "cuda" or _status_kib("VmHWM") is not None
         if device.type != "cuda" and self.available:
-            _set_mmap_threshold(TIMING_MMAP_THRESHOLD)
+            _set_mmap_threshold(TIMING_MMAP_THRESHOLD, TIMING_TRIM_THRESHOLD)
 
     def measure(self, fn: Callable[[], object]) -> float | None:
         if self.device.type == "cuda":
@@ -193,13 +205,13 @@ class PeakMemory:
             self.available = False
             fn()
             return None
-        _set_mmap_threshold(MEMORY_MMAP_THRESHOLD)
+        _set_mmap_threshold(MEMORY_MMAP_THRESHOLD, MEMORY_TRIM_THRESHOLD)
         try:
             start = _status_kib("VmRSS") or 0
             fn()
             return ((_status_kib("VmHWM") or 0) - start) / 1024
         finally:
-            _set_mmap_threshold(TIMING_MMAP_THRESHOLD)
+            _set_mmap_threshold(TIMING_MMAP_THRESHOLD, TIMING_TRIM_THRESHOLD)
 
 
 _MEMORY_SCRIPT = """
