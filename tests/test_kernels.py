@@ -106,6 +106,17 @@ def lean_and_math(scheme, q, k, v, q_pos, k_pos, mask):
     return results
 
 
+def assert_lean_matches_math(scheme, b: int, h: int, n: int, d: int, mask: Mask | None = None):
+    """Random float64 ``q, k, v [b, h, n, d]`` (seed 0) at positions ``0 .. n-1``: lean's
+    output and every gradient equal math's."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(n)[None]
+    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(n, n) if mask is None else mask)
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a)
+
+
 @pytest.fixture(params=["threads", "single", "pairs"])
 def head_groups(request, monkeypatch):
     """The fused paths' head groups: as the machine's threads give, or forced to one head
@@ -456,12 +467,8 @@ def test_offset_term_far_parts_with_a_table_per_head(head_groups, monkeypatch, c
     calls = spy_on(monkeypatch, kernels._OffsetTermAttention)
     torch.manual_seed(0)
     scheme = ClippedPerHead(3, 8).double()
-    q, k, v = (torch.randn(2, 3, 21, 8, dtype=torch.float64) for _ in range(3))
-    pos = torch.arange(21)[None]
-    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(21, 21, causal=causal))
+    assert_lean_matches_math(scheme, 2, 3, 21, 8, Mask(21, 21, causal=causal))
     assert calls
-    for a, c in zip(grads["math"], grads["lean"], strict=True):
-        torch.testing.assert_close(c, a)
 
 
 def test_shaw_far_part_whose_share_underflows(monkeypatch):
@@ -689,12 +696,8 @@ def test_offset_bias_path_with_a_bias_shared_by_the_heads(head_groups, monkeypat
     offset_rows(monkeypatch, 5, 2, 20, 20)
     torch.manual_seed(0)
     scheme = SharedOffsetBias(20).double().requires_grad_(learn)
-    q, k, v = (torch.randn(2, 3, 20, 8, dtype=torch.float64) for _ in range(3))
-    pos = torch.arange(20)[None]
-    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(20, 20, causal=causal))
+    assert_lean_matches_math(scheme, 2, 3, 20, 8, Mask(20, 20, causal=causal))
     assert calls
-    for a, c in zip(grads["math"], grads["lean"], strict=True):
-        torch.testing.assert_close(c, a)
 
 
 def test_offset_bias_kernel_calls_stop_at_the_last_key_seen(monkeypatch):
@@ -892,16 +895,11 @@ def test_grid_bias_path_with_a_frozen_table(monkeypatch, map_rows):
     scheme = RelativePositionBias(window, h).double().requires_grad_(False)
     with torch.no_grad():
         nn.init.normal_(scheme.table, std=2.0)
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(b, h, 15, d, dtype=torch.float64) for _ in range(3))
-    pos = torch.arange(15)[None]
-    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(15, 15))
+    assert_lean_matches_math(scheme, b, h, 15, d)
     assert calls
     # queries per kernel backward call: whole map rows, the last block short
     expected = {1: {3}, 2: {6, 3}, None: {15}}[map_rows]
     assert set(fused_backward) == expected
-    for a, c in zip(grads["math"], grads["lean"], strict=True):
-        torch.testing.assert_close(c, a)
 
 
 def test_grid_paths_by_size(monkeypatch):
@@ -946,11 +944,7 @@ def test_grid_bias_buffers_stay_within_their_budget(monkeypatch, learn):
     monkeypatch.setattr(kernels, "GRID_BUFFER_ELEMENTS", budget)
     torch.manual_seed(0)
     scheme = RelativePositionBias((5, 3), 3).double().requires_grad_(learn)
-    q, k, v = (torch.randn(2, 3, 15, 8, dtype=torch.float64) for _ in range(3))
-    pos = torch.arange(15)[None]
-    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(15, 15))
-    for a, c in zip(grads["math"], grads["lean"], strict=True):
-        torch.testing.assert_close(c, a)
+    assert_lean_matches_math(scheme, 2, 3, 15, 8)
     assert sizes and max(sizes) <= budget
 
 
