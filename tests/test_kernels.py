@@ -1055,7 +1055,8 @@ def test_block_rows():
     assert kernels._kernel_rows(4096, causal=True) == kernels.CAUSAL_ROWS
     assert kernels._kernel_rows(10, causal=True) == 10
     assert kernels._written_rows(2, 1, 4096, 4096) * 2 * 4096 == kernels.WRITTEN_BLOCK_ELEMENTS
-    assert kernels._written_rows(2, 1, 4096, 4096, 1 << 20) == 128  # the 2-D term's budget
+    assert kernels._written_rows(2, 1, 4096, 4096, 1 << 21) == 256  # the 2-D term's budget
+    assert kernels._written_rows(2, 1, 4096, 4096, 1 << 30) == 512  # at most 512 rows
     assert kernels._written_rows(1, 1, 7, 7) == 7
 
 

@@ -514,9 +514,11 @@ def _hankel(values_rev: Tensor, start: int, count: int, keys: slice) -> Tensor:
 
 #: :data:`WRITTEN_BLOCK_ELEMENTS` for the 2-D term's written-out backward, whose blocks
 #: carry more fixed work (the term rebuilt, four small products, two sums): measured here
-#: (interleaved profile runs), relative-2d fwd+bwd at n = 2048 1.71x with 2^19, 1.59x with
-#: 2^20; at 4096 1.69x / 1.49x
-GRID_TERM_WRITTEN_ELEMENTS = 1 << 20
+#: (interleaved runs), relative-2d fwd+bwd at n = 2048 with 2^19 / 2^20 / 2^21 / 2^22
+#: scores: 1.68x / 1.59x / 1.48x / 1.49x; at 4096 (2^20 / 2^21 / 2^22) 1.56x / 1.50x /
+#: 1.53x. (The 1-D paths gain nothing from longer blocks, and their memory grows: T5 at
+#: 2048 with 2^21, 1.35x time and 1.93x memory, against 1.37x and 1.07x.)
+GRID_TERM_WRITTEN_ELEMENTS = 1 << 21
 
 
 def _written_rows(b: int, g: int, n_q: int, n_k: int, elements: int | None = None) -> int:
