@@ -375,6 +375,36 @@ def test_offset_term_path_equals_math(
         torch.testing.assert_close(c, a, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_shaw_strip_products_cover_the_band_alone(monkeypatch, causal):
+    """With far parts, a strip block's term and its gradient are products with the band's
+    ``2k - 1`` rows of each table (one per offset: nothing spread or gathered), made once
+    per distinct offset range, not with the ``rows + 2k - 2`` columns of its logits."""
+    from posenc import ShawRelativePosition
+
+    made = []
+    init = kernels._Rows.__init__
+
+    def spy(self, table, index, cols):
+        init(self, table, index, cols)
+        made.append((cols.stop - cols.start, self.runs, self.rows.shape[-2]))
+
+    monkeypatch.setattr(kernels._Rows, "__init__", spy)
+    monkeypatch.setattr(kernels, "FAR_PAIRS", 0)
+    block_rows(monkeypatch, 16)
+    clip, n = 3, 80
+    scheme = ShawRelativePosition(8, clip)
+    q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(3))
+    pos = torch.arange(n)[None]
+    mask = Mask(n, n, causal=causal)
+    out, _ = attend(q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=mask, backend="lean")
+    out.sum().backward()
+    assert made and all(runs is None for _, runs, _ in made)
+    assert all(width == rows <= 2 * clip - 1 for width, _, rows in made)
+    # keys and values, forward and backward: the inner blocks share theirs
+    assert len(made) <= 2 * 2 * 3
+
+
 @pytest.mark.parametrize("values", [True, False])
 @pytest.mark.parametrize(
     ("q_range", "k_range"),

@@ -1245,6 +1245,7 @@ class _Rows:
     def __init__(self, table: Tensor, index: Tensor | None, cols: slice) -> None:
         self.runs: tuple[int, int] | None = None
         self.target: slice | Tensor = cols
+        self.width = cols.stop - cols.start  # W: the offsets (columns) covered
         if index is None:
             self.rows = table[..., cols, :]  # [(h,) W, d]
             return
@@ -1255,6 +1256,8 @@ class _Rows:
             return
         first, last = int(idx[0]), int(idx[-1])
         self.rows, self.target = table[..., first : last + 1, :], slice(first, last + 1)
+        if self.runs[0] == 1 and self.runs[1] <= 1:  # one row per offset: nothing to spread
+            self.runs = None
 
     def of(self, heads: slice) -> Tensor:
         """``[(g,) R | W, d]``: the rows of these heads (all of a shared table)."""
@@ -1499,20 +1502,21 @@ class _OffsetTermAttention(torch.autograd.Function):
         out = torch.zeros_like(q)  # [b, h, n_q, d]
         lse = q.new_full(q.shape[:-1], float("-inf"))  # [b, h, n_q]
         padded: dict[tuple[Any, ...], Tensor] = {}
-        for blk, keys_of, cols, left, right in _strips(n_q, n_k, rows, low, high):
-            if keys_of.stop <= keys_of.start:
+        tables: dict[tuple[Any, ...], _Rows] = {}
+        for blk, keys_of, cols, lo, hi in _strips(n_q, n_k, rows, low, high):
+            if keys_of.stop <= keys_of.start or hi <= lo:  # no strip key for any query
                 continue
-            keys = _Rows(table, index, cols)
-            values = None if value_table is None else _Rows(value_table, index, cols)
+            keys = _rows_cached(tables, table, index, cols)
+            values = None if value_table is None else _rows_cached(tables, value_table, index, cols)
             has_key = _band_rows(blk, keys_of, low, high)  # [rows] rows with a strip key
             for hs in groups:
                 qh, kh = q[:, hs, blk], k[:, hs, keys_of]  # [b, g, rows | c - a, d]
-                attn_mask = _term_mask(qh, keys, hs, scale, kh.shape[2], left, right)
+                attn_mask = _term_mask(qh, keys, hs, scale, kh.shape[2], lo, padded)
                 o, l = _flash_cpu(qh, kh, v[:, hs, keys_of], attn_mask=attn_mask, scale=scale)
                 if values is not None:  # normalized within the strip, as o: the merge
                     # below scales both by the strip's share (rows with no strip key: 0)
                     l_seen = l if has_key is None else l.masked_fill(~has_key, float("inf"))
-                    o = o + _strip_values(qh, kh, attn_mask, l_seen, values, hs, scale, padded)
+                    o = o + _strip_values(qh, kh, attn_mask, l_seen, values, hs, scale, lo, padded)
                 if has_key is not None:
                     o = torch.where(has_key[:, None], o, 0.0)  # (whatever the kernel gave)
                     l = l.masked_fill(~has_key, float("-inf"))
@@ -1553,11 +1557,12 @@ class _OffsetTermAttention(torch.autograd.Function):
         groups = _strip_groups(b, h, parts)  # (rows: the forward's, already for the strip)
         key_grads = _KeyGrads(k, v, groups)
         padded: dict[tuple[Any, ...], Tensor] = {}  # through the skew, zero outside
-        for blk, keys_of, cols, left, right in _strips(n_q, n_k, rows, low, high):
-            if keys_of.stop <= keys_of.start:
+        tables: dict[tuple[Any, ...], _Rows] = {}
+        for blk, keys_of, cols, lo, hi in _strips(n_q, n_k, rows, low, high):
+            if keys_of.stop <= keys_of.start or hi <= lo:  # no strip key for any query
                 continue
-            keys = _Rows(table, index, cols)
-            values = None if value_table is None else _Rows(value_table, index, cols)
+            keys = _rows_cached(tables, table, index, cols)
+            values = None if value_table is None else _rows_cached(tables, value_table, index, cols)
             has_key = _band_rows(blk, keys_of, low, high)  # [rows] rows with a strip key
             width = keys_of.stop - keys_of.start
             for hs in groups:
@@ -1566,9 +1571,15 @@ class _OffsetTermAttention(torch.autograd.Function):
                 if has_key is not None:  # rows with no strip key: no share here
                     gh = gh * has_key[:, None]
                 grad_k, grad_v = key_grads.of(hs)
-                attn_mask = _term_mask(qh, keys, hs, scale, width, left, right)
-                # dP through a^V too; D = dO . O with O the whole output (a^V included)
-                extra_dp = None if values is None else skew_rows(values.logits(gh, hs), width)
+                attn_mask = _term_mask(qh, keys, hs, scale, width, lo, padded)
+                # dP through a^V too; D = dO . O with O the whole output (a^V included); 0
+                # off the finite columns, where P is 0
+                extra_dp = None
+                if values is not None:
+                    extra_dp = _widen(
+                        values.logits(gh, hs), qh.shape[2] + width - 1, lo, 0.0, padded
+                    )
+                    extra_dp = skew_rows(extra_dp, width)
                 gq, probs, grad_s = _block_grads(
                     qh, k[:, hs, keys_of], v[:, hs, keys_of], gh, oh, lh, attn_mask, scale,
                     (grad_k[:, :, keys_of], grad_v[:, :, keys_of]), need_ds=True,
@@ -1576,8 +1587,8 @@ class _OffsetTermAttention(torch.autograd.Function):
                 )  # fmt: skip
                 if values is not None and grad_values is not None:
                     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + c - a - 1]
-                    values.add_grad(grad_values, hs, by_offset, gh, 1.0)
-                grad_logits = _unskew(grad_s, padded, "s")  # [b, g, rows, rows + c - a - 1]
+                    values.add_grad(grad_values, hs, by_offset[..., lo:hi], gh, 1.0)
+                grad_logits = _unskew(grad_s, padded, "s")[..., lo:hi]  # 0 elsewhere (P is)
                 grad_q[:, hs, blk] += gq.add_(keys.combine(grad_logits, hs).mul_(scale))
                 keys.add_grad(grad_table, hs, grad_logits, qh, scale)
         grad_k, grad_v = key_grads.result()
@@ -1614,14 +1625,16 @@ def _strip_values(
     values: _Rows,
     heads: slice,
     scale: float,
+    lo: int,
     padded: dict[tuple[Any, ...], Tensor],
 ) -> Tensor:
     """A strip block's value term ``sum_j P_ij a^V_(j-i)``: ``[b, g, rows, d]``, ``P``
-    recomputed from the strip's own ``lse [b, g, rows]`` (+inf: a row without a key)."""
+    recomputed from the strip's own ``lse [b, g, rows]`` (+inf: a row without a key);
+    ``values`` the rows of the finite logits columns, from ``lo``."""
     probs = torch.matmul(qh * scale, kh.transpose(-2, -1)).add_(attn_mask).sub_(lse[..., None])
     probs = probs.exp_()
     by_offset = _unskew(probs, padded, "p")  # [b, g, rows, rows + c - a - 1]
-    return values.combine(by_offset, heads)
+    return values.combine(by_offset[..., lo : lo + values.width], heads)
 
 
 def _strip_rows(rows: int, low: int | None, high: int | None) -> int:
@@ -1677,11 +1690,45 @@ def _unskew(x: Tensor, padded: dict[tuple[Any, ...], Tensor], tag: str) -> Tenso
 
 def _strips(
     n_q: int, n_k: int, rows: int, low: int | None, high: int | None
-) -> Iterator[tuple[slice, slice, slice, int, int | None]]:
-    """``(query rows, *_strip(...))`` per block of ``rows`` queries (see :func:`_strip`)."""
+) -> Iterator[tuple[slice, slice, slice, int, int]]:
+    """``(query rows, keys, offset columns, lo, hi)`` per block of ``rows`` queries: the
+    block's strip (:func:`_strip`) with only its finite logits columns, ``lo .. hi - 1`` of
+    the ``rows + n_keys - 1`` (the others ``-inf``: keys met elsewhere or hidden), and
+    their offset columns. With far parts they are the band's ``2k - 1`` of ``rows + 2k - 2``
+    columns: the term is computed, and its gradient reduced, over them alone."""
     for start in range(0, n_q, rows):
         blk = slice(start, min(start + rows, n_q))
-        yield (blk, *_strip(blk, n_q, n_k, low, high))
+        keys, cols, left, right = _strip(blk, n_q, n_k, low, high)
+        width = cols.stop - cols.start
+        hi = width if right is None else min(max(right, 0), width)
+        lo = min(left, hi)
+        yield blk, keys, slice(cols.start + lo, cols.start + hi), lo, hi
+
+
+def _rows_cached(
+    cache: dict[tuple[Any, ...], _Rows], table: Tensor, index: Tensor | None, cols: slice
+) -> _Rows:
+    """``_Rows(table, index, cols)``, made once per table and columns (the strips of a
+    sequence's inner blocks meet the same offsets)."""
+    key = (id(table), cols.start, cols.stop)
+    if key not in cache:
+        cache[key] = _Rows(table, index, cols)
+    return cache[key]
+
+
+def _widen(
+    x: Tensor, width: int, lo: int, fill: float, buffers: dict[tuple[Any, ...], Tensor]
+) -> Tensor:
+    """``x [..., c]`` as the columns ``lo .. lo + c - 1`` of ``[..., width]``, ``fill``
+    elsewhere: ``x`` itself when it has every column, else a buffer reused per shape and
+    place (its ``fill`` written once)."""
+    if x.shape[-1] == width:
+        return x
+    key = ("widen", fill, lo, width, *x.shape)
+    if key not in buffers:
+        buffers[key] = x.new_full((*x.shape[:-1], width), fill)
+    buffers[key][..., lo : lo + x.shape[-1]] = x
+    return buffers[key]
 
 
 def _term_mask(
@@ -1690,20 +1737,17 @@ def _term_mask(
     heads: slice,
     scale: float,
     n_k: int,
-    left: int = 0,
-    right: int | None = None,
+    lo: int,
+    buffers: dict[tuple[Any, ...], Tensor],
 ) -> Tensor:
     """A block's query term as the fused kernel's mask: ``[b, g, rows, n_k]``, a strided view
-    of ``scale * q_blk @ r^T`` through the skew. The logits columns (offsets) before ``left``
-    and from ``right`` are ``-inf``: keys the block's queries meet elsewhere (far parts) or
-    may not see (a causal mask). Never clamped (unlike a content-free bias, see
-    :data:`BIAS_SPAN`): the term is content, as ``q . k`` is, and a clamp could change a
-    weight that ``q . k`` makes count."""
-    logits = keys.logits(q_blk * scale, heads)  # [b, g, rows, rows + n_k - 1]
-    if left > 0:
-        logits[..., :left] = float("-inf")
-    if right is not None and right < logits.shape[-1]:
-        logits[..., max(right, 0) :] = float("-inf")
+    of ``scale * q_blk @ r^T`` through the skew, with ``keys`` the rows of its finite logits
+    columns, from ``lo`` (see :func:`_strips`); the other columns (offsets) are ``-inf``:
+    keys the block's queries meet elsewhere (far parts) or may not see (a causal mask).
+    Never clamped (unlike a content-free bias, see :data:`BIAS_SPAN`): the term is content,
+    as ``q . k`` is, and a clamp could change a weight that ``q . k`` makes count."""
+    logits = keys.logits(q_blk * scale, heads)  # [b, g, rows, hi - lo]
+    logits = _widen(logits, q_blk.shape[-2] + n_k - 1, lo, float("-inf"), buffers)
     return skew_rows(logits, n_k)  # [b, g, rows, n_k], a view
 
 
