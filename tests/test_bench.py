@@ -61,11 +61,49 @@ def test_causal_bench_masks_posenc_and_the_floor(tmp_path, capsys, monkeypatch):
     torch.testing.assert_close(expected[:, :, 0], v[:, :, 0])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_bench_masks_posenc_and_the_floor(tmp_path, capsys, monkeypatch, causal):
+    import posenc.cli.bench as bench
+
+    masks = []
+    sdpa = bench.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        bench.F,
+        "scaled_dot_product_attention",
+        lambda *a, **kw: masks.append(kw.get("attn_mask")) or sdpa(*a, **kw),
+    )
+    record = tmp_path / "bench.json"
+    argv = ["bench", "--schemes", "t5", "--lengths", "16", "--batch", "2", "--heads", "2"]
+    argv += ["--head-dim", "8", "--repeats", "1", "--warmup", "0", "--no-memory", "--quiet"]
+    argv += ["--padding", "0.25", "--json", str(record)] + (["--causal"] if causal else [])
+    assert main(argv) == 0
+    assert "last sequence 25% padding, median of 1" in capsys.readouterr().out
+    assert json.loads(record.read_text())["config"]["padding"] == 0.25
+    keep = masks[0]  # the floor's: the last sequence's last 4 keys hidden from every query
+    assert keep.shape == ((2, 1, 16, 16) if causal else (2, 1, 1, 16))
+    assert not keep[1, ..., 12:].any() and keep[0, ..., -1, :].all()
+    assert keep[1, ..., -1, :12].all()
+    scheme = bench.SCHEMES["t5"](2, 8, 16)
+    q, k, v = (torch.randn(2, 2, 16, 8) for _ in range(3))
+    out = bench._core(scheme, "auto", causal, 0.25)(q, k, v)
+    torch.testing.assert_close(out, bench._core(scheme, "math", causal, 0.25)(q, k, v))
+    # the padded keys count for nothing: the same as that sequence cut short
+    short = bench._core(scheme, "math", causal)(q[1:, :, :12], k[1:, :, :12], v[1:, :, :12])
+    torch.testing.assert_close(out[1:, :, :12], short)
+    if not causal:  # the floor's mask likewise
+        torch.testing.assert_close(
+            bench._floor_of(False, 0.25)(q, k, v)[1:, :, :12],
+            sdpa(q[1:, :, :12], k[1:, :, :12], v[1:, :, :12]),
+        )
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--schemes", "rope"], "unknown scheme"),
         (["--device", "tpu9"], "unknown device 'tpu9'"),
+        (["--padding", "1"], "expected a fraction of the keys in [0, 1)"),
+        (["--padding", "lots"], "expected a number, got 'lots'"),
     ],
 )
 def test_bad_options(argv, message, capsys):

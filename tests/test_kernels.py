@@ -561,6 +561,130 @@ def test_lead_pieces_cover_the_pairs_once(n_q, n_k, delta):
     assert torch.equal(covered, (j <= i + delta - 1).long())
 
 
+@pytest.mark.parametrize(("n_q", "n_k"), [(9, 9), (4, 11), (11, 4), (1, 6), (6, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_run_pieces_cover_the_visible_pairs_once(n_q, n_k, causal):
+    """The calls of one batch element whose keys ``first .. end - 1`` are visible cover
+    exactly its visible pairs, once, each call's causal mask aligned at its end."""
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    for first in range(n_k + 1):
+        for end in range(first, n_k + 1):
+            covered = torch.zeros(n_q, n_k, dtype=torch.long)
+            for rows, keys, sub_causal in kernels._key_run_pieces(n_q, n_k, first, end, causal):
+                r = torch.arange(rows.stop - rows.start)[:, None]
+                c = torch.arange(keys.stop - keys.start)[None, :]
+                shift = (keys.stop - keys.start) - (rows.stop - rows.start)
+                assert not sub_causal or shift >= 0  # the fused paths' causal: n_q <= n_k
+                seen = (c <= r + shift) if sub_causal else torch.ones_like(r * c, dtype=bool)
+                covered[rows, keys] += seen.long()
+            visible = ((j >= first) & (j < end)).expand(n_q, n_k)
+            if causal:
+                visible = visible & (j <= i + n_k - n_q)
+            assert torch.equal(covered, visible.long()), (first, end)
+
+
+def test_key_runs_only_for_one_run_of_keys_per_batch_element():
+    q = torch.zeros(3, 1, 4, 2)
+    pad = torch.tensor([[False, False, True, True], [True, False, False, False], [True] * 4])
+    assert kernels._key_runs(Mask(4, 6), q) is None  # nothing to split
+    assert kernels._key_runs(Mask(4, 4, key_padding=pad), q) == [(0, 2), (1, 4), (0, 0)]
+    lengths = torch.tensor([3, 1, 0])[:, None].expand(3, 4)
+    assert kernels._key_runs(Mask(4, 4, lengths=lengths), q) == [(0, 3), (0, 1), (0, 0)]
+    both = Mask(4, 4, key_padding=pad, lengths=lengths, causal=True)
+    assert kernels._key_runs(both, q) == [(0, 2), (0, 0), (0, 0)]  # (key 0 is padding)
+    gaps = torch.tensor([[False, True, False, False]] * 3)
+    assert kernels._key_runs(Mask(4, 4, key_padding=gaps), q) is None
+    by_query = torch.tensor([[1, 2, 3, 4]] * 3)  # lengths that change with the query
+    assert kernels._key_runs(Mask(4, 4, lengths=by_query), q) is None
+    docs = torch.zeros(3, 4, dtype=torch.long)
+    assert kernels._key_runs(Mask(4, 4, key_padding=pad, q_doc=docs, k_doc=docs), q) is None
+
+
+def _padded_schemes(h: int, d: int) -> dict[str, object]:
+    from posenc import (
+        ALiBi,
+        RelativePositionBias,
+        RelativeQueryEmbedding,
+        ShawRelativePosition,
+        T5RelativeBias,
+    )
+
+    return {
+        "alibi": ALiBi(h),
+        "t5": T5RelativeBias(h, num_buckets=8, max_distance=16),
+        "swin-1d": RelativePositionBias(40, h),
+        "relative": RelativeQueryEmbedding(40, d),
+        "shaw": ShawRelativePosition(d, 3),
+        "bias": TableBias(h),
+        "value": ValueTable(d),
+    }
+
+
+PADDINGS = {  # per batch element: (visible keys first, end) of n_k keys
+    "right": lambda n_k: [(0, n_k), (0, n_k - 5)],
+    "left": lambda n_k: [(4, n_k), (0, n_k)],
+    "one empty": lambda n_k: [(0, 0), (2, n_k - 1)],
+}
+
+
+@pytest.mark.parametrize("scheme_name", list(_padded_schemes(2, 4)))
+@pytest.mark.parametrize("padding", list(PADDINGS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("n_q", "n_k"), [(13, 13), (3, 13)])
+def test_padding_at_the_ends_takes_the_fused_paths_and_equals_math(
+    monkeypatch, scheme_name, padding, causal, n_q, n_k
+):
+    """Key padding at either end (or lengths the same for a sequence's queries) runs each
+    batch element over its visible keys with no mask but the causal one: the per-offset
+    paths, not the general engine; outputs and every gradient equal math's, with per-batch
+    positions (a cache of 10 tokens ahead for n_q = 3)."""
+    calls = spy_on(monkeypatch, kernels._LeanFusedAttention)
+    term_runs = spy_on(monkeypatch, kernels._OffsetTermAttention)
+    bias_runs = spy_on(monkeypatch, kernels._OffsetFusedAttention)
+    block_rows(monkeypatch, 4)
+    torch.manual_seed(0)
+    b, h, d = 2, 2, 4
+    scheme = _padded_schemes(h, d)[scheme_name].double()
+    for p in scheme.parameters():
+        nn.init.normal_(p)
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for n in (n_q, n_k, n_k))
+    k_pos = torch.arange(n_k)[None] + torch.tensor([[0], [7]])  # [b, n_k]
+    q_pos = k_pos[:, n_k - n_q :]
+    j = torch.arange(n_k)[None, :]
+    first, end = (torch.tensor(x)[:, None] for x in zip(*PADDINGS[padding](n_k), strict=True))
+    mask = Mask(n_q, n_k, key_padding=(j < first) | (j >= end), causal=causal)
+    grads = lean_and_math(scheme, q, k, v, q_pos, k_pos, mask)
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a)
+    if scheme_name not in ("bias", "value"):  # (the test doubles have no per-offset hooks)
+        assert term_runs or bias_runs
+        assert not calls  # no general engine
+
+
+def test_padding_at_the_ends_with_positions_per_sequence_equals_math():
+    """Each batch element's calls take its own positions (here one sequence's are spread
+    out, which a relative scheme sees)."""
+    from posenc import T5RelativeBias
+
+    torch.manual_seed(0)
+    scheme = T5RelativeBias(2, num_buckets=8, max_distance=16).double()
+    q, k, v = (torch.randn(2, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    pos = torch.stack([torch.arange(9), 3 * torch.arange(9)])  # [b, n]
+    padding = torch.arange(9)[None, :] >= torch.tensor([[9], [6]])
+    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(9, 9, key_padding=padding))
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a)
+
+
+def test_lengths_equal_across_queries_equal_math():
+    from posenc import T5RelativeBias
+
+    torch.manual_seed(0)
+    scheme = T5RelativeBias(2, num_buckets=8, max_distance=16).double()
+    lengths = torch.tensor([9, 4])[:, None].expand(2, 11)
+    assert_lean_matches_math(scheme, 2, 2, 11, 4, Mask(11, 11, lengths=lengths, causal=True))
+
+
 @pytest.mark.parametrize(("n_q", "n_k"), [(30, 30), (10, 30), (30, 12)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_far_parts_and_strips_split_the_pairs(monkeypatch, n_q, n_k, causal):

@@ -233,9 +233,12 @@ def _peak_of_case(spec: dict[str, Any]) -> float | None:
     """
     dtype = getattr(torch, spec["dtype"])
     scheme = SCHEMES[spec["scheme"]](spec["heads"], spec["head_dim"], spec["n"])
-    causal = spec.get("causal", False)
-    fn = {"floor": _floor_of(causal), "posenc": _core(scheme, spec["backend"], causal)}
-    fn["reference"] = _core(scheme, "math", causal)
+    causal, padding = spec.get("causal", False), spec.get("padding", 0.0)
+    fn = {
+        "floor": _floor_of(causal, padding),
+        "posenc": _core(scheme, spec["backend"], causal, padding),
+        "reference": _core(scheme, "math", causal, padding),
+    }
     run = fn[spec["variant"]]
     args = (spec["batch"], spec["heads"], spec["n"], spec["head_dim"], dtype)
     inputs = _inputs(*args, torch.device("cpu"), spec["backward"])
@@ -305,13 +308,25 @@ def _inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.de
     ]
 
 
+def _key_padding(b: int, n: int, padding: float, device: torch.device) -> Tensor | None:
+    """``[b, n]`` bool, True = padding: the last ``round(padding * n)`` keys of the batch's
+    last sequence (a batch with one shorter sequence, padded at the end), or None."""
+    count = round(padding * n)
+    if count == 0:
+        return None
+    mask = torch.zeros(b, n, dtype=torch.bool, device=device)
+    mask[-1, n - count :] = True
+    return mask
+
+
 def _core(
-    scheme: Any, backend: str, causal: bool = False
+    scheme: Any, backend: str, causal: bool = False, padding: float = 0.0
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """posenc's attention core: the scheme's rotation, then :func:`attend` (causal or not)."""
+    """posenc's attention core: the scheme's rotation, then :func:`attend` (causal or not,
+    with the key padding of :func:`_key_padding`)."""
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        n = q.shape[2]
+        b, n = q.shape[0], q.shape[2]
         pos = torch.arange(n, device=q.device)[None]
         rotate = getattr(scheme, "rotate", None)
         if rotate is not None:
@@ -323,7 +338,7 @@ def _core(
             scheme=scheme,
             q_pos=pos,
             k_pos=pos,
-            mask=Mask(n, n, causal=causal),
+            mask=Mask(n, n, causal=causal, key_padding=_key_padding(b, n, padding, q.device)),
             backend=backend,
         )
         return out
@@ -339,9 +354,24 @@ def _causal_floor(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _floor_of(causal: bool) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """The floor: SDPA without positions, with its own causal flag under a causal mask."""
-    return _causal_floor if causal else _floor
+def _floor_of(causal: bool, padding: float = 0.0) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The floor: SDPA without positions, with its own causal flag under a causal mask; with
+    key padding, its boolean mask (``[b, 1, 1, n]``, or ``[b, 1, n, n]`` with the causal
+    mask folded in: SDPA takes one or the other)."""
+    if padding == 0:
+        return _causal_floor if causal else _floor
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        b, n = q.shape[0], q.shape[2]
+        pad = _key_padding(b, n, padding, q.device)
+        keep = torch.ones(b, 1, 1, n, dtype=torch.bool, device=q.device)
+        if pad is not None:
+            keep = ~pad[:, None, None, :]  # [b, 1, 1, n]
+        if causal:
+            keep = keep & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    return run
 
 
 def _time_once(fn: Callable[..., Tensor], inputs: list[Tensor], backward: bool, device) -> float:
@@ -373,12 +403,15 @@ def run_bench(
     reference: bool = True,
     memory: bool = True,
     causal: bool = False,
+    padding: float = 0.0,
     progress: Progress | None = None,
 ) -> list[Case]:
     """Benchmark ``schemes`` at ``lengths``; see the module docstring for what is measured.
 
     ``causal=True`` measures causal attention (a causal mask for posenc and the reference,
-    SDPA's own causal flag for the floor). ``memory=False`` skips the peak-memory measurement (on CPU it costs one fresh Python
+    SDPA's own causal flag for the floor). ``padding`` pads the end of the batch's last
+    sequence by that fraction of its keys (``key_padding`` for posenc and the reference, a
+    boolean mask for the floor). ``memory=False`` skips the peak-memory measurement (on CPU it costs one fresh Python
     process per variant and case); the memory columns then read n/a.
 
     Returns:
@@ -395,15 +428,15 @@ def run_bench(
             scheme = scheme.to(device=device)
         case = Case(name, n, backend)
         variants: dict[str, Callable[..., Tensor]] = {
-            "floor": _floor_of(causal),
-            "posenc": _core(scheme, backend, causal),
+            "floor": _floor_of(causal, padding),
+            "posenc": _core(scheme, backend, causal, padding),
         }
         itemsize = torch.finfo(dtype).bits // 8
         if (
             reference
             and _reference_bytes(name, batch, heads, n, head_dim, itemsize) <= REFERENCE_BUDGET
         ):
-            variants["reference"] = _core(scheme, "math", causal)
+            variants["reference"] = _core(scheme, "math", causal, padding)
         elif reference:
             case.skipped["reference"] = "does not fit the memory budget"
         inputs = _inputs(batch, heads, n, head_dim, dtype, device, backward)
@@ -426,7 +459,7 @@ def run_bench(
                 spec = {"scheme": name, "n": n, "batch": batch, "heads": heads}
                 spec |= {"head_dim": head_dim, "dtype": str(dtype).removeprefix("torch.")}
                 spec |= {"backward": backward, "backend": backend, "variant": key}
-                spec |= {"causal": causal}
+                spec |= {"causal": causal, "padding": padding}
                 case.peak_mib[key] = _peak_in_subprocess(spec)
                 continue
             case.peak_mib[key] = peak.measure(
@@ -493,6 +526,18 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from err
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction of the keys in [0, 1), got {text!r} (0.25: a quarter)"
+        )
+    return value
+
+
 def _scheme_list(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in names if s not in SCHEMES]
@@ -519,6 +564,7 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "memory": not args.no_memory,
         "causal": args.causal,
+        "padding": args.padding,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
@@ -538,11 +584,15 @@ def run(args: argparse.Namespace) -> int:
         reference=not args.no_reference,
         memory=not args.no_memory,
         causal=args.causal,
+        padding=args.padding,
         progress=Progress(len(args.schemes) * len(args.lengths), quiet=args.quiet),
     )
+    masks = "causal, " if args.causal else ""
+    if args.padding:
+        masks += f"last sequence {args.padding:.0%} padding, "
     print(
         f"posenc bench: b={args.batch} h={args.heads} d={args.head_dim} {args.dtype} on "
-        f"{args.device}, backend={args.backend}, {'causal, ' if args.causal else ''}median "
+        f"{args.device}, backend={args.backend}, {masks}median "
         f"of {args.repeats}; ratios to plain SDPA without positions (floor) and to the "
         f"literal implementation (reference)\n"
     )
@@ -587,6 +637,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--causal",
         action="store_true",
         help="causal attention (the floor then uses SDPA's is_causal)",
+    )
+    parser.add_argument(
+        "--padding",
+        type=_fraction,
+        default=0.0,
+        help="pad the end of the batch's last sequence by this fraction of its keys "
+        "(key_padding; the floor takes SDPA's boolean mask), e.g. 0.25",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
