@@ -676,6 +676,23 @@ def test_padding_at_the_ends_with_positions_per_sequence_equals_math():
         torch.testing.assert_close(c, a)
 
 
+def test_padding_queries_alone_leave_the_per_offset_path():
+    """ALiBi over 200 tokens spans more than BIAS_SPAN, so rows that do not meet offset 0
+    cannot take the per-offset path: with the end of a sequence padded, only the padding's
+    own queries (the rows past its last key) take the general engine."""
+    from posenc import ALiBi
+
+    general = []
+    apply = kernels._LeanFusedAttention.apply
+    kernels_apply = lambda q, *a: general.append(q.shape[2]) or apply(q, *a)  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels._LeanFusedAttention, "apply", kernels_apply)
+        offset = spy_on(mp, kernels._OffsetFusedAttention)
+        padding = torch.arange(200)[None, :] >= torch.tensor([[200], [150]])
+        assert_lean_matches_math(ALiBi(8), 2, 8, 200, 4, Mask(200, 200, key_padding=padding))
+    assert len(offset) == 2 and general == [50]  # each sequence's own rows; 50 padded rows
+
+
 def test_lengths_equal_across_queries_equal_math():
     from posenc import T5RelativeBias
 

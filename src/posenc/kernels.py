@@ -32,6 +32,7 @@ height), ``R`` the distinct rows of a clipped table (``2k + 1`` for Shaw).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -2243,12 +2244,20 @@ def _key_run_pieces(
     whose keys ``first .. end - 1`` are visible (and, causal, ``j <= i + n_k - n_q``, aligned
     at the end): rows that see part of the run take a causal call whose last key is their
     last row's bound (so aligned at its end too), rows that see all of it a call without a
-    mask; rows before ``first - (n_k - n_q)`` see no key (none of the calls)."""
+    mask; rows before ``first - (n_k - n_q)`` see no key (none of the calls).
+
+    Without a causal mask the rows are cut where their aligned key (``i + n_k - n_q``)
+    enters and leaves the run: the rows of the run's own tokens then meet offset 0, where a
+    strong bias (ALiBi) is best, and take the per-offset path; the others (the padding's
+    queries) take whatever path they allow (measured here, ALiBi, 2048 queries: over 1536
+    keys in one call 59.6 ms, against 38.0 ms over 2048 keys)."""
     if end <= first or n_q == 0:
         return []
+    delta = n_k - n_q  # query i is aligned with key i + delta (and, causal, sees j <= it)
     if not causal:
-        return [(slice(0, n_q), slice(first, end), False)]
-    delta = n_k - n_q  # query i sees keys j <= i + delta
+        cuts = sorted({0, min(max(first - delta, 0), n_q), min(max(end - delta, 0), n_q), n_q})
+        rows = [slice(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+        return [(r, slice(first, end), False) for r in rows]
     start = min(max(0, first - delta), n_q)  # the first row that sees a key of the run
     split = min(max(start, end - delta), n_q)  # rows from here see the whole run
     pieces = []
