@@ -563,41 +563,57 @@ def test_lead_pieces_cover_the_pairs_once(n_q, n_k, delta):
 
 @pytest.mark.parametrize(("n_q", "n_k"), [(9, 9), (4, 11), (11, 4), (1, 6), (6, 1)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_key_run_pieces_cover_the_visible_pairs_once(n_q, n_k, causal):
-    """The calls of one batch element whose keys ``first .. end - 1`` are visible cover
+def test_block_pieces_cover_the_visible_pairs_once(n_q, n_k, causal):
+    """The calls of a block whose queries ``rows`` see the keys ``first .. end - 1`` cover
     exactly its visible pairs, once, each call's causal mask aligned at its end."""
     i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
-    for first in range(n_k + 1):
-        for end in range(first, n_k + 1):
-            covered = torch.zeros(n_q, n_k, dtype=torch.long)
-            for rows, keys, sub_causal in kernels._key_run_pieces(n_q, n_k, first, end, causal):
-                r = torch.arange(rows.stop - rows.start)[:, None]
-                c = torch.arange(keys.stop - keys.start)[None, :]
-                shift = (keys.stop - keys.start) - (rows.stop - rows.start)
-                assert not sub_causal or shift >= 0  # the fused paths' causal: n_q <= n_k
-                seen = (c <= r + shift) if sub_causal else torch.ones_like(r * c, dtype=bool)
-                covered[rows, keys] += seen.long()
-            visible = ((j >= first) & (j < end)).expand(n_q, n_k)
-            if causal:
-                visible = visible & (j <= i + n_k - n_q)
-            assert torch.equal(covered, visible.long()), (first, end)
+    row_ranges = [(0, n_q), (0, n_q // 2), (n_q // 3, n_q), (1, max(1, n_q - 1))]
+    for r0, r1 in row_ranges:
+        for first in range(n_k + 1):
+            for end in range(first, n_k + 1):
+                covered = torch.zeros(n_q, n_k, dtype=torch.long)
+                pieces = kernels._block_pieces(slice(r0, r1), first, end, n_k - n_q, causal)
+                for rows, keys, sub_causal in pieces:
+                    r = torch.arange(rows.stop - rows.start)[:, None]
+                    c = torch.arange(keys.stop - keys.start)[None, :]
+                    shift = (keys.stop - keys.start) - (rows.stop - rows.start)
+                    assert not sub_causal or shift >= 0  # the fused paths' causal: n_q <= n_k
+                    seen = (c <= r + shift) if sub_causal else torch.ones_like(r * c, dtype=bool)
+                    covered[rows, keys] += seen.long()
+                visible = (j >= first) & (j < end) & (i >= r0) & (i < r1)
+                if causal:
+                    visible = visible & (j <= i + n_k - n_q)
+                assert torch.equal(covered, visible.long()), (r0, r1, first, end)
 
 
-def test_key_runs_only_for_one_run_of_keys_per_batch_element():
+def test_mask_blocks_only_for_one_run_of_keys_per_block():
     q = torch.zeros(3, 1, 4, 2)
+    every = slice(0, 4)
     pad = torch.tensor([[False, False, True, True], [True, False, False, False], [True] * 4])
-    assert kernels._key_runs(Mask(4, 6), q) is None  # nothing to split
-    assert kernels._key_runs(Mask(4, 4, key_padding=pad), q) == [(0, 2), (1, 4), (0, 0)]
+    assert kernels._mask_blocks(Mask(4, 6, causal=True), q) is None  # nothing to split
+    blocks = kernels._mask_blocks(Mask(4, 4, key_padding=pad), q)
+    assert blocks == [[(every, 0, 2)], [(every, 1, 4)], []]
     lengths = torch.tensor([3, 1, 0])[:, None].expand(3, 4)
-    assert kernels._key_runs(Mask(4, 4, lengths=lengths), q) == [(0, 3), (0, 1), (0, 0)]
+    blocks = kernels._mask_blocks(Mask(4, 4, lengths=lengths), q)
+    assert blocks == [[(every, 0, 3)], [(every, 0, 1)], []]
     both = Mask(4, 4, key_padding=pad, lengths=lengths, causal=True)
-    assert kernels._key_runs(both, q) == [(0, 2), (0, 0), (0, 0)]  # (key 0 is padding)
+    assert kernels._mask_blocks(both, q) == [[(every, 0, 2)], [], []]  # (key 0 is padding)
+    docs = torch.tensor([[0, 0, 1, 1], [5, 6, 6, 6], [2, 2, 2, 2]])
+    blocks = kernels._mask_blocks(Mask(4, 4, q_doc=docs, k_doc=docs), q)
+    first, second = slice(0, 2), slice(2, 4)
+    assert blocks == [
+        [(first, 0, 2), (second, 2, 4)],
+        [(slice(0, 1), 0, 1), (slice(1, 4), 1, 4)],
+        [(every, 0, 4)],
+    ]
+    blocks = kernels._mask_blocks(Mask(4, 4, key_padding=pad, q_doc=docs, k_doc=docs), q)
+    assert blocks == [[(first, 0, 2)], [(slice(1, 4), 1, 4)], []]  # padded: no keys left
     gaps = torch.tensor([[False, True, False, False]] * 3)
-    assert kernels._key_runs(Mask(4, 4, key_padding=gaps), q) is None
+    assert kernels._mask_blocks(Mask(4, 4, key_padding=gaps), q) is None
     by_query = torch.tensor([[1, 2, 3, 4]] * 3)  # lengths that change with the query
-    assert kernels._key_runs(Mask(4, 4, lengths=by_query), q) is None
-    docs = torch.zeros(3, 4, dtype=torch.long)
-    assert kernels._key_runs(Mask(4, 4, key_padding=pad, q_doc=docs, k_doc=docs), q) is None
+    assert kernels._mask_blocks(Mask(4, 4, lengths=by_query), q) is None
+    split_doc = torch.tensor([[0, 1, 0, 1]] * 3)  # a document's keys in two runs
+    assert kernels._mask_blocks(Mask(4, 4, q_doc=split_doc, k_doc=split_doc), q) is None
 
 
 def _padded_schemes(h: int, d: int) -> dict[str, object]:
@@ -659,6 +675,72 @@ def test_padding_at_the_ends_takes_the_fused_paths_and_equals_math(
     if scheme_name not in ("bias", "value"):  # (the test doubles have no per-offset hooks)
         assert term_runs or bias_runs
         assert not calls  # no general engine
+
+
+@pytest.mark.parametrize("scheme_name", list(_padded_schemes(2, 4)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_packed_documents_take_the_fused_paths_and_equal_math(
+    monkeypatch, scheme_name, causal, padded
+):
+    """Packed sequences (documents side by side, positions restarting in each, the end of
+    one batch element padded): each document runs alone on the per-offset paths; outputs
+    and every gradient equal math's."""
+    calls = spy_on(monkeypatch, kernels._LeanFusedAttention)
+    term_runs = spy_on(monkeypatch, kernels._OffsetTermAttention)
+    bias_runs = spy_on(monkeypatch, kernels._OffsetFusedAttention)
+    block_rows(monkeypatch, 4)
+    torch.manual_seed(0)
+    b, h, d, n = 2, 2, 4, 15
+    scheme = _padded_schemes(h, d)[scheme_name].double()
+    for p in scheme.parameters():
+        nn.init.normal_(p)
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
+    lengths = [[6, 9], [4, 4, 7]]  # documents per batch element
+    doc = torch.stack([torch.cat([torch.full((m,), t) for t, m in enumerate(x)]) for x in lengths])
+    pos = torch.stack([torch.cat([torch.arange(m) for m in x]) for x in lengths])
+    padding = (torch.arange(n)[None, :] >= torch.tensor([[n], [n - 3]])) if padded else None
+    mask = Mask(n, n, causal=causal, q_doc=doc, k_doc=doc, key_padding=padding)
+    grads = lean_and_math(scheme, q, k, v, pos, pos, mask)
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a)
+    if scheme_name not in ("bias", "value"):  # (the test doubles have no per-offset hooks)
+        assert len(term_runs) + len(bias_runs) >= 5  # a call or more per document
+        assert not calls  # no general engine
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_takes_packed_documents_and_padding_block_by_block(monkeypatch, causal):
+    """No positional term (no scheme, or rotary, whose rotation comes before): SDPA runs
+    each document of each sequence alone, with no [n_q, n_k] mask (its own causal flag on
+    square blocks), and equals math; a padded query row of a document that lost its keys
+    is 0."""
+    masks = []
+    sdpa = kernels.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        kernels.F,
+        "scaled_dot_product_attention",
+        lambda *a, **kw: masks.append(kw.get("attn_mask")) or sdpa(*a, **kw),
+    )
+    torch.manual_seed(0)
+    n = 12
+    doc = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    padding = torch.arange(n)[None, :] >= torch.tensor([[10], [9]])
+    mask = Mask(n, n, causal=causal, q_doc=doc, k_doc=doc, key_padding=padding)
+    q, k, v = (torch.randn(2, 3, n, 4, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(n)[None]
+    results = {}
+    for backend in ("math", "sdpa"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = attend(*leaves, q_pos=pos, k_pos=pos, mask=mask, backend=backend)
+        (out * torch.linspace(-1, 1, 4, dtype=out.dtype)).sum().backward()
+        results[backend] = [out, *(t.grad for t in leaves)]
+    for a, c in zip(results["math"], results["sdpa"], strict=True):
+        torch.testing.assert_close(c, a)
+    # documents [0, 5) and [5, 10) of the first sequence, [0, 9) of the second, and the
+    # padded rows of the last document of each, which see its whole run
+    assert len(masks) == 5
+    assert all(m is None or m.shape[-2:] != (n, n) for m in masks)
 
 
 def test_padding_at_the_ends_with_positions_per_sequence_equals_math():

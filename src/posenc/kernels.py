@@ -302,6 +302,10 @@ def _sdpa(
             "use backend='auto' or 'math'"
         )
     extra = _fold_scores(hooks, q, q_pos, k_pos, scale, reference=False)
+    if extra is None and dropout_p == 0:
+        blocks = _mask_blocks(mask, q)
+        if blocks is not None:  # padding at the ends, packed documents: no [n_q, n_k] mask
+            return _by_blocks(q, k, v, hooks, q_pos, k_pos, mask, scale, blocks, _sdpa)
     keep = mask.keep(device=q.device)
     has_key: Tensor | None = None
     is_causal = False
@@ -2136,9 +2140,10 @@ def _lean(
             "backend='lean' has no attention dropout; set dropout=0, or use backend='auto' "
             "(which takes the math or sdpa path when dropout is on)"
         )
-    runs = _key_runs(mask, q)
-    if runs is not None:  # padding at the ends: each batch element's keys without a mask
-        return _by_key_runs(q, k, v, hooks, q_pos, k_pos, mask, scale, runs, scheme)
+    blocks = _mask_blocks(mask, q)
+    if blocks is not None:  # padding at the ends, packed documents: blocks with no mask
+        path = functools.partial(_lean, scheme=scheme)
+        return _by_blocks(q, k, v, hooks, q_pos, k_pos, mask, scale, blocks, path)
     b, h, n_q, _ = q.shape
     # a block holds the hooks' term [B', h, rows, n_k]: B' = 1 for a bias shared by the batch
     per_batch = hooks.score_term is not None or hooks.value_term is not None
@@ -2204,71 +2209,104 @@ def _lean(
     return engine.apply(q, k, v, hooks, q_pos, k_pos, mask, scale, rows, *params)
 
 
-def _key_runs(mask: Mask, q: Tensor) -> list[tuple[int, int]] | None:
-    """The keys ``s .. e - 1`` each batch element may see, when a mask of key padding
-    and/or lengths (the same for all its queries), perhaps with a causal one, leaves one run
-    of keys per batch element (padding at the end, at the start, or none); else None.
+def _runs(x: Tensor) -> list[tuple[int, int, int]]:
+    """``(value, start, stop)`` of each run of equal values of ``x [n]`` (integers)."""
+    if x.shape[0] == 0:
+        return []
+    bounds = [0, *(x[1:] != x[:-1]).nonzero().flatten().add(1).tolist(), x.shape[0]]
+    values = x[bounds[:-1]].tolist()
+    return list(zip(values, bounds[:-1], bounds[1:], strict=True))
 
-    Then the attention of batch element ``b`` is the one over those keys alone, with no mask
-    but the causal one (:func:`_by_key_runs`), and takes the fused paths that a mask would
-    keep it from (measured here, n = 2048, a quarter of one sequence padded, fwd+bwd
-    against SDPA with the padding mask: ALiBi 2.31x, T5 2.39x, relative 3.74x, Shaw 5.89x
-    on the general engine). On CPU only: reading the runs syncs with the device.
+
+def _mask_blocks(mask: Mask, q: Tensor) -> list[list[tuple[slice, int, int]]] | None:
+    """Per batch element, ``(query rows, first, end)`` blocks: the rows see the keys
+    ``first .. end - 1`` and no other (then, causal, ``j <= i + n_k - n_q``), when the mask
+    is key padding, lengths the same for a sequence's queries and packed documents (each
+    document's queries a run, its keys a run) that leave one run of keys per block: padding
+    at the ends, documents side by side. Else None (and None with nothing of the kind).
+
+    Each block is then attention with no mask but the causal one (:func:`_by_blocks`), on
+    the fused paths that a mask keeps it from (measured here, n = 2048, fwd+bwd against SDPA
+    with the same mask, general engine: a quarter of one sequence padded, ALiBi 2.31x, T5
+    2.39x, relative 3.74x, Shaw 5.89x; four causal documents, ALiBi 2.13x, T5 2.53x,
+    relative 3.88x, Shaw 7.06x). On CPU only (reading the runs syncs with the device), and
+    not under ``torch.compile`` (the blocks depend on the mask's values: one graph each).
     """
-    if q.device.type != "cpu" or mask.q_doc is not None:
+    documents = mask.q_doc is not None and mask.k_doc is not None
+    if q.device.type != "cpu" or torch.compiler.is_compiling() or not (
+        documents or mask.key_padding is not None or mask.lengths is not None
+    ):
         return None
-    if mask.key_padding is None and mask.lengths is None:
-        return None
-    b, n_k = q.shape[0], mask.n_k
+    b, n_q, n_k = q.shape[0], mask.n_q, mask.n_k
     visible = torch.ones(b, n_k, dtype=torch.bool)
     if mask.key_padding is not None:
         visible &= ~mask.key_padding.to("cpu", torch.bool).expand(b, n_k)
     if mask.lengths is not None:
-        lengths = mask.lengths.to("cpu").expand(b, mask.n_q)
-        if mask.n_q == 0 or bool((lengths != lengths[:, :1]).any()):
+        lengths = mask.lengths.to("cpu").expand(b, n_q)
+        if n_q == 0 or bool((lengths != lengths[:, :1]).any()):
             return None  # lengths that change with the query: not one run of keys
         visible &= torch.arange(n_k)[None, :] < lengths[:, :1]
-    count = visible.sum(dim=1)  # [b]
-    first = torch.where(count > 0, visible.int().argmax(dim=1), 0)  # [b]
-    runs = [(s, s + c) for s, c in zip(first.tolist(), count.tolist(), strict=True)]
-    for i, (s, e) in enumerate(runs):
-        if not bool(visible[i, s:e].all()):
-            return None  # visible keys with gaps between them
-    return runs
+    blocks = []
+    for i in range(b):
+        if documents:
+            q_runs = _runs(mask.q_doc[i if mask.q_doc.shape[0] > 1 else 0].to("cpu"))
+            k_runs = _runs(mask.k_doc[i if mask.k_doc.shape[0] > 1 else 0].to("cpu"))
+        else:
+            q_runs, k_runs = [(0, 0, n_q)], [(0, 0, n_k)]
+        keys_of = {doc: (a, c) for doc, a, c in k_runs}
+        if len(keys_of) < len(k_runs):
+            return None  # a document's keys in two runs
+        mine = []
+        for doc, r0, r1 in q_runs:
+            if doc not in keys_of:
+                continue  # no key of its document: 0
+            a, c = keys_of[doc]
+            seen = visible[i, a:c]
+            count = int(seen.sum())
+            if count == 0:
+                continue
+            first = a + int(seen.int().argmax())
+            if not bool(visible[i, first : first + count].all()):
+                return None  # visible keys with gaps between them
+            mine.append((slice(r0, r1), first, first + count))
+        blocks.append(mine)
+    return blocks
 
 
-def _key_run_pieces(
-    n_q: int, n_k: int, first: int, end: int, causal: bool
+def _block_pieces(
+    rows: slice, first: int, end: int, delta: int, causal: bool
 ) -> list[tuple[slice, slice, bool]]:
-    """``(query rows, keys, causal)`` calls covering the visible pairs of one batch element
-    whose keys ``first .. end - 1`` are visible (and, causal, ``j <= i + n_k - n_q``, aligned
-    at the end): rows that see part of the run take a causal call whose last key is their
-    last row's bound (so aligned at its end too), rows that see all of it a call without a
-    mask; rows before ``first - (n_k - n_q)`` see no key (none of the calls).
+    """``(query rows, keys, causal)`` calls covering the visible pairs of a block whose
+    queries ``rows`` see the keys ``first .. end - 1`` (and, causal, ``j <= i + delta``,
+    ``delta = n_k - n_q``): rows that see part of the run take a causal call whose last key
+    is their last row's bound (so aligned at its end, as the fused paths align it), rows
+    that see all of it a call without a mask; rows before ``first - delta`` see no key
+    (none of the calls).
 
-    Without a causal mask the rows are cut where their aligned key (``i + n_k - n_q``)
-    enters and leaves the run: the rows of the run's own tokens then meet offset 0, where a
-    strong bias (ALiBi) is best, and take the per-offset path; the others (the padding's
-    queries) take whatever path they allow (measured here, ALiBi, 2048 queries: over 1536
-    keys in one call 59.6 ms, against 38.0 ms over 2048 keys)."""
-    if end <= first or n_q == 0:
+    Without a causal mask the rows are cut where their aligned key (``i + delta``) enters
+    and leaves the run: the rows of the run's own tokens then meet offset 0, where a strong
+    bias (ALiBi) is best, and take the per-offset path; the others (the padding's queries)
+    take whatever path they allow (measured here, ALiBi, 2048 queries: over 1536 keys in
+    one call 59.6 ms, against 38.0 ms over 2048 keys)."""
+    if end <= first or rows.stop <= rows.start:
         return []
-    delta = n_k - n_q  # query i is aligned with key i + delta (and, causal, sees j <= it)
+    keys = slice(first, end)
     if not causal:
-        cuts = sorted({0, min(max(first - delta, 0), n_q), min(max(end - delta, 0), n_q), n_q})
-        rows = [slice(a, b) for a, b in itertools.pairwise(cuts) if b > a]
-        return [(r, slice(first, end), False) for r in rows]
-    start = min(max(0, first - delta), n_q)  # the first row that sees a key of the run
-    split = min(max(start, end - delta), n_q)  # rows from here see the whole run
+        cuts = {rows.start, rows.stop}
+        cuts |= {min(max(x, rows.start), rows.stop) for x in (first - delta, end - delta)}
+        bounds = sorted(cuts)
+        return [(slice(a, c), keys, False) for a, c in itertools.pairwise(bounds) if c > a]
+    start = min(max(rows.start, first - delta), rows.stop)  # the first row that sees a key
+    split = min(max(start, end - delta), rows.stop)  # rows from here see the whole run
     pieces = []
     if split > start:
         pieces.append((slice(start, split), slice(first, split + delta), True))
-    if split < n_q:
-        pieces.append((slice(split, n_q), slice(first, end), False))
+    if split < rows.stop:
+        pieces.append((slice(split, rows.stop), keys, False))
     return pieces
 
 
-def _by_key_runs(
+def _by_blocks(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -2277,27 +2315,28 @@ def _by_key_runs(
     k_pos: Tensor,
     mask: Mask,
     scale: float,
-    runs: list[tuple[int, int]],
-    scheme: Any,
+    blocks: list[list[tuple[slice, int, int]]],
+    path: Callable[..., Tensor],
 ) -> Tensor:
-    """The lean engine one batch element at a time over its run of visible keys
-    (:func:`_key_runs`), with no mask but a causal one: ``[b, h, n_q, d_v]``, 0 for a query
-    that sees no key. Gradients flow through the slices (and the scheme's tables through
-    each call)."""
+    """``path`` (the lean engine, or SDPA) block by block (:func:`_mask_blocks`), each with
+    no mask but a causal one: ``[b, h, n_q, d_v]``, 0 for a query that sees no key.
+    Gradients flow through the slices (and the scheme's tables through each call)."""
     h, n_q = q.shape[1:3]
+    delta = mask.n_k - mask.n_q
     outs = []
-    for i, (first, end) in enumerate(runs):
+    for i, mine in enumerate(blocks):
         qp, kp = q_pos[i if q_pos.shape[0] > 1 else 0], k_pos[i if k_pos.shape[0] > 1 else 0]
         parts: list[Tensor] = []
         done = 0  # rows so far
-        for rows, keys, causal in _key_run_pieces(n_q, mask.n_k, first, end, mask.causal):
+        pieces = (p for rows, a, c in mine for p in _block_pieces(rows, a, c, delta, mask.causal))
+        for rows, keys, causal in pieces:
             if rows.start > done:  # rows that see no key: 0
                 parts.append(v.new_zeros(1, h, rows.start - done, v.shape[-1]))
             sub = Mask(rows.stop - rows.start, keys.stop - keys.start, causal=causal)
             parts.append(
-                _lean(
+                path(
                     q[i : i + 1, :, rows], k[i : i + 1, :, keys], v[i : i + 1, :, keys], hooks,
-                    qp[rows][None], kp[keys][None], sub, scale, 0.0, scheme=scheme,
+                    qp[rows][None], kp[keys][None], sub, scale, 0.0,
                 )
             )  # fmt: skip
             done = rows.stop
