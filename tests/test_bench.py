@@ -97,6 +97,37 @@ def test_padding_bench_masks_posenc_and_the_floor(tmp_path, capsys, monkeypatch,
         )
 
 
+def test_documents_bench_packs_each_sequence(tmp_path, capsys, monkeypatch):
+    import posenc.cli.bench as bench
+
+    masks = []
+    sdpa = bench.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        bench.F,
+        "scaled_dot_product_attention",
+        lambda *a, **kw: masks.append(kw.get("attn_mask")) or sdpa(*a, **kw),
+    )
+    record = tmp_path / "bench.json"
+    argv = ["bench", "--schemes", "absolute-query", "--lengths", "12", "--batch", "1"]
+    argv += ["--heads", "2", "--head-dim", "8", "--repeats", "1", "--warmup", "0"]
+    argv += ["--no-memory", "--quiet", "--documents", "3", "--causal", "--json", str(record)]
+    assert main(argv) == 0
+    assert "causal, 3 documents a sequence, median of 1" in capsys.readouterr().out
+    assert json.loads(record.read_text())["config"]["documents"] == 3
+    doc = torch.arange(12) // 4
+    expected = (doc[:, None] == doc[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
+    assert torch.equal(masks[0][0, 0], expected)  # the floor's: three causal documents
+    # posenc: each document on its own, its positions from 0 (an absolute scheme sees them)
+    scheme = bench.SCHEMES["absolute-query"](2, 8, 12)
+    q, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
+    out = bench._core(scheme, "auto", True, 0.0, 3)(q, k, v)
+    torch.testing.assert_close(out, bench._core(scheme, "math", True, 0.0, 3)(q, k, v))
+    for first in (0, 4, 8):
+        part = slice(first, first + 4)
+        alone = bench._core(scheme, "math", True)(q[:, :, part], k[:, :, part], v[:, :, part])
+        torch.testing.assert_close(out[:, :, part], alone)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -104,6 +135,8 @@ def test_padding_bench_masks_posenc_and_the_floor(tmp_path, capsys, monkeypatch,
         (["--device", "tpu9"], "unknown device 'tpu9'"),
         (["--padding", "1"], "expected a fraction of the keys in [0, 1)"),
         (["--padding", "lots"], "expected a number, got 'lots'"),
+        (["--documents", "0"], "expected a positive integer, got '0'"),
+        (["--documents", "2,3"], "expected a positive integer, got '2,3'"),
     ],
 )
 def test_bad_options(argv, message, capsys):

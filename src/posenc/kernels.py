@@ -2233,8 +2233,10 @@ def _mask_blocks(mask: Mask, q: Tensor) -> list[list[tuple[slice, int, int]]] | 
     not under ``torch.compile`` (the blocks depend on the mask's values: one graph each).
     """
     documents = mask.q_doc is not None and mask.k_doc is not None
-    if q.device.type != "cpu" or torch.compiler.is_compiling() or not (
-        documents or mask.key_padding is not None or mask.lengths is not None
+    if (
+        q.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or not (documents or mask.key_padding is not None or mask.lengths is not None)
     ):
         return None
     b, n_q, n_k = q.shape[0], mask.n_q, mask.n_k

@@ -233,11 +233,11 @@ def _peak_of_case(spec: dict[str, Any]) -> float | None:
     """
     dtype = getattr(torch, spec["dtype"])
     scheme = SCHEMES[spec["scheme"]](spec["heads"], spec["head_dim"], spec["n"])
-    causal, padding = spec.get("causal", False), spec.get("padding", 0.0)
+    masks = {k: spec[k] for k in ("causal", "padding", "documents") if k in spec}
     fn = {
-        "floor": _floor_of(causal, padding),
-        "posenc": _core(scheme, spec["backend"], causal, padding),
-        "reference": _core(scheme, "math", causal, padding),
+        "floor": _floor_of(**masks),
+        "posenc": _core(scheme, spec["backend"], **masks),
+        "reference": _core(scheme, "math", **masks),
     }
     run = fn[spec["variant"]]
     args = (spec["batch"], spec["heads"], spec["n"], spec["head_dim"], dtype)
@@ -319,15 +319,30 @@ def _key_padding(b: int, n: int, padding: float, device: torch.device) -> Tensor
     return mask
 
 
+def _documents(n: int, documents: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """``(document id [1, n], position in its document [1, n])`` of ``documents`` packed
+    documents of (nearly) equal length, or None for one."""
+    if documents <= 1:
+        return None
+    doc = torch.arange(n, device=device) * documents // n  # [n]
+    starts = torch.searchsorted(doc, doc, right=False)  # each token's document start
+    return doc[None], (torch.arange(n, device=device) - starts)[None]
+
+
 def _core(
-    scheme: Any, backend: str, causal: bool = False, padding: float = 0.0
+    scheme: Any, backend: str, causal: bool = False, padding: float = 0.0, documents: int = 1
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """posenc's attention core: the scheme's rotation, then :func:`attend` (causal or not,
-    with the key padding of :func:`_key_padding`)."""
+    with the key padding of :func:`_key_padding`, over the packed documents of
+    :func:`_documents`, positions restarting in each)."""
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         b, n = q.shape[0], q.shape[2]
         pos = torch.arange(n, device=q.device)[None]
+        packed = _documents(n, documents, q.device)
+        doc = None
+        if packed is not None:
+            doc, pos = packed
         rotate = getattr(scheme, "rotate", None)
         if rotate is not None:
             q, k = rotate(q, k, pos, pos)
@@ -338,7 +353,14 @@ def _core(
             scheme=scheme,
             q_pos=pos,
             k_pos=pos,
-            mask=Mask(n, n, causal=causal, key_padding=_key_padding(b, n, padding, q.device)),
+            mask=Mask(
+                n,
+                n,
+                causal=causal,
+                key_padding=_key_padding(b, n, padding, q.device),
+                q_doc=doc,
+                k_doc=doc,
+            ),
             backend=backend,
         )
         return out
@@ -354,11 +376,13 @@ def _causal_floor(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _floor_of(causal: bool, padding: float = 0.0) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+def _floor_of(
+    causal: bool = False, padding: float = 0.0, documents: int = 1
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """The floor: SDPA without positions, with its own causal flag under a causal mask; with
-    key padding, its boolean mask (``[b, 1, 1, n]``, or ``[b, 1, n, n]`` with the causal
-    mask folded in: SDPA takes one or the other)."""
-    if padding == 0:
+    key padding or packed documents, its boolean mask (``[b, 1, 1, n]``, or ``[b, 1, n, n]``
+    with the causal mask or the documents folded in: SDPA takes one mask)."""
+    if padding == 0 and documents <= 1:
         return _causal_floor if causal else _floor
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -369,6 +393,10 @@ def _floor_of(causal: bool, padding: float = 0.0) -> Callable[[Tensor, Tensor, T
             keep = ~pad[:, None, None, :]  # [b, 1, 1, n]
         if causal:
             keep = keep & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        packed = _documents(n, documents, q.device)
+        if packed is not None:
+            doc = packed[0][0]  # [n]
+            keep = keep & (doc[:, None] == doc[None, :])  # [b, 1, n, n]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
     return run
@@ -404,6 +432,7 @@ def run_bench(
     memory: bool = True,
     causal: bool = False,
     padding: float = 0.0,
+    documents: int = 1,
     progress: Progress | None = None,
 ) -> list[Case]:
     """Benchmark ``schemes`` at ``lengths``; see the module docstring for what is measured.
@@ -411,7 +440,9 @@ def run_bench(
     ``causal=True`` measures causal attention (a causal mask for posenc and the reference,
     SDPA's own causal flag for the floor). ``padding`` pads the end of the batch's last
     sequence by that fraction of its keys (``key_padding`` for posenc and the reference, a
-    boolean mask for the floor). ``memory=False`` skips the peak-memory measurement (on CPU it costs one fresh Python
+    boolean mask for the floor); ``documents`` packs that many documents in each sequence
+    (``q_doc``/``k_doc``, positions restarting in each; the floor's boolean mask keeps each
+    document to itself). ``memory=False`` skips the peak-memory measurement (on CPU it costs one fresh Python
     process per variant and case); the memory columns then read n/a.
 
     Returns:
@@ -428,15 +459,15 @@ def run_bench(
             scheme = scheme.to(device=device)
         case = Case(name, n, backend)
         variants: dict[str, Callable[..., Tensor]] = {
-            "floor": _floor_of(causal, padding),
-            "posenc": _core(scheme, backend, causal, padding),
+            "floor": _floor_of(causal, padding, documents),
+            "posenc": _core(scheme, backend, causal, padding, documents),
         }
         itemsize = torch.finfo(dtype).bits // 8
         if (
             reference
             and _reference_bytes(name, batch, heads, n, head_dim, itemsize) <= REFERENCE_BUDGET
         ):
-            variants["reference"] = _core(scheme, "math", causal, padding)
+            variants["reference"] = _core(scheme, "math", causal, padding, documents)
         elif reference:
             case.skipped["reference"] = "does not fit the memory budget"
         inputs = _inputs(batch, heads, n, head_dim, dtype, device, backward)
@@ -459,7 +490,7 @@ def run_bench(
                 spec = {"scheme": name, "n": n, "batch": batch, "heads": heads}
                 spec |= {"head_dim": head_dim, "dtype": str(dtype).removeprefix("torch.")}
                 spec |= {"backward": backward, "backend": backend, "variant": key}
-                spec |= {"causal": causal, "padding": padding}
+                spec |= {"causal": causal, "padding": padding, "documents": documents}
                 case.peak_mib[key] = _peak_in_subprocess(spec)
                 continue
             case.peak_mib[key] = peak.measure(
@@ -526,6 +557,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -565,6 +606,7 @@ def run(args: argparse.Namespace) -> int:
         "memory": not args.no_memory,
         "causal": args.causal,
         "padding": args.padding,
+        "documents": args.documents,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
@@ -585,9 +627,12 @@ def run(args: argparse.Namespace) -> int:
         memory=not args.no_memory,
         causal=args.causal,
         padding=args.padding,
+        documents=args.documents,
         progress=Progress(len(args.schemes) * len(args.lengths), quiet=args.quiet),
     )
     masks = "causal, " if args.causal else ""
+    if args.documents > 1:
+        masks += f"{args.documents} documents a sequence, "
     if args.padding:
         masks += f"last sequence {args.padding:.0%} padding, "
     print(
@@ -644,6 +689,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=0.0,
         help="pad the end of the batch's last sequence by this fraction of its keys "
         "(key_padding; the floor takes SDPA's boolean mask), e.g. 0.25",
+    )
+    parser.add_argument(
+        "--documents",
+        type=_positive_int,
+        default=1,
+        help="pack this many documents of equal length in each sequence (q_doc/k_doc, "
+        "positions restarting in each; the floor takes SDPA's boolean mask)",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
