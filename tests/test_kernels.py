@@ -540,6 +540,23 @@ def test_far_parts_only_on_long_sequences():
         assert (low is None) == (high is None) == (not parts)
 
 
+def test_reused_buffers_keep_one_per_tag():
+    """Blocks of one shape share a buffer; a block of another shape replaces it (under a
+    causal mask every block differs: keeping one per shape kept them all)."""
+    buffers = {}
+    first = kernels._reused(buffers, "s", (2, 3), lambda: torch.zeros(2, 3))
+    assert kernels._reused(buffers, "s", (2, 3), lambda: torch.ones(2, 3)) is first
+    other = kernels._reused(buffers, "s", (2, 4), lambda: torch.zeros(2, 4))
+    assert other is not first and list(buffers) == ["s"] and buffers["s"][1] is other
+    kernels._reused(buffers, "p", (2, 3), lambda: torch.zeros(2, 3))
+    assert sorted(buffers) == ["p", "s"]
+    # _widen: the fill stays outside the columns written, whatever was written before
+    wide = kernels._widen(torch.ones(2, 2), 5, 1, float("-inf"), buffers)
+    assert wide[:, 0].isinf().all() and wide[:, 3:].isinf().all() and (wide[:, 1:3] == 1).all()
+    x = torch.arange(4.0).view(2, 2)
+    assert kernels._widen(x, 2, 0, 0.0, buffers) is x  # every column: x itself
+
+
 def test_strip_rows():
     assert kernels._strip_rows(512, None, 20) == 512  # no far parts: as given
     assert kernels._strip_rows(512, -15, 15) == 64  # Shaw, k = 16: a band of 31 offsets
