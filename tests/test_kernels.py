@@ -603,34 +603,54 @@ def test_block_pieces_cover_the_visible_pairs_once(n_q, n_k, causal):
                 assert torch.equal(covered, visible.long()), (r0, r1, first, end)
 
 
-def test_mask_blocks_only_for_one_run_of_keys_per_block():
+def test_mask_blocks_only_for_one_run_of_keys_per_document():
     q = torch.zeros(3, 1, 4, 2)
     every = slice(0, 4)
     pad = torch.tensor([[False, False, True, True], [True, False, False, False], [True] * 4])
-    assert kernels._mask_blocks(Mask(4, 6, causal=True), q) is None  # nothing to split
-    blocks = kernels._mask_blocks(Mask(4, 4, key_padding=pad), q)
-    assert blocks == [[(every, 0, 2)], [(every, 1, 4)], []]
-    lengths = torch.tensor([3, 1, 0])[:, None].expand(3, 4)
-    blocks = kernels._mask_blocks(Mask(4, 4, lengths=lengths), q)
-    assert blocks == [[(every, 0, 3)], [(every, 0, 1)], []]
-    both = Mask(4, 4, key_padding=pad, lengths=lengths, causal=True)
-    assert kernels._mask_blocks(both, q) == [[(every, 0, 2)], [], []]  # (key 0 is padding)
-    docs = torch.tensor([[0, 0, 1, 1], [5, 6, 6, 6], [2, 2, 2, 2]])
-    blocks = kernels._mask_blocks(Mask(4, 4, q_doc=docs, k_doc=docs), q)
-    first, second = slice(0, 2), slice(2, 4)
-    assert blocks == [
-        [(first, 0, 2), (second, 2, 4)],
-        [(slice(0, 1), 0, 1), (slice(1, 4), 1, 4)],
-        [(every, 0, 4)],
-    ]
-    blocks = kernels._mask_blocks(Mask(4, 4, key_padding=pad, q_doc=docs, k_doc=docs), q)
-    assert blocks == [[(first, 0, 2)], [(slice(1, 4), 1, 4)], []]  # padded: no keys left
-    gaps = torch.tensor([[False, True, False, False]] * 3)
-    assert kernels._mask_blocks(Mask(4, 4, key_padding=gaps), q) is None
-    by_query = torch.tensor([[1, 2, 3, 4]] * 3)  # lengths that change with the query
-    assert kernels._mask_blocks(Mask(4, 4, lengths=by_query), q) is None
-    split_doc = torch.tensor([[0, 1, 0, 1]] * 3)  # a document's keys in two runs
-    assert kernels._mask_blocks(Mask(4, 4, q_doc=split_doc, k_doc=split_doc), q) is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "MASK_BLOCK_PAIRS", 1)  # any number of calls
+        assert kernels._mask_blocks(Mask(4, 6, causal=True), q) is None  # nothing to split
+        blocks = kernels._mask_blocks(Mask(4, 4, key_padding=pad), q)
+        # the first sequence's rows cut where their own key leaves the run (see _block_pieces)
+        assert blocks == [
+            [(slice(0, 2), slice(0, 2), False), (slice(2, 4), slice(0, 2), False)],
+            [(slice(0, 1), slice(1, 4), False), (slice(1, 4), slice(1, 4), False)],
+            [],
+        ]
+        lengths = torch.tensor([3, 1, 0])[:, None].expand(3, 4)
+        both = Mask(4, 4, key_padding=pad, lengths=lengths, causal=True)
+        # (the second sequence's key 0 is padding: no key left)
+        causal_run = [(slice(0, 2), slice(0, 2), True), (slice(2, 4), slice(0, 2), False)]
+        assert kernels._mask_blocks(both, q) == [causal_run, [], []]
+        docs = torch.tensor([[0, 0, 1, 1], [5, 6, 6, 6], [2, 2, 2, 2]])
+        blocks = kernels._mask_blocks(Mask(4, 4, q_doc=docs, k_doc=docs, causal=True), q)
+        first, second, rest = slice(0, 2), slice(2, 4), slice(1, 4)
+        assert blocks == [
+            [(first, first, True), (second, second, True)],
+            [(slice(0, 1), slice(0, 1), True), (rest, rest, True)],
+            [(every, every, True)],
+        ]
+        gaps = torch.tensor([[False, True, False, False]] * 3)
+        assert kernels._mask_blocks(Mask(4, 4, key_padding=gaps), q) is None
+        by_query = torch.tensor([[1, 2, 3, 4]] * 3)  # lengths that change with the query
+        assert kernels._mask_blocks(Mask(4, 4, lengths=by_query), q) is None
+        split_doc = torch.tensor([[0, 1, 0, 1]] * 3)  # a document's keys in two runs
+        assert kernels._mask_blocks(Mask(4, 4, q_doc=split_doc, k_doc=split_doc), q) is None
+
+
+def test_mask_blocks_leave_small_documents_to_one_masked_call():
+    """Calls of fewer than MASK_BLOCK_PAIRS pairs on average cost more than they save."""
+    q = torch.zeros(1, 1, 512, 2)
+    for length, split in ((128, True), (64, False)):
+        doc = (torch.arange(512) // length)[None]
+        mask = Mask(512, 512, q_doc=doc, k_doc=doc, causal=True)
+        assert (kernels._mask_blocks(mask, q) is not None) == split, length
+
+
+@pytest.fixture
+def blocks_at_any_size(monkeypatch):
+    """Masks split into blocks whatever the size of their calls (MASK_BLOCK_PAIRS)."""
+    monkeypatch.setattr(kernels, "MASK_BLOCK_PAIRS", 1)
 
 
 def _padded_schemes(h: int, d: int) -> dict[str, object]:
@@ -665,7 +685,7 @@ PADDINGS = {  # per batch element: (visible keys first, end) of n_k keys
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("n_q", "n_k"), [(13, 13), (3, 13)])
 def test_padding_at_the_ends_takes_the_fused_paths_and_equals_math(
-    monkeypatch, scheme_name, padding, causal, n_q, n_k
+    blocks_at_any_size, monkeypatch, scheme_name, padding, causal, n_q, n_k
 ):
     """Key padding at either end (or lengths the same for a sequence's queries) runs each
     batch element over its visible keys with no mask but the causal one: the per-offset
@@ -698,7 +718,7 @@ def test_padding_at_the_ends_takes_the_fused_paths_and_equals_math(
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 def test_packed_documents_take_the_fused_paths_and_equal_math(
-    monkeypatch, scheme_name, causal, padded
+    blocks_at_any_size, monkeypatch, scheme_name, causal, padded
 ):
     """Packed sequences (documents side by side, positions restarting in each, the end of
     one batch element padded): each document runs alone on the per-offset paths; outputs
@@ -727,7 +747,9 @@ def test_packed_documents_take_the_fused_paths_and_equal_math(
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_takes_packed_documents_and_padding_block_by_block(monkeypatch, causal):
+def test_sdpa_takes_packed_documents_and_padding_block_by_block(
+    blocks_at_any_size, monkeypatch, causal
+):
     """No positional term (no scheme, or rotary, whose rotation comes before): SDPA runs
     each document of each sequence alone, with no [n_q, n_k] mask (its own causal flag on
     square blocks), and equals math; a padded query row of a document that lost its keys
@@ -760,7 +782,7 @@ def test_sdpa_takes_packed_documents_and_padding_block_by_block(monkeypatch, cau
     assert all(m is None or m.shape[-2:] != (n, n) for m in masks)
 
 
-def test_padding_at_the_ends_with_positions_per_sequence_equals_math():
+def test_padding_at_the_ends_with_positions_per_sequence_equals_math(blocks_at_any_size):
     """Each batch element's calls take its own positions (here one sequence's are spread
     out, which a relative scheme sees)."""
     from posenc import T5RelativeBias
@@ -775,7 +797,7 @@ def test_padding_at_the_ends_with_positions_per_sequence_equals_math():
         torch.testing.assert_close(c, a)
 
 
-def test_padding_queries_alone_leave_the_per_offset_path():
+def test_padding_queries_alone_leave_the_per_offset_path(blocks_at_any_size):
     """ALiBi over 200 tokens spans more than BIAS_SPAN, so rows that do not meet offset 0
     cannot take the per-offset path: with the end of a sequence padded, only the padding's
     own queries (the rows past its last key) take the general engine."""
@@ -792,7 +814,7 @@ def test_padding_queries_alone_leave_the_per_offset_path():
     assert len(offset) == 2 and general == [50]  # each sequence's own rows; 50 padded rows
 
 
-def test_lengths_equal_across_queries_equal_math():
+def test_lengths_equal_across_queries_equal_math(blocks_at_any_size):
     from posenc import T5RelativeBias
 
     torch.manual_seed(0)
