@@ -83,6 +83,7 @@ def test_padding_bench_masks_posenc_and_the_floor(tmp_path, capsys, monkeypatch,
     assert keep.shape == ((2, 1, 16, 16) if causal else (2, 1, 1, 16))
     assert not keep[1, ..., 12:].any() and keep[0, ..., -1, :].all()
     assert keep[1, ..., -1, :12].all()
+    assert bench._key_padding(2, 16, 0.99, torch.device("cpu"))[1].sum() == 15  # a key left
     scheme = bench.SCHEMES["t5"](2, 8, 16)
     q, k, v = (torch.randn(2, 2, 16, 8) for _ in range(3))
     out = bench._core(scheme, "auto", causal, 0.25)(q, k, v)

@@ -553,6 +553,8 @@ def test_reused_buffers_keep_one_per_tag():
     # _widen: the fill stays outside the columns written, whatever was written before
     wide = kernels._widen(torch.ones(2, 2), 5, 1, float("-inf"), buffers)
     assert wide[:, 0].isinf().all() and wide[:, 3:].isinf().all() and (wide[:, 1:3] == 1).all()
+    narrow = kernels._widen(torch.full((2, 1), 2.0), 5, 1, float("-inf"), buffers)
+    assert narrow[:, 2:].isinf().all() and (narrow[:, 1] == 2).all()  # fewer columns: no stale
     x = torch.arange(4.0).view(2, 2)
     assert kernels._widen(x, 2, 0, 0.0, buffers) is x  # every column: x itself
 
@@ -638,10 +640,30 @@ def test_mask_blocks_only_for_one_run_of_keys_per_document():
         assert kernels._mask_blocks(Mask(4, 4, q_doc=split_doc, k_doc=split_doc), q) is None
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "lean"])
+def test_masks_that_hide_every_key_keep_the_gradients(blocks_at_any_size, backend):
+    """Every key hidden (found in review: the blocks had no call and returned zeros without
+    a graph) or an empty batch: as math, zeros that backpropagate (to zero gradients)."""
+    from posenc import ShawRelativePosition
+
+    scheme = None if backend == "sdpa" else ShawRelativePosition(4, 2)
+    pos = torch.arange(4)[None]
+    for b in (2, 0):
+        q, k, v = (torch.randn(b, 2, 4, 4, requires_grad=True) for _ in range(3))
+        mask = Mask(4, 4, key_padding=torch.ones(b, 4, dtype=torch.bool))
+        out, _ = attend(q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=mask, backend=backend)
+        assert out.shape == (b, 2, 4, 4) and not out.any()
+        out.sum().backward()
+        assert q.grad is not None and not q.grad.any()
+        if scheme is not None and b:
+            assert all(p.grad is not None and not p.grad.any() for p in scheme.parameters())
+
+
 def test_mask_blocks_leave_small_documents_to_one_masked_call():
-    """Calls of fewer than MASK_BLOCK_PAIRS pairs on average cost more than they save."""
+    """More than one call per MASK_BLOCK_PAIRS pairs of the masked call costs more than it
+    saves (documents of 64 tokens at n = 512: 8 calls, 32 tokens: 16)."""
     q = torch.zeros(1, 1, 512, 2)
-    for length, split in ((128, True), (64, False)):
+    for length, split in ((64, True), (32, False)):
         doc = (torch.arange(512) // length)[None]
         mask = Mask(512, 512, q_doc=doc, k_doc=doc, causal=True)
         assert (kernels._mask_blocks(mask, q) is not None) == split, length
@@ -776,9 +798,9 @@ def test_sdpa_takes_packed_documents_and_padding_block_by_block(
         results[backend] = [out, *(t.grad for t in leaves)]
     for a, c in zip(results["math"], results["sdpa"], strict=True):
         torch.testing.assert_close(c, a)
-    # documents [0, 5) and [5, 10) of the first sequence, [0, 9) of the second, and the
-    # padded rows of the last document of each, which see its whole run
-    assert len(masks) == 5
+    # documents [0, 5) and [5, 10) of the first sequence, [0, 9) of the second; causal, also
+    # the padded rows of the last document of each, which see its whole run
+    assert len(masks) == (5 if causal else 3)
     assert all(m is None or m.shape[-2:] != (n, n) for m in masks)
 
 

@@ -303,7 +303,7 @@ def _sdpa(
         )
     extra = _fold_scores(hooks, q, q_pos, k_pos, scale, reference=False)
     if extra is None and dropout_p == 0:
-        blocks = _mask_blocks(mask, q)
+        blocks = _mask_blocks(mask, q, cut=False)
         if blocks is not None:  # padding at the ends, packed documents: no [n_q, n_k] mask
             return _by_blocks(q, k, v, hooks, q_pos, k_pos, scale, blocks, _sdpa)
     keep = mask.keep(device=q.device)
@@ -850,9 +850,10 @@ def _block_grads(
         extra_dp: ``[b, g, rows, n_k]`` added to ``dP`` (a value term's share), or None.
         floor: ``P`` by :func:`_exp_no_denormals` (a block whose rows' weight lies
             mostly elsewhere, e.g. Shaw's strip beside its far parts).
-        fresh_mask: instead of ``attn_mask``, a function giving a new contiguous mask
-            ``[b, g, rows, n_k]``, into which the scores are accumulated (a mask built per
-            block: one pass fewer than adding it to the scores). ``lse`` is subtracted
+        fresh_mask: instead of ``attn_mask``, a function giving a contiguous mask
+            ``[b, g, rows, n_k]`` the caller may reuse (then ``P``, returned, is that
+            buffer and lasts until the next call), into which the scores are accumulated
+            (a mask built per block: one pass fewer than adding it to the scores). ``lse`` is subtracted
             after: folded into the mask first, float32 lost precision (a term in the
             hundreds: dq 3x further from float64, found in review).
 
@@ -1461,7 +1462,7 @@ class _OffsetTermAttention(torch.autograd.Function):
     ``q_blk @ r^T`` over the offsets it meets, handed to the fused kernel as a strided view
     (no ``[rows, n_k]`` copy). The value term is ``unskew(P) @ a^V`` with ``P`` recomputed
     from the kernel's ``logsumexp`` over the block's keys. Backward: ``dS`` (and ``P``) go
-    back through the skew into zero-padded buffers reused per block shape; small products
+    back through the skew into zero-padded buffers (one per tag, :func:`_reused`); small products
     give the gradients of ``q`` and of the rows. Rows given as a clipped table (see :class:`_Rows`) make every product
     with them ``R`` rows wide instead of ``W``.
 
@@ -1703,7 +1704,8 @@ def _unskew(x: Tensor, padded: _Buffers, tag: str) -> Tensor:
     """``x [b, g, rows, n_k]`` back through the skew: ``[b, g, rows, rows + n_k - 1]``, row
     ``i`` shifted right by ``rows - 1 - i``, zero elsewhere (a buffer reused per shape)."""
     shape = (*x.shape[:-1], x.shape[-2] + x.shape[-1] - 1)
-    out = _reused(padded, tag, shape, lambda: x.new_zeros(shape))
+    # (a tag per head-group size: groups of two sizes would otherwise remake it each time)
+    out = _reused(padded, f"{tag} {x.shape[:2]}", shape, lambda: x.new_zeros(shape))
     skew_rows(out, x.shape[-1]).copy_(x)
     return out
 
@@ -1743,7 +1745,8 @@ def _widen(x: Tensor, width: int, lo: int, fill: float, buffers: _Buffers) -> Te
     if x.shape[-1] == width:
         return x
     shape = (*x.shape[:-1], width)
-    out = _reused(buffers, f"widen {fill}", (lo, *shape), lambda: x.new_full(shape, fill))
+    tag, key = f"widen {fill} {x.shape[:2]}", (lo, x.shape[-1], *shape)  # (see _unskew)
+    out = _reused(buffers, tag, key, lambda: x.new_full(shape, fill))
     out[..., lo : lo + x.shape[-1]] = x
     return out
 
@@ -2086,7 +2089,7 @@ def _grid_term_mask(
     buffers: _Buffers,
 ) -> Tensor:
     """The 2-D term of the queries of map rows ``r .. r + m - 1``: ``[b, g, m W, H * W]``,
-    contiguous, written into the buffer ``"mask"`` of ``buffers`` (:func:`_reused`): a
+    contiguous, written into a reused buffer of ``buffers`` (:func:`_reused`): a
     buffer reused while it is in the caches, not a new one per block (measured here, the
     kernel over 256-row blocks with a new mask each took 1.39x the floor's forward, with
     one reused 1.35x)."""
@@ -2101,7 +2104,7 @@ def _grid_term_mask(
     # never clamped: content, as q . k is (see _term_mask)
     by_row = by_row.contiguous()  # small: read through its skewed strides, the sum was 3x slower
     shape = (b, g, count // cols, cols, rows, cols)
-    out = _reused(buffers, "mask", shape, lambda: q_blk.new_empty(shape))  # [b, g, m, W, H, W]
+    out = _reused(buffers, f"mask {g}", shape, lambda: q_blk.new_empty(shape))  # [b, g, m, W, H, W]
     mask = torch.add(by_row[..., :, None], by_col[..., None, :], out=out)
     return mask.view(b, g, count, rows * cols)  # [b, g, m W, H * W]
 
@@ -2229,21 +2232,25 @@ def _runs(x: Tensor) -> list[tuple[int, int, int]]:
     return list(zip(values, bounds[:-1], bounds[1:], strict=True))
 
 
-#: a mask is split into blocks (:func:`_mask_blocks`) only when its calls average at least
-#: this many query-key pairs: each call costs about 2.5-3.5 ms (fwd+bwd) whatever its size.
-#: Measured here, n = 2048, causal documents of L tokens, blocks against one masked call:
-#: T5 L = 8 / 16 / 32 / 64: 2.59x / 1.31x / 0.70x / 0.39x; no positions (SDPA) 4.73x /
-#: 2.45x / 1.26x / 0.70x. 2^16 pairs: documents from 32 tokens at n = 2048, 128 at 512.
-MASK_BLOCK_PAIRS = 1 << 16
+#: a mask is split into blocks (:func:`_mask_blocks`) only when it makes at most one call per
+#: this many query-key pairs of the masked call (``b * n_q * n_k``): each call has a fixed
+#: cost. Measured here, causal documents of L tokens, fwd+bwd, blocks against one masked
+#: call: n = 2048, L = 4 / 8 / 16 / 32, T5 2.35x / 1.21x / 0.62x / 0.35x, SDPA (no
+#: positions) 2.50x / 1.29x / 0.70x / 0.41x; n = 512, L = 16 / 32 / 64, T5 1.83x / 1.06x /
+#: 0.68x, SDPA 1.00x / 0.67x / 0.51x. 2^15: documents from 16 tokens at n = 2048, 64 at 512.
+MASK_BLOCK_PAIRS = 1 << 15
 
 
-def _mask_blocks(mask: Mask, q: Tensor) -> list[list[tuple[slice, slice, bool]]] | None:
+def _mask_blocks(
+    mask: Mask, q: Tensor, *, cut: bool = True
+) -> list[list[tuple[slice, slice, bool]]] | None:
     """Per batch element, its ``(query rows, keys, causal)`` calls (:func:`_block_pieces`)
     when the mask is key padding, lengths the same for a sequence's queries and packed
     documents (each document's queries a run, its keys a run) that leave one run of keys
     per document: padding at the ends, documents side by side; rows in no call see no key.
-    Else None (also with nothing of the kind, or more calls than :data:`MASK_BLOCK_PAIRS`
-    allows).
+    Else None (also with nothing of the kind, with no call at all, or with more calls than
+    :data:`MASK_BLOCK_PAIRS` allows). ``cut``: rows cut for a strong bias (see
+    :func:`_block_pieces`; SDPA has no use for it).
 
     Each call is attention with no mask but the causal one (:func:`_by_blocks`), on
     the fused paths that a mask keeps it from (measured here, n = 2048, fwd+bwd against SDPA
@@ -2260,6 +2267,8 @@ def _mask_blocks(mask: Mask, q: Tensor) -> list[list[tuple[slice, slice, bool]]]
     ):
         return None
     b, n_q, n_k = q.shape[0], mask.n_q, mask.n_k
+    if b == 0:
+        return None
     visible = torch.ones(b, n_k, dtype=torch.bool)
     if mask.key_padding is not None:
         visible &= ~mask.key_padding.to("cpu", torch.bool).expand(b, n_k)
@@ -2290,24 +2299,28 @@ def _mask_blocks(mask: Mask, q: Tensor) -> list[list[tuple[slice, slice, bool]]]
             first = a + int(seen.int().argmax())
             if not bool(visible[i, first : first + count].all()):
                 return None  # visible keys with gaps between them
-            mine += _block_pieces(slice(r0, r1), first, first + count, n_k - n_q, mask.causal)
+            end = first + count
+            mine += _block_pieces(slice(r0, r1), first, end, n_k - n_q, mask.causal, cut=cut)
         blocks.append(mine)
-    if sum(map(len, blocks)) * MASK_BLOCK_PAIRS > b * n_q * n_k:
+    calls = sum(map(len, blocks))
+    if calls == 0:  # no query sees a key: the masked path (its zeros keep their gradients)
+        return None
+    if calls * MASK_BLOCK_PAIRS > b * n_q * n_k:
         return None  # small documents: one masked call costs less than their calls
     return blocks
 
 
 def _block_pieces(
-    rows: slice, first: int, end: int, delta: int, causal: bool
+    rows: slice, first: int, end: int, delta: int, causal: bool, *, cut: bool = True
 ) -> list[tuple[slice, slice, bool]]:
     """``(query rows, keys, causal)`` calls covering the visible pairs of a block whose
     queries ``rows`` see the keys ``first .. end - 1`` (and, causal, ``j <= i + delta``,
     ``delta = n_k - n_q``): rows that see part of the run take a causal call whose last key
     is their last row's bound (so aligned at its end, as the fused paths align it), rows
-    that see all of it a call without a mask; rows before ``first - delta`` see no key
-    (none of the calls).
+    that see all of it a call without a mask; under the causal mask rows before
+    ``first - delta`` see no key (none of the calls).
 
-    Without a causal mask the rows are cut where their aligned key (``i + delta``) enters
+    Without a causal mask (and with ``cut``) the rows are cut where their aligned key (``i + delta``) enters
     and leaves the run: the rows of the run's own tokens then meet offset 0, where a strong
     bias (ALiBi) is best, and take the per-offset path; the others (the padding's queries)
     take whatever path they allow (measured here, ALiBi, 2048 queries: over 1536 keys in
@@ -2315,6 +2328,8 @@ def _block_pieces(
     if end <= first or rows.stop <= rows.start:
         return []
     keys = slice(first, end)
+    if not causal and not cut:
+        return [(rows, keys, False)]
     if not causal:
         cuts = {rows.start, rows.stop}
         cuts |= {min(max(x, rows.start), rows.stop) for x in (first - delta, end - delta)}
@@ -2343,21 +2358,35 @@ def _by_blocks(
 ) -> Tensor:
     """``path`` (the lean engine, or SDPA) block by block (:func:`_mask_blocks`), each with
     no mask but a causal one: ``[b, h, n_q, d_v]``, 0 for a query that sees no key.
-    Gradients flow through the slices (and the scheme's tables through each call)."""
+
+    Each sequence is taken apart once: its query rows split at the calls' rows (disjoint),
+    its keys and values at the runs the calls' keys make (a call narrows its run), and the
+    output put together by one ``cat``, so that autograd's backward writes each input's
+    gradient once, not one full-size gradient per call (as ``q[i : i + 1, :, rows]`` per
+    call did: 0.9-6 ms a call whatever its size, found in review)."""
     h, n_q = q.shape[1:3]
+    n_k = k.shape[2]
     outs = []
-    for i, pieces in enumerate(blocks):
+    for i, (qi, ki, vi) in enumerate(zip(q.unbind(0), k.unbind(0), v.unbind(0), strict=True)):
+        pieces = blocks[i]  # [h, n, d] each
         qp, kp = q_pos[i if q_pos.shape[0] > 1 else 0], k_pos[i if k_pos.shape[0] > 1 else 0]
+        q_parts = _split_runs(qi, [(r.start, r.stop) for r, _, _ in pieces], n_q)
+        runs = _merged([(keys.start, keys.stop) for _, keys, _ in pieces])
+        k_runs = dict(zip(runs, _split_runs(ki, runs, n_k), strict=True))
+        v_runs = dict(zip(runs, _split_runs(vi, runs, n_k), strict=True))
         parts: list[Tensor] = []
         done = 0  # rows so far
-        for rows, keys, causal in pieces:
+        for (rows, keys, causal), q_part in zip(pieces, q_parts, strict=True):
             if rows.start > done:  # rows that see no key: 0
                 parts.append(v.new_zeros(1, h, rows.start - done, v.shape[-1]))
-            sub = Mask(rows.stop - rows.start, keys.stop - keys.start, causal=causal)
+            run = next(r for r in runs if r[0] <= keys.start and keys.stop <= r[1])
+            at, count = keys.start - run[0], keys.stop - keys.start
+            sub = Mask(rows.stop - rows.start, count, causal=causal)
             parts.append(
                 path(
-                    q[i : i + 1, :, rows], k[i : i + 1, :, keys], v[i : i + 1, :, keys], hooks,
-                    qp[rows][None], kp[keys][None], sub, scale, 0.0,
+                    q_part[None], k_runs[run].narrow(1, at, count)[None],
+                    v_runs[run].narrow(1, at, count)[None], hooks, qp[rows][None],
+                    kp[keys][None], sub, scale, 0.0,
                 )
             )  # fmt: skip
             done = rows.stop
@@ -2365,3 +2394,30 @@ def _by_blocks(
             parts.append(v.new_zeros(1, h, n_q - done, v.shape[-1]))
         outs.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])  # [1, h, n_q, d_v]
     return torch.cat(outs, dim=0)  # [b, h, n_q, d_v]
+
+
+def _merged(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of ``[a, c)`` runs as disjoint runs, in order."""
+    out: list[tuple[int, int]] = []
+    for a, c in sorted(runs):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], c))
+        else:
+            out.append((a, c))
+    return out
+
+
+def _split_runs(x: Tensor, runs: list[tuple[int, int]], size: int) -> list[Tensor]:
+    """The parts ``x[:, a:c]`` of disjoint runs in order, from one ``split`` of ``x [h, size,
+    d]`` (whose backward writes one gradient for all of them)."""
+    sizes, picked, at = [], [], 0
+    for a, c in runs:
+        if a > at:
+            sizes.append(a - at)
+        picked.append(len(sizes))
+        sizes.append(c - a)
+        at = c
+    if at < size:
+        sizes.append(size - at)
+    parts = x.split(sizes, dim=1)
+    return [parts[j] for j in picked]

@@ -310,8 +310,9 @@ def _inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.de
 
 def _key_padding(b: int, n: int, padding: float, device: torch.device) -> Tensor | None:
     """``[b, n]`` bool, True = padding: the last ``round(padding * n)`` keys of the batch's
-    last sequence (a batch with one shorter sequence, padded at the end), or None."""
-    count = round(padding * n)
+    last sequence (a batch with one shorter sequence, padded at the end; at least one key
+    left), or None."""
+    count = min(round(padding * n), n - 1)
     if count == 0:
         return None
     mask = torch.zeros(b, n, dtype=torch.bool, device=device)
