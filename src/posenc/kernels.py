@@ -2253,10 +2253,13 @@ def _mask_blocks(
     :func:`_block_pieces`; SDPA has no use for it).
 
     Each call is attention with no mask but the causal one (:func:`_by_blocks`), on
-    the fused paths that a mask keeps it from (measured here, n = 2048, fwd+bwd against SDPA
-    with the same mask, general engine: a quarter of one sequence padded, ALiBi 2.31x, T5
-    2.39x, relative 3.74x, Shaw 5.89x; four causal documents, ALiBi 2.13x, T5 2.53x,
-    relative 3.88x, Shaw 7.06x). On CPU only (reading the runs syncs with the device), and
+    the fused paths that a mask keeps it from (``posenc bench --padding 0.25`` and
+    ``--documents 4 --causal`` at n = 2048, fwd+bwd against SDPA with the same mask, at
+    fcbd843, with the blocks / without: ALiBi 1.02x / 2.24x and 0.33x / 1.68x, T5 1.26x /
+    2.42x and 0.52x / 2.59x, relative 2.04x / 3.78x and 0.71x / 3.51x, Shaw 1.93x / 5.77x
+    and 0.89x / 6.91x; docs/performance.md, masks table). The gate is for the whole batch:
+    at most ``b * n_q * n_k / MASK_BLOCK_PAIRS`` calls, else every sequence takes the
+    masked path (so a decoding step, ``n_q = 1``, splits only from 2^15 keys). On CPU only (reading the runs syncs with the device), and
     not under ``torch.compile`` (the blocks depend on the mask's values: one graph each).
     """
     documents = mask.q_doc is not None and mask.k_doc is not None
