@@ -804,6 +804,25 @@ def test_sdpa_takes_packed_documents_and_padding_block_by_block(
     assert all(m is None or m.shape[-2:] != (n, n) for m in masks)
 
 
+def test_packed_whole_maps_take_the_grid_path_per_map(blocks_at_any_size, monkeypatch):
+    """Two 3 x 4 maps packed in a sequence, positions restarting in each: each map runs
+    alone on the 2-D term's grid path, and equals math."""
+    from posenc import RelativeQueryEmbedding2D
+
+    grid = spy_on(monkeypatch, kernels._GridTermAttention)
+    torch.manual_seed(0)
+    scheme = RelativeQueryEmbedding2D((3, 4), 4).double()
+    nn.init.normal_(scheme.height)
+    nn.init.normal_(scheme.width)
+    doc = (torch.arange(24) // 12)[None]
+    pos = (torch.arange(24) % 12)[None]
+    q, k, v = (torch.randn(1, 2, 24, 4, dtype=torch.float64) for _ in range(3))
+    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(24, 24, q_doc=doc, k_doc=doc))
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a)
+    assert len(grid) == 2
+
+
 def test_padding_at_the_ends_with_positions_per_sequence_equals_math(blocks_at_any_size):
     """Each batch element's calls take its own positions (here one sequence's are spread
     out, which a relative scheme sees)."""
