@@ -31,6 +31,7 @@ height), ``R`` the distinct rows of a clipped table (``2k + 1`` for Shaw).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -2371,19 +2372,19 @@ def _by_blocks(
     n_k = k.shape[2]
     outs = []
     for i, (qi, ki, vi) in enumerate(zip(q.unbind(0), k.unbind(0), v.unbind(0), strict=True)):
-        pieces = blocks[i]  # [h, n, d] each
+        pieces = blocks[i]  # (qi, ki, vi: [h, n_q | n_k, d], one sequence)
         qp, kp = q_pos[i if q_pos.shape[0] > 1 else 0], k_pos[i if k_pos.shape[0] > 1 else 0]
         q_parts = _split_runs(qi, [(r.start, r.stop) for r, _, _ in pieces], n_q)
         runs = _merged([(keys.start, keys.stop) for _, keys, _ in pieces])
-        k_runs = dict(zip(runs, _split_runs(ki, runs, n_k), strict=True))
-        v_runs = dict(zip(runs, _split_runs(vi, runs, n_k), strict=True))
+        starts = [a for a, _ in runs]
+        k_runs, v_runs = _split_runs(ki, runs, n_k), _split_runs(vi, runs, n_k)
         parts: list[Tensor] = []
         done = 0  # rows so far
         for (rows, keys, causal), q_part in zip(pieces, q_parts, strict=True):
             if rows.start > done:  # rows that see no key: 0
                 parts.append(v.new_zeros(1, h, rows.start - done, v.shape[-1]))
-            run = next(r for r in runs if r[0] <= keys.start and keys.stop <= r[1])
-            at, count = keys.start - run[0], keys.stop - keys.start
+            run = bisect.bisect_right(starts, keys.start) - 1  # the run holding these keys
+            at, count = keys.start - starts[run], keys.stop - keys.start
             sub = Mask(rows.stop - rows.start, count, causal=causal)
             parts.append(
                 path(
