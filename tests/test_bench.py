@@ -62,16 +62,10 @@ def test_causal_bench_masks_posenc_and_the_floor(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_padding_bench_masks_posenc_and_the_floor(tmp_path, capsys, monkeypatch, causal):
+def test_padding_bench_masks_posenc_and_the_floor(tmp_path, capsys, sdpa_masks, causal):
     import posenc.cli.bench as bench
 
-    masks = []
-    sdpa = bench.F.scaled_dot_product_attention
-    monkeypatch.setattr(
-        bench.F,
-        "scaled_dot_product_attention",
-        lambda *a, **kw: masks.append(kw.get("attn_mask")) or sdpa(*a, **kw),
-    )
+    masks, sdpa = sdpa_masks
     record = tmp_path / "bench.json"
     argv = ["bench", "--schemes", "t5", "--lengths", "16", "--batch", "2", "--heads", "2"]
     argv += ["--head-dim", "8", "--repeats", "1", "--warmup", "0", "--no-memory", "--quiet"]
@@ -98,16 +92,10 @@ def test_padding_bench_masks_posenc_and_the_floor(tmp_path, capsys, monkeypatch,
         )
 
 
-def test_documents_bench_packs_each_sequence(tmp_path, capsys, monkeypatch):
+def test_documents_bench_packs_each_sequence(tmp_path, capsys, sdpa_masks):
     import posenc.cli.bench as bench
 
-    masks = []
-    sdpa = bench.F.scaled_dot_product_attention
-    monkeypatch.setattr(
-        bench.F,
-        "scaled_dot_product_attention",
-        lambda *a, **kw: masks.append(kw.get("attn_mask")) or sdpa(*a, **kw),
-    )
+    masks, _ = sdpa_masks
     record = tmp_path / "bench.json"
     argv = ["bench", "--schemes", "absolute-query", "--lengths", "12", "--batch", "1"]
     argv += ["--heads", "2", "--head-dim", "8", "--repeats", "1", "--warmup", "0"]

@@ -770,19 +770,13 @@ def test_packed_documents_take_the_fused_paths_and_equal_math(
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_takes_packed_documents_and_padding_block_by_block(
-    blocks_at_any_size, monkeypatch, causal
+    blocks_at_any_size, sdpa_masks, causal
 ):
     """No positional term (no scheme, or rotary, whose rotation comes before): SDPA runs
     each document of each sequence alone, with no [n_q, n_k] mask (its own causal flag on
     square blocks), and equals math; a padded query row of a document that lost its keys
     is 0."""
-    masks = []
-    sdpa = kernels.F.scaled_dot_product_attention
-    monkeypatch.setattr(
-        kernels.F,
-        "scaled_dot_product_attention",
-        lambda *a, **kw: masks.append(kw.get("attn_mask")) or sdpa(*a, **kw),
-    )
+    masks, _ = sdpa_masks
     torch.manual_seed(0)
     n = 12
     doc = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
