@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -117,22 +118,109 @@ def test_documents_bench_packs_each_sequence(tmp_path, capsys, sdpa_masks):
         torch.testing.assert_close(out[:, :, part], alone)
 
 
+@pytest.fixture
+def no_bench(monkeypatch):
+    """The benchmark fails the test if it starts."""
+    import posenc.cli.bench as bench
+
+    def started(*args, **kwargs):
+        raise AssertionError("the benchmark started before the arguments were checked")
+
+    monkeypatch.setattr(bench, "run_bench", started)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--schemes", "rope"], "unknown scheme"),
-        (["--device", "tpu9"], "unknown device 'tpu9'"),
-        (["--padding", "1"], "expected a fraction of the keys in [0, 1)"),
-        (["--padding", "lots"], "expected a number, got 'lots'"),
-        (["--documents", "0"], "expected a positive integer, got '0'"),
-        (["--documents", "2,3"], "expected a positive integer, got '2,3'"),
+        (["--schemes", "rope"], "argument --schemes: unknown scheme"),
+        (["--device", "tpu9"], "argument --device: unknown device 'tpu9'"),
+        (["--padding", "1"], "argument --padding: must be a fraction of the keys in [0, 1)"),
+        (["--padding", "lots"], "must be a fraction of the keys in [0, 1) (0.25: a quarter), "),
+        (["--documents", "0"], "argument --documents: must be >= 1, got 0"),
+        (["--documents", "2,3"], "argument --documents: must be an integer >= 1, got '2,3'"),
+        (["--batch", "0"], "argument --batch: must be >= 1, got 0"),
+        (["--heads", "-2"], "argument --heads: must be >= 1, got -2"),
+        (["--head-dim", "0"], "argument --head-dim: must be >= 1, got 0"),
+        (["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+        (["--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+        (["--lengths", "512,0"], "argument --lengths: must be comma-separated integers >= 1"),
+        (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["--backend", "fast"], "argument --backend: invalid choice: 'fast'"),
     ],
 )
-def test_bad_options(argv, message, capsys):
+def test_bad_options(argv, message, capsys, no_bench):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", *argv])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith("posenc bench: error: ") and message in err
+
+
+def refused_before_measuring(argv, capsys) -> str:
+    """``posenc bench argv`` ends with status 2 and one error line; return it."""
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("posenc bench: error: ") and err.count("\n") == 1, err
+    return err.strip()
+
+
+def test_flex_with_the_backward_on_cpu_is_refused(capsys, no_bench, tmp_path):
+    """FlexAttention has no CPU backward (torch 2.13): bench, which times forward+backward,
+    used to fail in torch's code at the first case (the JSON never written)."""
+    record = tmp_path / "bench.json"
+    argv = ["--backend", "flex", "--schemes", "alibi", "--json", str(record)]
+    line = refused_before_measuring(argv, capsys)
+    assert line == (
+        "posenc bench: error: --backend flex cannot time the backward on CPU (FlexAttention "
+        f"in torch {torch.__version__.split('+')[0]} has no CPU backward, and bench times "
+        "forward+backward); add --no-backward to time the forward only, run on a GPU with "
+        "--device cuda, or use --backend auto, lean or math"
+    )
+    assert not record.exists()
+
+
+def test_flex_runs_where_it_can(monkeypatch):
+    """Forward only on CPU, and forward+backward on CUDA, flex goes on to the benchmark."""
+    import posenc.cli.bench as bench
+    from posenc.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--backend", "flex", "--schemes", "alibi,rotary"])
+    bench.check(argparse.Namespace(**{**vars(args), "device": "cuda"}))  # no error
+    args = build_parser().parse_args(
+        ["bench", "--backend", "flex", "--schemes", "alibi", "--no-backward", "--quiet"]
+    )
+    calls = []
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: calls.append(kw) or [])
+    monkeypatch.setattr(bench, "format_table", lambda *a, **kw: "")
+    assert args.run(args) == 0
+    assert calls[0]["backend"] == "flex" and calls[0]["backward"] is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--backend", "flex", "--no-backward"],
+            "--backend flex cannot run --schemes relative,relative-2d,absolute-query,shaw "
+            "(FlexAttention serves rotary and content-free biases only, not content terms); "
+            "use --backend auto, lean or math, or --schemes rotary,alibi,t5,swin-1d,swin-2d",
+        ),
+        (
+            ["--backend", "sdpa", "--schemes", "alibi,shaw"],
+            "--backend sdpa cannot run --schemes shaw (SDPA has no value term, which Shaw's "
+            "a^V needs); use --backend auto, lean or math, or --schemes rotary,alibi,t5,",
+        ),
+        (
+            ["--head-dim", "7", "--schemes", "alibi,rotary"],
+            "--schemes rotary cannot be built with --heads 8 --head-dim 7: head_dim must be "
+            "even (channels are rotated in pairs), got 7; use 8 or 6",
+        ),
+    ],
+)
+def test_a_scheme_the_run_cannot_serve_is_refused(argv, message, capsys, no_bench):
+    """These used to fail at the first case of the scheme, after the others were timed."""
+    assert message in refused_before_measuring(argv, capsys)
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="Linux")

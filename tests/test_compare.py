@@ -132,15 +132,60 @@ def test_markdown_shows_mean_and_spread():
         (["--schemes", "rope"], "unknown scheme(s) 'rope'; choose from none,"),
         (["--tasks", "sort"], "unknown task(s) 'sort'; choose from shift, copy, grid"),
         (["--lengths", "8,x"], "lengths are positive integers or HxW grids"),
-        (["--seeds", "0"], "expected a positive integer, got '0'"),
+        (["--seeds", "0"], "argument --seeds: must be >= 1, got 0"),
         (["--device", "gpu0"], "unknown device 'gpu0'; use cpu, cuda or cuda:N"),
+        (["--lr", "-1"], "argument --lr: must be > 0, got -1"),
+        (["--lr", "0"], "argument --lr: must be > 0, got 0"),
+        (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
+        (["--lr", "fast"], "argument --lr: must be a finite number > 0, got 'fast'"),
+        (["--table-lr-scale", "-1"], "argument --table-lr-scale: must be >= 0, got -1"),
+        (["--jobs", "0"], "argument --jobs: must be >= 1, got 0"),
+        (["--format", "jpg"], "argument --format: must be png, svg or png,svg, got 'jpg'"),
     ],
 )
-def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys, monkeypatch, tmp_path):
+    import posenc.cli.compare as command
+
+    def started(*args, **kwargs):
+        raise AssertionError("training started before the arguments were checked")
+
+    monkeypatch.setattr(command, "compare", started)
     with pytest.raises(SystemExit) as exit_info:
-        main(["compare", *argv])
+        main(["compare", "--out", str(tmp_path / "out"), *argv])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith("posenc compare: error: ") and message in err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("where", ["compare.md", "checkpoints"])
+def test_out_that_compare_cannot_fill_is_refused_before_training(
+    where, tmp_path, capsys, monkeypatch
+):
+    """``--out`` used to be written only after all the training: a folder where compare.md
+    goes, or a file where the checkpoints go, failed after it (the checkpoints: during it)."""
+    import posenc.cli.compare as command
+
+    def started(*args, **kwargs):
+        raise AssertionError("training started before the arguments were checked")
+
+    monkeypatch.setattr(command, "compare", started)
+    if where == "compare.md":
+        (tmp_path / where).mkdir()
+    else:
+        (tmp_path / where).write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    line = capsys.readouterr().err.splitlines()[-1]
+    kind, made = (
+        ("a folder", "writes a file") if where == "compare.md" else ("a file", "makes a folder")
+    )
+    assert line == (
+        f"posenc compare: error: argument --out: '{tmp_path / where}' is {kind}, but the "
+        f"command {made} there; remove it or choose another folder"
+    )
 
 
 @pytest.mark.parametrize(

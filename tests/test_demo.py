@@ -65,3 +65,39 @@ def test_demo_help(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     assert "--quick" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("name", "folder"),
+    [("report.md", True), ("report.html", True), ("plots", False), ("checkpoints", False)],
+)
+def test_out_that_the_demo_cannot_fill_is_refused_before_it_starts(
+    name, folder, tmp_path, capsys, monkeypatch
+):
+    """A folder where the demo writes a file (or a file where it makes a folder) used to
+    fail part-way through the demo, after minutes of training."""
+    import posenc.cli.demo as demo
+
+    def started(*args, **kwargs):
+        raise AssertionError("the demo started before its arguments were checked")
+
+    monkeypatch.setattr(demo, "run_demo", started)
+    if folder:
+        (tmp_path / name).mkdir()
+    else:
+        (tmp_path / name).write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--quick", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    kind = (
+        "a folder, but the command writes a file"
+        if folder
+        else "a file, but the command makes a folder"
+    )
+    assert err.splitlines()[-1] == (
+        f"posenc demo: error: argument --out: '{tmp_path / name}' is {kind} there; remove "
+        "it or choose another folder"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == [name]

@@ -94,33 +94,60 @@ def test_sinusoidal_default_length_is_kept(tmp_path):
     [
         ("sinusoidal", ["--dim", "8"], "--dim must be at least 10"),
         ("sinusoidal", ["--dim", "11"], "dim must be even"),
-        ("sinusoidal", ["--length", "0"], "--length"),
         ("similarity", ["--dim", "9"], "--dim must be even"),
         ("similarity", ["--length", "1"], "--length"),
-        ("similarity", ["--base", "-3"], "--base"),
         ("skew", ["--length", "1"], "--length"),
         ("skew", ["--length", "13"], "--length"),
-        ("swin-index", ["--window", "0,3"], "--window"),
-        ("swin-index", ["--window", "3"], "--window"),
-        ("swin-index", ["--window", "a,b"], "--window"),
-        ("swin-index", ["--window", "3,3,3"], "--window"),
         ("swin-index", ["--window", "6,6"], "--window"),
-        ("bias", ["--heads", "0"], "--heads"),
         ("bias", ["--heads", "17"], "--heads"),
-        ("bias", ["--window", "2,-1"], "--window"),
         ("bias", ["--length", "1"], "--length"),
-        ("rotary", ["--factor", "0.5"], "--factor"),
         ("rotary", ["--dim", "7"], "--dim"),
         ("rotary", ["--length", "4"], "--length"),
         ("rotary", ["--length", "10", "--factor", "20"], "--factor"),
-        ("rotary", ["--base", "1"], "--base"),
     ],
 )
 def test_bad_option_is_a_clean_error(kind, options, message, tmp_path, capsys):
+    """Out of the range of this kind: refused by the kind before it draws anything."""
     assert main(["plot", kind, *options, "--out", str(tmp_path)]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and captured.err.startswith("posenc plot: error:")
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "message"),
+    [
+        ("sinusoidal", ["--length", "0"], "argument --length: must be >= 1, got 0"),
+        ("sinusoidal", ["--dim", "-4"], "argument --dim: must be >= 1, got -4"),
+        ("sinusoidal", ["--dim", "8.5"], "argument --dim: must be an integer >= 1, got '8.5'"),
+        ("similarity", ["--base", "-3"], "argument --base: must be > 1, got -3"),
+        ("rotary", ["--base", "1"], "argument --base: must be > 1, got 1"),
+        ("rotary", ["--base", "inf"], "argument --base: must be a finite number > 1, got 'inf'"),
+        ("swin-index", ["--window", "0,3"], "argument --window: must be two integers >= 1 as"),
+        ("swin-index", ["--window", "3"], "argument --window: must be two integers >= 1 as"),
+        ("swin-index", ["--window", "a,b"], "got 'a,b'"),
+        ("swin-index", ["--window", "3,3,3"], "got '3,3,3'"),
+        ("bias", ["--heads", "0"], "argument --heads: must be >= 1, got 0"),
+        ("bias", ["--window", "2,-1"], "got '2,-1'"),
+        (
+            "rotary",
+            ["--factor", "0.5"],
+            "argument --factor: must be >= 1 (the context extension), got 0.5",
+        ),
+        ("skew", ["--format", "jpg"], "argument --format: must be png, svg or png,svg, got 'jpg'"),
+        ("skew", ["--checkpoints", "nowhere"], "argument --checkpoints: no folder 'nowhere'; run"),
+    ],
+)
+def test_a_value_no_kind_takes_is_refused_by_argparse(kind, options, message, tmp_path, capsys):
+    """Refused before any kind runs: status 2, one error line naming the option."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", kind, *options, "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0] == err.splitlines()[-1]
+    assert errors[0].startswith("posenc plot: error: ") and message in errors[0]
+    assert not any(tmp_path.iterdir())
 
 
 def test_argparse_rejects_bad_format_and_kind():
@@ -131,8 +158,9 @@ def test_argparse_rejects_bad_format_and_kind():
 
 
 def test_options_a_kind_does_not_read_are_ignored(tmp_path):
-    # skew reads --length only: a window, heads or factor that would be invalid elsewhere pass
-    argv = ["plot", "skew", "--length", "2", "--window", "0,0", "--heads", "0", "--factor", "0"]
+    # skew reads --length only: a window, heads or factor out of the range of the kinds that
+    # read them (swin-index: 25 tokens, bias: 16 heads) pass
+    argv = ["plot", "skew", "--length", "2", "--window", "6,6", "--heads", "17", "--dim", "3"]
     assert main([*argv, "--out", str(tmp_path)]) == 0
 
 

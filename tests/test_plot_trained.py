@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -78,3 +79,37 @@ def test_attention_to_offset_against_the_maps(checkpoints):
             values = [float(weights[e, h, i, i - 3]) for e in range(4) for i in range(3, 10)]
             best = max(best, sum(values) / len(values))
     assert abs(got - best) < 1e-6
+
+
+def test_checkpoints_that_are_a_file_are_refused_by_argparse(tmp_path, capsys):
+    path = tmp_path / "shift-none.pt"
+    path.write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", "attention", "--checkpoints", str(path), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"posenc plot: error: argument --checkpoints: '{path}' is a file, not a folder; run "
+        "`posenc compare --out DIR` first and pass --checkpoints DIR/checkpoints"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoints_are_read_before_anything_is_drawn(checkpoints, tmp_path, capsys):
+    """similarity drew the sinusoidal table before finding no checkpoint, and attention drew
+    a task's figure before finding a bad checkpoint of the next task."""
+    out = tmp_path / "out"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    argv = ["plot", "similarity", "--dim", "8", "--length", "10", "--out", str(out)]
+    assert main([*argv, "--checkpoints", str(empty)]) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
+    assert not out.exists()
+    mixed = tmp_path / "mixed"
+    shutil.copytree(checkpoints, mixed)
+    torch.save({"something": "else"}, mixed / "zzz-none.pt")  # read last: task names sorted
+    argv = ["plot", "attention", "--checkpoints", str(mixed), "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("posenc plot: error: ") and err.count("\n") == 1
+    assert "zzz-none.pt is not a checkpoint of this posenc" in err
+    assert not out.exists()

@@ -40,6 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.run(args) or 0)
-    except (ValueError, TypeError, ImportError) as err:
+    except (ValueError, TypeError, ImportError) as err:  # a bad value, found before any work
         print(f"posenc {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the system refused a read or write that the checks could not foresee
+        print(f"posenc {args.command}: error: {err}", file=sys.stderr)
+        return 1

@@ -22,19 +22,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels import Mask, attend
-from ._options import device
+from ..kernels import Mask, attend, hooks_of
+from ._options import (
+    device,
+    non_negative_int,
+    output_file,
+    positive_int,
+    positive_int_list,
+)
 from ._progress import Progress
 
 # ----- the schemes ------------------------------------------------------------------------
@@ -546,36 +552,14 @@ def _to_json(cases: Sequence[Case], config: dict[str, Any]) -> dict[str, Any]:
 # ----- the command ---------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from err
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _fraction(text: str) -> float:
     try:
         value = float(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from err
-    if not 0 <= value < 1:
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:  # NaN fails too
         raise argparse.ArgumentTypeError(
-            f"expected a fraction of the keys in [0, 1), got {text!r} (0.25: a quarter)"
+            f"must be a fraction of the keys in [0, 1) (0.25: a quarter), got {text!r}"
         )
     return value
 
@@ -590,8 +574,64 @@ def _scheme_list(text: str) -> list[str]:
     return names
 
 
+#: the backends that serve every scheme, offered instead of one that cannot
+_GENERAL_BACKENDS = "auto, lean or math"
+
+
+def _backend_problem(scheme: Any, backend: str) -> str | None:
+    """Why ``backend`` cannot run ``scheme`` (the rules of :mod:`posenc.kernels`), or None."""
+    hooks = hooks_of(scheme)
+    if backend == "sdpa" and hooks.value_term is not None:
+        return "SDPA has no value term, which Shaw's a^V needs"
+    if backend == "flex" and (hooks.score_term is not None or hooks.value_term is not None):
+        return "FlexAttention serves rotary and content-free biases only, not content terms"
+    if backend == "flex" and hooks.score_bias is not None and hooks.flex_score_mod is None:
+        return "FlexAttention needs a flex_score_mod, which the scheme lacks"
+    return None
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse, before anything is measured, what would fail part-way through the run.
+
+    Raises:
+        ValueError: ``--backend flex`` with the backward on CPU, where FlexAttention has
+            none; a scheme that cannot be built with ``--heads`` and ``--head-dim``; a
+            ``--backend`` that cannot run one of ``--schemes``.
+    """
+    if args.backend == "flex" and not args.no_backward and torch.device(args.device).type == "cpu":
+        raise ValueError(
+            f"--backend flex cannot time the backward on CPU (FlexAttention in torch "
+            f"{torch.__version__.split('+')[0]} has no CPU backward, and bench times "
+            "forward+backward); add --no-backward to time the forward only, run on a GPU "
+            f"with --device cuda, or use --backend {_GENERAL_BACKENDS}"
+        )
+    # built at a small length: the length only sizes the tables, what can be refused is
+    # --heads or --head-dim (a table for n = 16384 would take a minute to build here)
+    small = min(16, *args.lengths)
+    for name in args.schemes:
+        try:
+            SCHEMES[name](args.heads, args.head_dim, small)
+        except ValueError as err:
+            raise ValueError(
+                f"--schemes {name} cannot be built with --heads {args.heads} "
+                f"--head-dim {args.head_dim}: {err}"
+            ) from None
+    # the hooks a scheme has do not depend on its sizes
+    problems = {name: _backend_problem(SCHEMES[name](1, 2, 1), args.backend) for name in SCHEMES}
+    unfit = [name for name in args.schemes if problems[name] is not None]
+    if unfit:
+        reasons = dict.fromkeys(problems[name] for name in unfit)
+        fit = [name for name in SCHEMES if problems[name] is None]
+        raise ValueError(
+            f"--backend {args.backend} cannot run --schemes {','.join(unfit)} "
+            f"({'; '.join(reasons)}); use --backend {_GENERAL_BACKENDS}, or --schemes "
+            f"{','.join(fit)}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``posenc bench`` and print the table."""
+    check(args)
     dtype = getattr(torch, args.dtype)
     config = {
         "schemes": args.schemes,
@@ -663,16 +703,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=list(SCHEMES),
         help=f"comma-separated, from: {', '.join(SCHEMES)}",
     )
-    parser.add_argument("--lengths", type=_int_list, default=[512, 1024, 2048, 4096])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument(
+        "--lengths",
+        type=positive_int_list,
+        default=[512, 1024, 2048, 4096],
+        help="comma-separated n (512,1024,2048,4096)",
+    )
+    parser.add_argument("--batch", type=positive_int, default=2, help="b (2)")
+    parser.add_argument("--heads", type=positive_int, default=8, help="h (8)")
+    parser.add_argument("--head-dim", type=positive_int, default=64, help="d (64)")
     parser.add_argument(
         "--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32"
     )
     parser.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument(
-        "--backend", choices=["auto", "math", "sdpa", "lean", "flex"], default="auto"
+        "--backend",
+        choices=["auto", "math", "sdpa", "lean", "flex"],
+        default="auto",
+        help="posenc's path (auto); flex times the backward only on CUDA: on CPU add --no-backward",
     )
     parser.add_argument("--no-backward", action="store_true", help="time the forward only")
     parser.add_argument("--no-reference", action="store_true", help="skip the literal reference")
@@ -693,13 +741,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--documents",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="pack this many documents of equal length in each sequence (q_doc/k_doc, "
         "positions restarting in each; the floor takes SDPA's boolean mask)",
     )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs (3)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed runs (1)")
+    parser.add_argument(
+        "--json",
+        type=output_file("bench.json"),
+        default=None,
+        help="also write the results as JSON",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)

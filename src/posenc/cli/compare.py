@@ -41,7 +41,15 @@ from torch import Tensor, nn
 from .. import absolute, bias, embedding, rotary, shaw
 from ..models import TinyTransformer
 from ..tasks import IGNORE, TASKS, Batch, Task, get_task
-from ._options import device, positive_int
+from ._options import (
+    device,
+    float_above,
+    formats,
+    output_dir,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from ._progress import Progress
 
 # ----- the schemes ------------------------------------------------------------------------
@@ -801,8 +809,6 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``posenc compare``."""
-    from .plot import _formats
-
     parser = commands.add_parser(
         "compare",
         help="train a small transformer per scheme on synthetic tasks and compare them",
@@ -843,13 +849,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--dim", type=positive_int, default=64, help="model width (64)")
     parser.add_argument("--layers", type=positive_int, default=2, help="blocks (2)")
     parser.add_argument("--heads", type=positive_int, default=4, help="attention heads (4)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (3e-3)")
     parser.add_argument(
         "--table-lr-scale",
-        type=float,
+        type=float_above(0.0, inclusive=True),
         default=10.0,
         help="learning rate of the positional tables inside attention, as a multiple of "
-        "--lr (10; see docs/compare.md)",
+        "--lr (10; 0 freezes them; see docs/compare.md)",
     )
     parser.add_argument(
         "--eval-examples", type=positive_int, default=None, help="test examples per length (128)"
@@ -870,10 +876,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             f"{QUICK['eval_examples']} test examples (explicit flags win)"
         ),
     )
-    parser.add_argument("--out", type=Path, default=None, help="write compare.md and plots here")
-    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON")
     parser.add_argument(
-        "--format", type=_formats, default=["png"], help="png, svg or png,svg (default png)"
+        "--out",
+        type=output_dir(files=("compare.md",), folders=("checkpoints",)),
+        default=None,
+        help="write compare.md, the plots and checkpoints/ here",
+    )
+    parser.add_argument(
+        "--json", type=output_file("compare.json"), default=None, help="write the results as JSON"
+    )
+    parser.add_argument(
+        "--format", type=formats, default=["png"], help="png, svg or png,svg (default png)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..tasks import Task
 from . import bench, compare, plot
+from ._options import output_dir
 from ._progress import Progress
 
 #: plots drawn before training, with the sentence the report puts before them
@@ -302,8 +303,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="every picture, a quick bench and a quick compare, in one report",
         description=__doc__.split("\n\n")[1].replace("``", "") if __doc__ else None,
     )
+    # a string default goes through the type too: a file named posenc-out is caught
     parser.add_argument(
-        "--out", type=Path, default=Path("posenc-out"), help="output folder (posenc-out)"
+        "--out",
+        type=output_dir(
+            files=("compare.md", "bench.md", "report.md", "report.html"),
+            folders=("plots", "checkpoints"),
+        ),
+        default="posenc-out",
+        help="output folder (posenc-out)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="fewer steps, seeds and lengths (under 2 minutes)"

@@ -24,8 +24,10 @@ Kinds, and the options each reads (the others are ignored; defaults in brackets)
 Each kind is a function ``plot_<kind>(args) -> list[Path]`` registered in ``KINDS``; to add
 one, write the function and add it there. The maths comes from posenc's public functions
 and modules; the pure ``*_data``-style functions below only arrange their output for
-drawing, and are what the tests check. Bad option values raise ``ValueError`` naming the
-option (``posenc`` turns it into exit status 2).
+drawing, and are what the tests check. A value no kind accepts (``--dim 0``, ``--out`` a
+file) is refused by argparse before anything runs; a value out of a kind's range raises
+``ValueError`` naming the option before anything is drawn (``posenc`` turns both into exit
+status 2).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from ..bias import ALiBi, RelativePositionBias, T5RelativeBias
 from ..indices import relative_position_index, relative_to_absolute, t5_bucket
 from ..rotary import LinearScaling, NTKScaling, Rotary, RotaryScaling, YaRNScaling
 from ._figures import annotate, cell_grid, fade, outline_rows, pyplot, save
-from .plot_trained import plot_attention
+from ._options import float_above, formats, input_dir, output_dir, positive_int
+from .plot_trained import learned_tables, plot_attention
 
 # ----- options ---------------------------------------------------------------------------------
 
@@ -98,8 +101,18 @@ def parse_window(text: str | None, default: tuple[int, int]) -> tuple[int, int]:
     return window
 
 
+def _window_type(text: str) -> tuple[int, int]:
+    """``--window`` for argparse: :func:`parse_window`, its message without the option name
+    (argparse puts ``argument --window:`` before it)."""
+    try:
+        return parse_window(text, (1, 1))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--window ")) from None
+
+
 def _window(args: argparse.Namespace, default: tuple[int, int], max_tokens: int) -> tuple[int, int]:
-    window = parse_window(getattr(args, "window", None), default)
+    window = getattr(args, "window", None)  # parsed by argparse, or text when built by hand
+    window = parse_window(window, default) if window is None or isinstance(window, str) else window
     if window[0] * window[1] > max_tokens:
         raise ValueError(
             f"--window {window[0]},{window[1]} has {window[0] * window[1]} tokens; "
@@ -219,20 +232,20 @@ def plot_similarity(args: argparse.Namespace) -> list[Path]:
     dim = _even_dim(args, 64)
     length = _int_option(args, "length", 100, low=2)
     base = _base(args)
+    # the checkpoints are read (and checked) before anything is drawn
+    checkpoints = getattr(args, "checkpoints", None)
+    learned = [] if checkpoints is None else learned_tables(checkpoints)
     table = sinusoidal(torch.arange(length), dim, base=base).numpy()  # [length, dim]
     title = f"Sinusoidal encoding (dim={dim}, base={base:g}): cosine similarity of position vectors"
     paths = similarity_figure(table, title, args.out, "similarity_sinusoidal", args.format)
-    if getattr(args, "checkpoints", None) is not None:
-        from .plot_trained import learned_tables
-
-        for task, weight in learned_tables(args.checkpoints):
-            title = (
-                f"Learned absolute table after `posenc compare` on {task} "
-                f"({weight.shape[0]} positions x {weight.shape[1]}): cosine similarity"
-            )
-            paths += similarity_figure(
-                weight, title, args.out, f"similarity_learned_{task}", args.format
-            )
+    for task, weight in learned:
+        title = (
+            f"Learned absolute table after `posenc compare` on {task} "
+            f"({weight.shape[0]} positions x {weight.shape[1]}): cosine similarity"
+        )
+        paths += similarity_figure(
+            weight, title, args.out, f"similarity_learned_{task}", args.format
+        )
     return paths
 
 
@@ -724,14 +737,6 @@ KINDS: dict[str, Callable[[argparse.Namespace], list[Path]]] = {
 }
 
 
-def _formats(text: str) -> list[str]:
-    formats = [f.strip().lower() for f in text.split(",") if f.strip()]
-    bad = [f for f in formats if f not in ("png", "svg")]
-    if bad or not formats:
-        raise argparse.ArgumentTypeError(f"--format takes png, svg or png,svg; got {text!r}")
-    return formats
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``posenc plot``: draw the requested kind and print the files written."""
     for path in KINDS[args.kind](args):
@@ -762,20 +767,37 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("kind", choices=sorted(KINDS), help="what to draw")
-    parser.add_argument("--out", type=Path, default=Path("posenc-out"), help="output folder")
-    parser.add_argument("--dim", type=int, help="encoding width or head dim (default per kind)")
-    parser.add_argument("--length", type=int, help="positions or distance (default per kind)")
-    parser.add_argument("--base", type=float, default=10000.0, help="wavelength base")
-    parser.add_argument("--window", help="Swin window Wh,Ww (swin-index: 3,3; bias: 4,4)")
-    parser.add_argument("--heads", type=int, help="attention heads (bias: 4)")
-    parser.add_argument("--factor", type=float, help="RoPE context extension (rotary: 4)")
+    # a string default goes through the type too: a file named posenc-out is caught
+    parser.add_argument(
+        "--out", type=output_dir(), default="posenc-out", help="output folder (posenc-out)"
+    )
+    parser.add_argument(
+        "--dim", type=positive_int, help="encoding width or head dim (default per kind)"
+    )
+    parser.add_argument(
+        "--length", type=positive_int, help="positions or distance (default per kind)"
+    )
+    parser.add_argument(
+        "--base", type=float_above(1.0), default=10000.0, help="wavelength base (10000)"
+    )
+    parser.add_argument(
+        "--window", type=_window_type, help="Swin window Wh,Ww (swin-index: 3,3; bias: 4,4)"
+    )
+    parser.add_argument("--heads", type=positive_int, help="attention heads (bias: 4)")
+    parser.add_argument(
+        "--factor",
+        type=float_above(1.0, inclusive=True, hint=" (the context extension)"),
+        help="RoPE context extension (rotary: 4)",
+    )
     parser.add_argument(
         "--checkpoints",
-        type=Path,
+        type=input_dir(
+            "; run `posenc compare --out DIR` first and pass --checkpoints DIR/checkpoints"
+        ),
         default=None,
         help="the checkpoints folder of `posenc compare --out DIR` (DIR/checkpoints)",
     )
     parser.add_argument(
-        "--format", type=_formats, default=["png"], help="png, svg or png,svg (default png)"
+        "--format", type=formats, default=["png"], help="png, svg or png,svg (default png)"
     )
     parser.set_defaults(run=run)

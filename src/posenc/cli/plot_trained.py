@@ -80,9 +80,13 @@ def attention_to_offset(path: Path, offset: int, length: int, *, examples: int =
 def plot_attention(args: argparse.Namespace) -> list[Path]:
     """Attention maps of every trained model, a figure per task: schemes x layers."""
     plt = pyplot()
+    # every checkpoint is read (and checked) before anything is drawn
+    found = {
+        task_name: [attention_of(path) for path in files]
+        for task_name, files in checkpoints_in(args.checkpoints).items()
+    }
     paths: list[Path] = []
-    for task_name, files in checkpoints_in(args.checkpoints).items():
-        loaded = [attention_of(path) for path in files]
+    for task_name, loaded in found.items():
         task = loaded[0][0]
         results = [(scheme, maps) for _, scheme, maps in loaded]
         layers = results[0][1].shape[0]
