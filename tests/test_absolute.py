@@ -276,13 +276,55 @@ def test_2d_rows_in_first_half_columns_in_second():
 def test_2d_explicit_positions_and_errors():
     enc = SinusoidalEncoding2D(8)
     grid = torch.stack(torch.meshgrid(torch.arange(2) + 4, torch.arange(3) + 1, indexing="ij"), -1)
-    out = enc(torch.zeros(2, 3, 8), grid)  # [H, W, dim] input, shifted grid
-    torch.testing.assert_close(out, sinusoidal_2d((6, 4), 8)[4:, 1:])
+    out = enc(torch.zeros(1, 2, 3, 8), grid)  # shifted grid
+    torch.testing.assert_close(out[0], sinusoidal_2d((6, 4), 8)[4:, 1:])
     with pytest.raises(ValueError, match="dim must be a multiple of 4.*got 6; use 8"):
         SinusoidalEncoding2D(6)
     with pytest.raises(ValueError, match=r"positions must have shape \[H, W, 2\]"):
-        enc(torch.zeros(2, 3, 8), torch.zeros(3, 2, 2))
+        enc(torch.zeros(1, 2, 3, 8), torch.zeros(3, 2, 2))
     with pytest.raises(ValueError, match=r"x must have shape \[b, H, W, dim\]"):
         enc(torch.zeros(3, 8))
     with pytest.raises(ValueError, match=r"size must be a pair \(H, W\)"):
         sinusoidal_2d(4, 8)
+
+
+def test_2d_rejects_inputs_that_are_not_rank_4():
+    """A [b, n, dim] sequence used to be read as one [H, W, dim] map (the batch as rows)."""
+    enc = SinusoidalEncoding2D(32)
+    with pytest.raises(
+        ValueError,
+        match=r"x must have shape \[b, H, W, dim\] \(rank 4\), got shape \(2, 36, 32\); "
+        r"reshape a token sequence \[b, H\*W, dim\] with x.view\(b, H, W, dim\)",
+    ):
+        enc(torch.zeros(2, 36, 32))
+    with pytest.raises(ValueError, match=r"x must have shape \[b, H, W, dim\] \(rank 4\)"):
+        enc(torch.zeros(1, 2, 6, 6, 32))
+    with pytest.raises(ValueError, match=r"x must have last dimension dim=32"):
+        enc(torch.zeros(2, 6, 6, 16))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        enc(torch.zeros(2, 6, 6, 32, dtype=torch.long))
+
+
+def test_2d_per_row_positions_and_batch_mismatch():
+    height, width, dim = 2, 3, 8
+    rows = torch.stack([torch.arange(height), torch.arange(height) + 50])  # [b, H]
+    cols = torch.stack([torch.arange(width), torch.arange(width) + 7])  # [b, W]
+    grid = torch.stack(
+        (rows[:, :, None].expand(2, height, width), cols[:, None, :].expand(2, height, width)), -1
+    )  # [b, H, W, 2]
+    out = SinusoidalEncoding2D(dim)(torch.zeros(2, height, width, dim), grid)
+    expected = np.concatenate(
+        [
+            reference_table(grid[..., 0].numpy(), dim // 2),
+            reference_table(grid[..., 1].numpy(), dim // 2),
+        ],
+        -1,
+    )
+    # float64 angles, values in [-1, 1] rounded once to float32: half an ulp of 1
+    np.testing.assert_allclose(out.numpy(), expected, atol=torch.finfo(torch.float32).eps, rtol=0)
+    with pytest.raises(
+        ValueError,
+        match=r"positions must have shape \[H, W, 2\] or \[b or 1, H, W, 2\] with b=3, H=2, "
+        r"W=3 .*got shape \(2, 2, 3, 2\)",
+    ):
+        SinusoidalEncoding2D(dim)(torch.zeros(3, height, width, dim), grid)

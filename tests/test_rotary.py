@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from posenc import sinusoidal_shift
+from posenc import KVCache, MultiHeadAttention, sinusoidal_shift
 from posenc.rotary import (
     DynamicNTKScaling,
     LinearScaling,
@@ -16,6 +16,12 @@ from posenc.rotary import (
     Rotary2D,
     YaRNScaling,
 )
+
+
+def atol32(x):
+    """A float32 rotation of ``x``: cos and sin rounded once, two products and a sum, each
+    within half an ulp of values up to ``max|x|``; 8 ulps of ``max|x|`` bound them all."""
+    return 8 * torch.finfo(torch.float32).eps * float(x.abs().max())
 
 
 def reference_rope(x, positions, *, base=10000.0, interleaved=False, rotary_dim=None):
@@ -238,12 +244,143 @@ def test_rotary2d_hook_and_errors():
     pos = torch.arange(6)[None]
     hooked, _ = rope.rotate(q, q, pos, pos)
     torch.testing.assert_close(hooked, rope(q, q)[0])
-    with pytest.raises(ValueError, match=r"size=\(2, 2\) has 4 cells but q has 6 tokens"):
+    with pytest.raises(ValueError, match=r"q has 6 tokens .* but size=\(2, 2\) .* needs 4"):
         rope(q, q, size=(2, 2))
     with pytest.raises(ValueError, match="head_dim must be a multiple of 4"):
         Rotary2D(6)
     with pytest.raises(ValueError, match="Rotary2D needs the grid size"):
         Rotary2D(8).rotate(q, q, pos, pos)
+
+
+def reference_rope2d(x, size, prefix_tokens=0):
+    """Rows on the first half, columns on the second, from the float64 loop reference; the
+    first ``prefix_tokens`` tokens untouched."""
+    height, width = size
+    d = x.shape[-1]
+    cells = torch.arange(height * width)
+    grid = x[:, :, prefix_tokens:]
+    rows = reference_rope(grid[..., : d // 2], cells // width)
+    cols = reference_rope(grid[..., d // 2 :], cells % width)
+    return torch.cat((x[:, :, :prefix_tokens].double(), torch.cat((rows, cols), -1)), 2)
+
+
+@pytest.mark.parametrize("prefix_tokens", [1, 5])
+def test_rotary2d_prefix_tokens_are_not_rotated(prefix_tokens):
+    torch.manual_seed(0)
+    size = (3, 4)
+    n = prefix_tokens + 12
+    q, k = torch.randn(2, 2, n, 8), torch.randn(2, 2, n, 8)
+    rope = Rotary2D(8, size=size, prefix_tokens=prefix_tokens)
+    rq, rk = rope(q, k)
+    assert torch.equal(rq[:, :, :prefix_tokens], q[:, :, :prefix_tokens])
+    assert torch.equal(rk[:, :, :prefix_tokens], k[:, :, :prefix_tokens])
+    grid_q, grid_k = Rotary2D(8, size=size)(q[:, :, prefix_tokens:], k[:, :, prefix_tokens:])
+    torch.testing.assert_close(rq[:, :, prefix_tokens:], grid_q, atol=atol32(q), rtol=0)
+    torch.testing.assert_close(rk[:, :, prefix_tokens:], grid_k, atol=atol32(k), rtol=0)
+    expected = reference_rope2d(q, size, prefix_tokens)
+    torch.testing.assert_close(rq.double(), expected, atol=atol32(q), rtol=0)
+    # the attention hook at the default positions is the same rotation
+    pos = torch.arange(n)[None]
+    hooked, _ = rope.rotate(q, k, pos, pos)
+    torch.testing.assert_close(hooked, rq, atol=atol32(q), rtol=0)
+
+
+def test_rotary2d_per_call_size_equals_a_module_of_that_size():
+    torch.manual_seed(0)
+    rope = Rotary2D(8, size=(4, 4), prefix_tokens=1)
+    q, k = torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    rq, rk = rope(q, k, size=(2, 3))
+    eq, ek = Rotary2D(8, size=(2, 3), prefix_tokens=1)(q, k)
+    torch.testing.assert_close(rq, eq, atol=atol32(q), rtol=0)
+    torch.testing.assert_close(rk, ek, atol=atol32(k), rtol=0)
+    torch.testing.assert_close(
+        rq.double(), reference_rope2d(q, (2, 3), prefix_tokens=1), atol=atol32(q), rtol=0
+    )
+    assert rope.size == (4, 4)  # the constructor's size stays the default
+    with pytest.raises(
+        ValueError, match=r"q has 7 tokens .* size=\(4, 4\) .* needs 17 = 1 \+ 4\*4"
+    ):
+        rope(q, k)
+
+
+def test_rotary2d_bnhd_layout_equals_the_transposed_default():
+    torch.manual_seed(0)
+    rope = Rotary2D(8, size=(3, 4), prefix_tokens=1)
+    q, k = torch.randn(2, 13, 3, 8), torch.randn(2, 13, 3, 8)  # [b, n, h, d]
+    rq, rk = rope(q, k, layout="bnhd")
+    assert rq.shape == q.shape and rq.is_contiguous()
+    eq, ek = rope(q.transpose(1, 2), k.transpose(1, 2))  # [b, n, h, d] -> [b, h, n, d]
+    torch.testing.assert_close(rq, eq.transpose(1, 2), atol=atol32(q), rtol=0)
+    torch.testing.assert_close(rk, ek.transpose(1, 2), atol=atol32(k), rtol=0)
+    expected = reference_rope2d(q.transpose(1, 2), (3, 4), prefix_tokens=1).transpose(1, 2)
+    torch.testing.assert_close(rq.double(), expected, atol=atol32(q), rtol=0)
+    with pytest.raises(
+        ValueError,
+        match=r"q has 3 tokens .*; q has 13 on its heads axis: if it is \[b, n, h, d\], "
+        r"pass layout='bnhd'",
+    ):
+        rope(q, k)
+    with pytest.raises(ValueError, match=r"layout must be 'bhnd' .* or 'bnhd' .*got 'nhd'"):
+        rope(q, k, layout="nhd")
+
+
+@pytest.mark.parametrize(("n", "reach"), [(17, 16), (36, 35)])
+def test_rotary2d_in_attention_rejects_tokens_past_the_grid(n, reach):
+    """Rotary2D(8, size=(4, 4)) used to read 17 or 36 tokens as rows pos // 4 past the grid."""
+    attn = MultiHeadAttention(16, 2, position=Rotary2D(8, size=(4, 4)))
+    with pytest.raises(
+        ValueError,
+        match=rf"query positions reach {reach} but Rotary2D\(size=\(4, 4\), prefix_tokens=0\) "
+        r"has positions 0..15 .* so the rows would wrap past the grid; set size=\(H, W\)",
+    ):
+        attn(torch.randn(1, n, 16))
+    attn(torch.randn(1, 16, 16))  # the whole grid
+
+
+def test_rotary2d_hook_rejects_positions_outside_prefix_and_grid():
+    rope = Rotary2D(8, size=(2, 3), prefix_tokens=1)  # positions 0..6
+    q = torch.randn(1, 1, 7, 8)
+    pos = torch.arange(7)[None]
+    rope.rotate(q, q, pos, pos)
+    with pytest.raises(ValueError, match=r"query positions reach 7 .* has positions 0..6"):
+        rope.rotate(q, q, pos + 1, pos)
+    with pytest.raises(ValueError, match=r"key positions reach -1 .* has positions 0..6"):
+        rope.rotate(q, q, pos, pos - 1)
+    attn = MultiHeadAttention(16, 2, position=rope)
+    attn(torch.randn(1, 7, 16))  # CLS + the 2 x 3 grid
+    with pytest.raises(ValueError, match=r"query positions reach 7 .* prefix_tokens=1\) has"):
+        attn(torch.randn(1, 8, 16))
+    with pytest.raises(ValueError, match=r"query positions reach 9"):
+        attn(torch.randn(1, 2, 16), positions=torch.tensor([5, 9]))
+
+
+@pytest.mark.parametrize("prefix_tokens", [0, 1])
+def test_rotary2d_decoding_in_raster_order_equals_the_full_grid(prefix_tokens):
+    """Positions index the flattened sequence: a KV cache fed in raster order (a part of the
+    grid first, then one token at a time) gives the outputs of the whole grid."""
+    torch.manual_seed(0)
+    rope = Rotary2D(8, size=(3, 4), prefix_tokens=prefix_tokens)
+    attn = MultiHeadAttention(16, 2, position=rope).double().eval()
+    n = prefix_tokens + 12
+    x = torch.randn(2, n, 16, dtype=torch.float64)
+    with torch.no_grad():
+        full = attn(x, causal=True)
+        cache = KVCache()
+        steps = [attn(x[:, :5], causal=True, cache=cache)]
+        steps += [attn(x[:, t : t + 1], causal=True, cache=cache) for t in range(5, n)]
+    # float64: each output sums n products of terms of size max|full|, in two orders
+    atol = 4 * n * torch.finfo(torch.float64).eps * float(full.abs().max())
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=atol, rtol=0)
+
+
+def test_rotary2d_prefix_tokens_errors():
+    with pytest.raises(TypeError, match=r"prefix_tokens must be an int .*got 1.0 \(float\)"):
+        Rotary2D(8, prefix_tokens=1.0)
+    with pytest.raises(TypeError, match=r"prefix_tokens must be an int .*got True \(bool\)"):
+        Rotary2D(8, prefix_tokens=True)
+    with pytest.raises(ValueError, match=r"prefix_tokens must be >= 0 .*got -1; pass 0"):
+        Rotary2D(8, prefix_tokens=-1)
+    assert "prefix_tokens=2" in repr(Rotary2D(8, size=(2, 2), prefix_tokens=2))
 
 
 def test_errors():
@@ -268,6 +405,58 @@ def test_errors():
         rope.validate_attention(heads=2, head_dim=4)
     with pytest.raises(ValueError, match="q_positions must cover the sequence"):
         rope(torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8), torch.arange(4))
+
+
+# ----- layouts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [None, 8])
+def test_bnhd_layout_equals_the_transposed_default(interleaved, rotary_dim):
+    """q, k as [b, n, h, d] (flash-attn, torchtune) with layout="bnhd" are rotated along n."""
+    torch.manual_seed(0)
+    rope = Rotary(16, interleaved=interleaved, rotary_dim=rotary_dim)
+    q, k = torch.randn(2, 7, 3, 16), torch.randn(2, 5, 3, 16)  # [b, n, h, d]
+    q_pos = torch.stack([torch.arange(7), torch.arange(7) + 40])  # [b, n_q]
+    rq, rk = rope(q, k, q_pos, layout="bnhd", offset=2)
+    assert rq.shape == q.shape and rk.shape == k.shape and rq.is_contiguous()
+    eq, ek = rope(q.transpose(1, 2), k.transpose(1, 2), q_pos, offset=2)  # -> [b, h, n, d]
+    torch.testing.assert_close(rq, eq.transpose(1, 2), atol=atol32(q), rtol=0)
+    torch.testing.assert_close(rk, ek.transpose(1, 2), atol=atol32(k), rtol=0)
+    for row in range(2):
+        expected = reference_rope(
+            q[row : row + 1].transpose(1, 2),
+            q_pos[row],
+            interleaved=interleaved,
+            rotary_dim=rotary_dim,
+        ).transpose(1, 2)
+        torch.testing.assert_close(rq[row : row + 1].double(), expected, atol=atol32(q), rtol=0)
+    expected_k = reference_rope(
+        k.transpose(1, 2), torch.arange(5) + 2, interleaved=interleaved, rotary_dim=rotary_dim
+    ).transpose(1, 2)
+    torch.testing.assert_close(rk.double(), expected_k, atol=atol32(k), rtol=0)
+
+
+def test_layout_errors_name_the_sequence_axis():
+    rope = Rotary(16)
+    q = torch.randn(2, 7, 3, 16)  # [b, n, h, d] with n = 7, h = 3
+    with pytest.raises(
+        ValueError,
+        match=r"q_positions has 7 positions but q of shape \(2, 7, 3, 16\) has n=3 tokens on "
+        r"the sequence axis of layout='bhnd' \[b, h, n, d\]; q has 7 on its heads axis: if it "
+        r"is \[b, n, h, d\], pass layout='bnhd'",
+    ):
+        rope(q, q, torch.arange(7))
+    with pytest.raises(ValueError, match=r"k_positions has 3 positions .* pass layout='bhnd'"):
+        rope(q, q, torch.arange(7), torch.arange(3), layout="bnhd")
+    with pytest.raises(ValueError, match="q_positions must cover the sequence.*n=7"):
+        rope(q, q, torch.arange(5), layout="bnhd")
+    with pytest.raises(ValueError, match=r"layout must be 'bhnd' .* or 'bnhd' .*got 'BNHD'"):
+        rope(q, q, layout="BNHD")
+    with pytest.raises(ValueError, match=r"layout must be .*got None"):
+        rope(q, q, layout=None)
+    with pytest.raises(ValueError, match=r"q must have shape \[b, n, h, d\] \(layout='bnhd'\)"):
+        rope(torch.randn(7, 16), torch.randn(7, 16), layout="bnhd")
 
 
 @pytest.mark.compile

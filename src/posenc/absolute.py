@@ -349,23 +349,41 @@ class SinusoidalEncoding2D(nn.Module):
         """Add the encoding.
 
         Args:
-            x: ``[b, H, W, dim]`` (or ``[H, W, dim]``).
-            positions: optional ``[H, W, 2]`` or ``[b, H, W, 2]`` (row, column) positions;
-                default the grid ``(r, c)``.
+            x: ``[b, H, W, dim]``, exactly rank 4 (a rank-3 ``[b, n, dim]`` sequence and an
+                unbatched ``[H, W, dim]`` map look alike, so neither is guessed).
+            positions: optional ``[H, W, 2]`` or ``[b or 1, H, W, 2]`` (row, column)
+                positions; default the grid ``(r, c)``.
 
         Returns:
             ``x + P``, same shape and dtype as ``x``.
+
+        Raises:
+            TypeError: ``x`` is not a float tensor, ``positions`` is not a tensor.
+            ValueError: ``x`` is not rank 4 or its last dimension is not ``dim``;
+                ``positions`` of another shape.
         """
-        x = _check_input(x, self.dim, min_ndim=3, layout="[b, H, W, dim] or [H, W, dim]")
-        height, width = x.shape[-3], x.shape[-2]
+        check.floating("x", x)
+        if x.ndim != 4:
+            raise ValueError(
+                f"x must have shape [b, H, W, dim] (rank 4), got shape {tuple(x.shape)}; "
+                f"reshape a token sequence [b, H*W, dim] with x.view(b, H, W, dim), and add "
+                f"a batch dimension to a single map [H, W, dim] with x.unsqueeze(0)"
+            )
+        check.last_dim("x", x, self.dim)
+        height, width = x.shape[1], x.shape[2]
         if positions is None:
             table = sinusoidal_2d((height, width), self.dim, base=self.base, device=x.device)
         else:
             check.tensor("positions", positions)
-            if positions.shape[-3:] != (height, width, 2) or positions.ndim not in (3, 4):
+            if (
+                positions.shape[-3:] != (height, width, 2)
+                or positions.ndim not in (3, 4)
+                or (positions.ndim == 4 and positions.shape[0] not in (1, x.shape[0]))
+            ):
                 raise ValueError(
-                    f"positions must have shape [H, W, 2] or [b, H, W, 2] with H={height}, "
-                    f"W={width} (row, column per cell), got shape {tuple(positions.shape)}"
+                    f"positions must have shape [H, W, 2] or [b or 1, H, W, 2] with "
+                    f"b={x.shape[0]}, H={height}, W={width} (row, column per cell), got shape "
+                    f"{tuple(positions.shape)}"
                 )
             positions = positions.to(x.device)
             table = _table2d(positions[..., 0], positions[..., 1], self.dim, self.base)

@@ -15,8 +15,16 @@ Scaling for contexts longer than training (objects passed as ``scaling=``):
 change), :class:`DynamicNTKScaling` (the base grows with the length), :class:`YaRNScaling`
 (NTK-by-parts plus an attention temperature).
 
+Tensor layouts: inside :class:`~posenc.MultiHeadAttention` (the ``rotate`` hook) queries and
+keys are always ``[b, h, n, d]``. The standalone ``forward`` of :class:`Rotary` and
+:class:`Rotary2D` takes ``layout="bhnd"`` (the default, PyTorch's SDPA and HF) or
+``layout="bnhd"`` (``[b, n, h, d]``, flash-attn and torchtune); nothing in the shape tells
+the two apart, so name the layout rather than transposing by hand.
+
 Shape legend: ``b`` batch, ``h`` heads, ``n`` sequence length, ``d`` head dim,
-``r`` rotated channels (``rotary_dim``, even, ``<= d``).
+``r`` rotated channels (``rotary_dim``, even, ``<= d``), ``B'`` 1 or ``b`` (positions
+shared by the batch or per row), ``H, W`` the token grid of :class:`Rotary2D`, ``P`` its
+prefix tokens (``n = P + H*W``).
 
 Precision: angles are computed in float64 (float32 on MPS), sin/cos in float32, the
 rotation in float32 (float64 for float64 inputs), and only the result is cast to the input
@@ -68,13 +76,14 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
     """Rotate the first ``r = 2 * cos.shape[-1]`` channels of ``x``; pass the rest through.
 
     Args:
-        x: ``[b, h, n, d]``.
-        cos: ``[b or 1, n, r/2]`` (or ``[n, r/2]``), float32 or float64.
+        x: ``[b, h, n, d]`` (or ``[b, n, h, d]`` with a 4-D ``cos``).
+        cos: ``[b or 1, n, r/2]`` or ``[n, r/2]`` for ``x [b, h, n, d]``;
+            ``[b or 1, n, 1, r/2]`` for ``x [b, n, h, d]``. float32 or float64.
         sin: same shape as ``cos``.
         interleaved: pairs ``(2i, 2i+1)`` if True, else ``(i, i + r/2)``.
 
     Returns:
-        ``[b, h, n, d]`` in ``x``'s dtype.
+        ``x``'s shape and dtype.
     """
     half = cos.shape[-1]
     rot = 2 * half
@@ -335,11 +344,19 @@ class Rotary(nn.Module):
 
     def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
         """The attention hook: rotate ``q [b,h,n_q,d]`` at ``q_pos`` and ``k`` at ``k_pos``."""
+        return self._rotate(q, k, q_pos, k_pos, layout="bhnd")
+
+    def _rotate(
+        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, *, layout: str
+    ) -> tuple[Tensor, Tensor]:
+        """The rotation of :meth:`rotate` and :meth:`forward`, for either ``layout``."""
         length = None
         if self.scaling is not None and self.scaling.dynamic:
             length = torch.maximum(q_pos.amax(-1, keepdim=True), k_pos.amax(-1, keepdim=True)) + 1
-        cos_q, sin_q = self.cos_sin(q_pos, length=length)
-        cos_k, sin_k = self.cos_sin(k_pos, length=length)
+        cos_q, sin_q = self.cos_sin(q_pos, length=length)  # [B', n_q, r/2]
+        cos_k, sin_k = self.cos_sin(k_pos, length=length)  # [B', n_k, r/2]
+        if layout == "bnhd":  # [B', n, r/2] -> [B', n, 1, r/2], the heads after the sequence
+            cos_q, sin_q, cos_k, sin_k = (t.unsqueeze(2) for t in (cos_q, sin_q, cos_k, sin_k))
         return (
             apply_rotary(q, cos_q, sin_q, interleaved=self.interleaved),
             apply_rotary(k, cos_k, sin_k, interleaved=self.interleaved),
@@ -353,40 +370,54 @@ class Rotary(nn.Module):
         k_positions: Tensor | None = None,
         *,
         offset: int = 0,
+        layout: str = "bhnd",
     ) -> tuple[Tensor, Tensor]:
         """Rotate queries and keys.
 
         Args:
-            q: ``[b, h, n_q, d]``.
-            k: ``[b, h, n_k, d]``.
+            q: ``[b, h, n_q, d]`` (or ``[b, n_q, h, d]`` with ``layout="bnhd"``).
+            k: ``[b, h, n_k, d]`` (or ``[b, n_k, h, d]`` with ``layout="bnhd"``).
             q_positions: ``[n_q]`` or ``[b, n_q]``; default ``offset + arange(n_q)``.
             k_positions: ``[n_k]`` or ``[b, n_k]``; default ``offset + arange(n_k)``.
             offset: the position of the first token when positions are not given (a
                 decoding step at position ``t`` passes ``offset=t``).
+            layout: ``"bhnd"`` (heads before the sequence: SDPA, HF) or ``"bnhd"`` (the
+                sequence before the heads: flash-attn, torchtune). The positions run along
+                the sequence axis of this layout.
 
         Returns:
-            ``(q, k)`` rotated, in their dtypes.
+            ``(q, k)`` rotated, in their shapes, layout and dtypes.
 
         Raises:
-            ValueError: wrong ranks or head dim, positions of the wrong shape.
+            ValueError: an unknown ``layout``, wrong ranks or head dim, positions that do
+                not match the sequence axis of ``layout``.
+            TypeError: non-float ``q`` or ``k``, a non-int ``offset``, float positions.
         """
+        layout = _layout(layout)
         for name, x in (("q", q), ("k", k)):
-            check.floating(name, x)
-            if x.ndim != 4:
-                raise ValueError(f"{name} must have shape [b, h, n, d], got shape {tuple(x.shape)}")
-            check.last_dim(name, x, self.head_dim, what="head_dim")
+            _check_qk(name, x, self.head_dim, layout)
         if isinstance(offset, bool) or not isinstance(offset, int):
             raise TypeError(f"offset must be an int, got {offset!r}")
-        b = q.shape[0]
+        b, axis = q.shape[0], _seq_axis(layout)
         positions = []
-        for given, x, name in ((q_positions, q, "q_positions"), (k_positions, k, "k_positions")):
+        for given, x, name in ((q_positions, q, "q"), (k_positions, k, "k")):
+            n = x.shape[axis]
             if given is None:
-                positions.append(torch.arange(x.shape[2], device=x.device)[None] + offset)
-            else:
-                positions.append(
-                    check.positions(given, n=x.shape[2], batch=b, name=name, device=x.device)
-                )
-        return self.rotate(q, k, positions[0], positions[1])
+                positions.append(torch.arange(n, device=x.device)[None] + offset)  # [1, n]
+                continue
+            check.tensor(f"{name}_positions", given)
+            if given.ndim in (1, 2) and given.shape[-1] != n:
+                hint = _layout_hint(name, x, layout, given.shape[-1])
+                if hint:
+                    raise ValueError(
+                        f"{name}_positions has {given.shape[-1]} positions but {name} of shape "
+                        f"{tuple(x.shape)} has n={n} tokens on the sequence axis of "
+                        f"layout={layout!r} {_LAYOUTS[layout]}{hint}"
+                    )
+            positions.append(
+                check.positions(given, n=n, batch=b, name=f"{name}_positions", device=x.device)
+            )
+        return self._rotate(q, k, positions[0], positions[1], layout=layout)
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention whose head dim differs from ``head_dim``."""
@@ -412,20 +443,40 @@ class Rotary2D(nn.Module):
     :class:`~posenc.SinusoidalEncoding2D` uses) and pairs ``(i, i + d/4)`` within its half.
     ``(R q_i) . (R k_j)`` then depends only on ``(row_j - row_i, col_j - col_i)``.
 
-    Tokens are in row-major order: flat index ``p = row * W + col``. The grid ``size``
-    given to the constructor (or to :meth:`forward`, or set on ``.size``) tells the width.
+    Tokens are in row-major order after ``P = prefix_tokens`` tokens that are not rotated
+    (a CLS token and register tokens in front of the patches, as EVA-02 and DINOv2-style
+    ViTs keep them): token ``t >= P`` is the cell ``row = (t - P) // W``,
+    ``col = (t - P) % W``, and ``n = P + H*W``. The grid ``size`` given to the constructor
+    is the default; :meth:`forward` takes another one per call (another image resolution),
+    and the attention hook reads ``.size``, which may be set.
+
+    Inside :class:`~posenc.MultiHeadAttention` the positions index this flattened sequence:
+    a KV cache decodes a grid in raster order (positions ``t, t+1, ...``), and explicit
+    positions (per-row, packed images) give the cells directly. A position outside
+    ``[0, P + H*W)`` raises instead of wrapping into the next row. The hook cannot tell a
+    first part of the grid (a decoding prefix) from a grid of another size: fewer tokens
+    than ``P + H*W`` at positions ``0, 1, ...`` are read as the first cells in row-major
+    order. :meth:`forward`, which sees whole grids, requires ``n == P + H*W`` exactly.
 
     Args:
         head_dim: channels per head, a multiple of 4.
         base: the wavelength base.
         size: ``(H, W)`` of the token grid; needed for the attention hook.
+        prefix_tokens: ``P``, the number of tokens in front of the grid that are not
+            rotated (1 for a CLS token, ``1 + registers`` with register tokens).
 
     Raises:
-        ValueError: ``head_dim % 4 != 0`` or a bad ``size``.
+        ValueError: ``head_dim % 4 != 0``, a bad ``size``, ``prefix_tokens < 0``.
+        TypeError: a non-int ``prefix_tokens``.
     """
 
     def __init__(
-        self, head_dim: int, *, base: float = 10000.0, size: tuple[int, int] | None = None
+        self,
+        head_dim: int,
+        *,
+        base: float = 10000.0,
+        size: tuple[int, int] | None = None,
+        prefix_tokens: int = 0,
     ) -> None:
         super().__init__()
         check.positive_int("head_dim", head_dim)
@@ -437,52 +488,123 @@ class Rotary2D(nn.Module):
         self.head_dim = head_dim
         self.base = check.positive_float("base", base)
         self.size = None if size is None else _grid(size)
+        self.prefix_tokens = _prefix(prefix_tokens)
 
-    def _rotate_flat(self, x: Tensor, pos: Tensor, width: int) -> Tensor:
+    def _rotate_flat(self, x: Tensor, pos: Tensor, width: int, layout: str = "bhnd") -> Tensor:
+        """Rotate ``x [b, h, n, d]`` (or ``[b, n, h, d]``) at flat positions ``pos [B', n]``;
+        prefix tokens pass unchanged."""
         inv_freq = inverse_frequencies(self.head_dim // 2, self.base, device=pos.device)  # [d/4]
-        rows, cols = pos // width, pos % width  # [B', n]
+        cell = pos - self.prefix_tokens  # [B', n] row-major cell index, < 0 for prefix tokens
+        grid = cell.clamp(min=0) if self.prefix_tokens else cell
+        rows, cols = grid // width, grid % width  # [B', n]
         half = self.head_dim // 2
         out = []
         for part, axis in ((x[..., :half], rows), (x[..., half:], cols)):
             angles = rotary_angles(axis, inv_freq)  # [B', n, d/4]
+            if layout == "bnhd":
+                angles = angles.unsqueeze(2)  # [B', n, d/4] -> [B', n, 1, d/4]
             out.append(apply_rotary(part, angles.cos(), angles.sin()))
-        return torch.cat(out, dim=-1)
+        rotated = torch.cat(out, dim=-1)
+        if not self.prefix_tokens:
+            return rotated
+        prefix = (cell < 0)[:, :, None, None]  # [B', n] -> [B', n, 1, 1]
+        if layout == "bhnd":
+            prefix = prefix.transpose(1, 2)  # [B', n, 1, 1] -> [B', 1, n, 1]
+        return torch.where(prefix, x, rotated)  # prefix tokens exactly unchanged
+
+    def _check_positions(self, what: str, pos: Tensor, size: tuple[int, int]) -> None:
+        """Raise when a position falls outside the prefix tokens and the grid."""
+        if not check._can_inspect(pos):
+            return
+        total = self.prefix_tokens + size[0] * size[1]
+        low, high = (int(v) for v in torch.aminmax(pos))
+        if low >= 0 and high < total:
+            return
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{what} positions reach {bad} but Rotary2D(size={size}, prefix_tokens="
+            f"{self.prefix_tokens}) has positions 0..{total - 1} ({self.prefix_tokens} prefix "
+            f"tokens, then {size[0]}*{size[1]} grid cells in row-major order), so the rows would "
+            f"wrap past the grid; set size=(H, W) to the grid the tokens come from, "
+            f"prefix_tokens= to the number of CLS/register tokens in front of it, or pass "
+            f"positions within 0..{total - 1}"
+        )
 
     def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
-        """The attention hook: positions are flat row-major token indices."""
+        """The attention hook: positions are flat indices of the prefix tokens and the grid.
+
+        Args:
+            q: ``[b, h, n_q, d]``.
+            k: ``[b, h, n_k, d]``.
+            q_pos: ``[B', n_q]`` integer positions in ``[0, P + H*W)``.
+            k_pos: ``[B', n_k]`` likewise.
+
+        Returns:
+            ``(q, k)`` rotated, in their dtypes.
+
+        Raises:
+            ValueError: no ``size``, or a position outside ``[0, P + H*W)`` (checked where
+                values can be read: not on the meta device nor while compiling).
+        """
         if self.size is None:
             raise ValueError(
                 "Rotary2D needs the grid size to turn token indices into (row, column): build "
                 "it with size=(H, W) or set rotary.size"
             )
-        width = self.size[1]
-        return self._rotate_flat(q, q_pos, width), self._rotate_flat(k, k_pos, width)
+        size = _grid(self.size)
+        self._check_positions("query", q_pos, size)
+        if k_pos is not q_pos:
+            self._check_positions("key", k_pos, size)
+        return self._rotate_flat(q, q_pos, size[1]), self._rotate_flat(k, k_pos, size[1])
 
     def forward(
-        self, q: Tensor, k: Tensor, size: tuple[int, int] | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        size: tuple[int, int] | None = None,
+        *,
+        layout: str = "bhnd",
     ) -> tuple[Tensor, Tensor]:
-        """Rotate ``q, k [b, h, H*W, d]`` of tokens on an ``(H, W)`` grid (row-major).
+        """Rotate the queries and keys of one whole grid (after the prefix tokens).
+
+        Args:
+            q: ``[b, h, P + H*W, d]`` (or ``[b, P + H*W, h, d]`` with ``layout="bnhd"``).
+            k: same layout and token count as ``q``.
+            size: ``(H, W)`` for this call (another image resolution); default the
+                constructor's ``size``, which is left as it is.
+            layout: ``"bhnd"`` (the default) or ``"bnhd"``, as for :meth:`Rotary.forward`.
+
+        Returns:
+            ``(q, k)`` rotated, in their shapes, layout and dtypes.
 
         Raises:
-            ValueError: no size, or a size whose cells do not match the token count.
+            ValueError: no size, an unknown ``layout``, wrong ranks or head dim, a token
+                count other than ``prefix_tokens + H*W``.
+            TypeError: non-float ``q`` or ``k``.
         """
+        layout = _layout(layout)
         size = self.size if size is None else _grid(size)
         if size is None:
-            raise ValueError("pass size=(H, W) (or build Rotary2D with size=)")
+            raise ValueError(
+                "Rotary2D.forward needs the grid size to turn token indices into (row, column): "
+                "pass size=(H, W) or build Rotary2D(head_dim, size=(H, W))"
+            )
+        total = self.prefix_tokens + size[0] * size[1]
+        axis = _seq_axis(layout)
         for name, x in (("q", q), ("k", k)):
-            check.floating(name, x)
-            if x.ndim != 4:
+            _check_qk(name, x, self.head_dim, layout)
+            if x.shape[axis] != total:
                 raise ValueError(
-                    f"{name} must have shape [b, h, H*W, d], got shape {tuple(x.shape)}"
+                    f"{name} has {x.shape[axis]} tokens on the sequence axis of layout="
+                    f"{layout!r} {_LAYOUTS[layout]} (shape {tuple(x.shape)}) but size={size} "
+                    f"with prefix_tokens={self.prefix_tokens} needs {total} = "
+                    f"{self.prefix_tokens} + {size[0]}*{size[1]}; pass the size=(H, W) of the "
+                    f"grid the tokens come from, and prefix_tokens= for CLS/register tokens in "
+                    f"front of it{_layout_hint(name, x, layout, total)}"
                 )
-            check.last_dim(name, x, self.head_dim, what="head_dim")
-            if x.shape[2] != size[0] * size[1]:
-                raise ValueError(
-                    f"size={size} has {size[0] * size[1]} cells but {name} has {x.shape[2]} "
-                    f"tokens; pass the grid the tokens come from"
-                )
-        pos = torch.arange(size[0] * size[1], device=q.device)[None]
-        return self._rotate_flat(q, pos, size[1]), self._rotate_flat(k, pos, size[1])
+        pos = torch.arange(total, device=q.device)[None]  # [1, P + H*W]
+        width = size[1]
+        return self._rotate_flat(q, pos, width, layout), self._rotate_flat(k, pos, width, layout)
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention whose head dim differs from ``head_dim``."""
@@ -493,10 +615,69 @@ class Rotary2D(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}, size={self.size}"
+        return (
+            f"head_dim={self.head_dim}, base={self.base}, size={self.size}, "
+            f"prefix_tokens={self.prefix_tokens}"
+        )
 
 
 def _grid(size: object) -> tuple[int, int]:
     if not isinstance(size, (tuple, list)) or len(size) != 2:
         raise ValueError(f"size must be a pair (H, W), got {size!r}")
     return check.positive_int("size[0]", size[0]), check.positive_int("size[1]", size[1])
+
+
+#: the layouts of ``q, k`` that the standalone ``forward`` accepts, and their shapes
+_LAYOUTS = {"bhnd": "[b, h, n, d]", "bnhd": "[b, n, h, d]"}
+
+
+def _layout(layout: object) -> str:
+    """Return ``layout`` if it is one of ``_LAYOUTS``, else raise ``ValueError``."""
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
+        raise ValueError(
+            f"layout must be 'bhnd' (q and k as [b, h, n, d], the default) or 'bnhd' "
+            f"([b, n, h, d], as flash-attn and torchtune), got {layout!r}"
+        )
+    return layout
+
+
+def _seq_axis(layout: str) -> int:
+    """The sequence axis of ``q`` and ``k`` in ``layout`` (the heads axis is the other one)."""
+    return 2 if layout == "bhnd" else 1
+
+
+def _check_qk(name: str, x: object, head_dim: int, layout: str) -> Tensor:
+    """Raise unless ``x`` is a float tensor of rank 4 with last dimension ``head_dim``."""
+    check.floating(name, x)
+    if x.ndim != 4:  # type: ignore[union-attr]
+        raise ValueError(
+            f"{name} must have shape {_LAYOUTS[layout]} (layout={layout!r}), got shape "
+            f"{tuple(x.shape)}"  # type: ignore[union-attr]
+        )
+    check.last_dim(name, x, head_dim, what="head_dim")  # type: ignore[arg-type]
+    return x  # type: ignore[return-value]
+
+
+def _layout_hint(name: str, x: Tensor, layout: str, count: int) -> str:
+    """``; pass layout=...`` when ``count`` tokens fit the heads axis of ``x`` instead."""
+    other = "bnhd" if layout == "bhnd" else "bhnd"
+    if x.shape[3 - _seq_axis(layout)] != count:
+        return ""
+    return (
+        f"; {name} has {count} on its heads axis: if it is {_LAYOUTS[other]}, pass layout={other!r}"
+    )
+
+
+def _prefix(prefix_tokens: object) -> int:
+    """Return ``prefix_tokens`` if it is an int >= 0, else raise."""
+    if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, int):
+        raise TypeError(
+            f"prefix_tokens must be an int (the number of CLS/register tokens in front of the "
+            f"grid, which are not rotated), got {prefix_tokens!r} ({type(prefix_tokens).__name__})"
+        )
+    if prefix_tokens < 0:
+        raise ValueError(
+            f"prefix_tokens must be >= 0 (the number of CLS/register tokens in front of the "
+            f"grid), got {prefix_tokens}; pass 0 when every token is a grid cell"
+        )
+    return prefix_tokens
