@@ -9,10 +9,12 @@ import torch
 
 from posenc import (
     ALiBi,
+    MultiHeadAttention,
     RelativePositionBias,
     T5RelativeBias,
     alibi_slopes,
     load_relative_position_bias,
+    relative_position_index,
     resize_relative_position_table,
     t5_bucket,
 )
@@ -70,6 +72,78 @@ def test_swin_hook_positions_block_and_errors():
         bias.validate_attention(heads=4, head_dim=8)
     with pytest.raises(ValueError, match=r"window must be an int W or a pair \(Wh, Ww\)"):
         RelativePositionBias((1, 2, 3), 2)
+
+
+def swin_1d_reference(table, q_pos, k_pos):
+    """``B[h, i, j] = table[q_pos_i - k_pos_j + W - 1, h]`` for one sequence, by a loop."""
+    width = (table.shape[0] + 1) // 2
+    out = torch.empty(table.shape[1], len(q_pos), len(k_pos))
+    for i, qp in enumerate(q_pos.tolist()):
+        for j, kp in enumerate(k_pos.tolist()):
+            out[:, i, j] = table[qp - kp + width - 1]
+    return out
+
+
+def test_swin_1d_positions_are_checked_and_biased_per_sequence():
+    """Regression: the span of positions was measured across the whole batch, so two
+    sequences that each fit the window (0..19 and 100..119, window 20) were rejected."""
+    torch.manual_seed(0)
+    bias = RelativePositionBias(20, 2)
+    table = bias.table.detach()
+    pos = torch.stack([torch.arange(20), torch.arange(100, 120)])  # [2, 20]
+    cases = [
+        (pos, pos),  # self-attention
+        (pos[:, -1:], pos),  # decoding: the last query of each sequence against its keys
+        (pos[:, 5:9], pos[:, 2:]),  # a block of queries against a run of keys
+    ]
+    for q_pos, k_pos in cases:
+        got = bias.score_bias(q_pos, k_pos)  # [2, h, n_q, n_k]
+        assert got.shape == (2, 2, q_pos.shape[1], k_pos.shape[1])
+        for row in range(2):
+            expected = swin_1d_reference(table, q_pos[row], k_pos[row])
+            torch.testing.assert_close(got[row].detach(), expected, atol=0, rtol=0)
+    # the rule is per sequence: sequence 1 alone reaches 21 apart (query 119, key 98)
+    far = torch.stack([torch.arange(20), torch.arange(98, 118)])
+    with pytest.raises(
+        ValueError,
+        match=r"positions are up to 21 apart in sequence 1 of the batch but this 1-D "
+        r"RelativePositionBias has window=20 \(offsets up to 19\); build it with a window of "
+        r"at least 22 or \.resize\(22\)",
+    ):
+        bias.score_bias(pos[:, -1:], far)
+    with pytest.raises(ValueError, match=r"positions are up to 20 apart but"):
+        bias.score_bias(torch.tensor([[20]]), torch.arange(20)[None])  # shared: no row named
+
+
+def test_swin_1d_attention_with_far_apart_sequences_equals_each_alone():
+    """Through MultiHeadAttention: each sequence gets the output it gets on its own (the
+    bias is relative, so positions 100..119 act as 0..19)."""
+    torch.manual_seed(1)
+    attention = MultiHeadAttention(8, 2, position=RelativePositionBias(20, 2)).eval()
+    x = torch.randn(2, 20, 8)
+    pos = torch.stack([torch.arange(20), torch.arange(100, 120)])
+    with torch.no_grad():
+        got = attention(x, positions=pos)
+        alone = torch.cat([attention(x[row : row + 1]) for row in range(2)])
+    # the same logits up to rounding (the paths may differ); the outputs are mixes of
+    # values of size max|v|: a few roundings of max|out| and of the logits' error
+    eps = torch.finfo(torch.float32).eps
+    atol = 16 * eps * float(alone.abs().max())
+    torch.testing.assert_close(got, alone, atol=atol, rtol=0)
+
+
+def test_swin_1d_dense_bias_needs_no_index_and_equals_swins():
+    """The 1-D bias is read along the diagonals (no [W, W] index); it is Swin's gather."""
+    torch.manual_seed(2)
+    bias = RelativePositionBias(5, 3)
+    assert not list(bias.buffers())
+    expected = torch.nn.functional.embedding(relative_position_index(5), bias.table)
+    torch.testing.assert_close(bias(), expected.permute(2, 0, 1), atol=0, rtol=0)
+    # gradients: integer-valued, so every sum is exact whatever its order
+    grad = torch.randint(-4, 5, (3, 5, 5)).float()
+    (table_grad,) = torch.autograd.grad(bias(), bias.table, grad)
+    (expected_grad,) = torch.autograd.grad(expected.permute(2, 0, 1), bias.table, grad)
+    assert torch.equal(table_grad, expected_grad)
 
 
 def test_swin_gradient_reaches_table():
@@ -274,43 +348,92 @@ def test_alibi_errors():
 # ----- FlexAttention score_mods -----------------------------------------------------------------
 
 
+SCORE_MOD_SCHEMES = {
+    "alibi": lambda h, n: ALiBi(h),
+    "t5": lambda h, n: T5RelativeBias(h, num_buckets=8, max_distance=16),
+    "swin-2d": lambda h, n: RelativePositionBias((2, n // 2), h),
+    "swin-1d": lambda h, n: RelativePositionBias(n, h),
+}
+
+
+@pytest.mark.parametrize("name", SCORE_MOD_SCHEMES)
 @pytest.mark.parametrize(
-    "scheme",
+    "positions",
     [
-        ALiBi(3),
-        T5RelativeBias(3, num_buckets=8, max_distance=16),
-        RelativePositionBias((2, 4), 3),
-        RelativePositionBias(8, 3),
+        torch.stack([torch.arange(8), torch.arange(8).flip(0)]),  # [b, n]: per sequence
+        torch.arange(8)[None],  # [1, n]: shared by the batch
+        torch.arange(8),  # [n]: shared by the batch
     ],
-    ids=["alibi", "t5", "swin-2d", "swin-1d"],
+    ids=["per-sequence", "shared", "shared-1d"],
 )
-def test_score_mod_equals_dense_bias(scheme):
+def test_score_mod_equals_dense_bias(name, positions):
     torch.manual_seed(0)
     b, h, n = 2, 3, 8
-    q_pos = torch.stack([torch.arange(n), torch.arange(n)])
+    scheme = SCORE_MOD_SCHEMES[name](h, n)
+    q_pos = positions if positions.ndim == 2 else positions[None]
     score = torch.randn(b, h, n, n)
-    mod = scheme.flex_score_mod(q_pos, q_pos)
+    mod = scheme.flex_score_mod(positions, positions)
     bi = torch.arange(b)[:, None, None, None]
     hi = torch.arange(h)[None, :, None, None]
     qi = torch.arange(n)[None, None, :, None]
     ki = torch.arange(n)[None, None, None, :]
     got = mod(score, bi, hi, qi, ki)
-    torch.testing.assert_close(got, score + scheme.score_bias(q_pos, q_pos), atol=1e-6, rtol=1e-6)
+    expected = score + scheme.score_bias(q_pos, q_pos)  # [b, h, n, n] + [B', h, n, n]
+    # one addition of the same two float32 numbers (ALiBi: and one product)
+    atol = 2 * torch.finfo(torch.float32).eps * float(expected.detach().abs().max())
+    torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+
+
+def test_score_mod_position_errors():
+    with pytest.raises(TypeError, match=r"q_pos must be an integer tensor .* q_pos.long\(\)"):
+        ALiBi(2).flex_score_mod(torch.arange(4.0), torch.arange(4))
+    with pytest.raises(ValueError, match=r"k_pos must have shape \[n\], \[1, n\] .*got shape"):
+        T5RelativeBias(2).flex_score_mod(torch.arange(4), torch.zeros(1, 2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="q_pos has batch size 2 but k_pos has batch size 3"):
+        ALiBi(2).flex_score_mod(torch.zeros(2, 4, dtype=torch.long), torch.zeros(3, 4).long())
+    with pytest.raises(ValueError, match=r"k_pos must be in \[0, 8\)"):
+        RelativePositionBias((2, 4), 2).flex_score_mod(torch.arange(8), torch.arange(1, 9))
+    with pytest.raises(ValueError, match="positions are up to 8 apart"):
+        RelativePositionBias(8, 2).flex_score_mod(torch.arange(8), torch.arange(1, 9))
+
+
+def attention_atol(q, k, v, scores):
+    """A float32 bound on the error of ``softmax(scores) @ v`` from its magnitudes.
+
+    Each logit is a ``d``-term dot product (error up to ``d * eps * |q_i| |k_j|`` times the
+    scale) plus a bias (``eps * |score|``); a logit error ``delta`` moves the output by at
+    most ``2 * delta * max|v|``, and the weighted sum over ``n`` keys adds ``n * eps * max|v|``.
+    """
+    eps = torch.finfo(torch.float32).eps
+    d, n = q.shape[-1], k.shape[-2]
+    dot = q.norm(dim=-1).max() * k.norm(dim=-1).max() / math.sqrt(d)
+    logit = eps * (d * dot + scores.abs().max())
+    return float((2 * logit + n * eps) * v.abs().max())
 
 
 @pytest.mark.compile
-def test_flex_attention_with_t5_score_mod():
+@pytest.mark.parametrize("name", SCORE_MOD_SCHEMES)
+def test_compiled_flex_attention_with_positions_shared_by_the_batch(name):
+    """Regression: a score_mod read ``q_pos[b, q_idx]``, out of range for ``b >= 1`` when the
+    positions are shared (``[1, n]``); FlexAttention raised IndexError."""
     from torch.nn.attention.flex_attention import flex_attention
 
     torch.manual_seed(0)
-    bias = T5RelativeBias(2, num_buckets=8, max_distance=16)
-    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
-    pos = torch.arange(16)[None]
+    b, h, n, d = 2, 2, 16, 8
+    scheme = SCORE_MOD_SCHEMES[name](h, n)
+    if isinstance(scheme, RelativePositionBias):
+        torch.nn.init.normal_(scheme.table)  # a bias that matters next to q.k
+    q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
+    pos = torch.arange(n)[None]  # [1, n]: shared by both sequences
+    # dynamic=False, as the engine compiles it: with automatic dynamic shapes, the second
+    # table size recompiles symbolically and Inductor's CPU flex template fails to build
+    # (torch 2.13: "cur_qSplitSize4 was not declared")
+    compiled = torch.compile(flex_attention, dynamic=False)
     with torch.no_grad():
-        got = torch.compile(flex_attention)(q, k, v, score_mod=bias.flex_score_mod(pos, pos))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(8) + bias.score_bias(pos, pos)
+        got = compiled(q, k, v, score_mod=scheme.flex_score_mod(pos, pos))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d) + scheme.score_bias(pos, pos)
         expected = scores.softmax(-1) @ v
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, expected, atol=attention_atol(q, k, v, scores), rtol=0)
 
 
 def test_meta_construction_and_state():

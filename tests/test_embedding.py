@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import posenc.embedding as embedding
-from posenc import MultiHeadAttention
+from posenc import MultiHeadAttention, resize_relative_position_table
 from posenc.embedding import (
     AbsoluteQueryEmbedding,
     RelativeQueryEmbedding,
@@ -21,6 +21,7 @@ from posenc.embedding import (
     relative_query_logits_2d,
     relative_query_term,
     relative_query_term_2d,
+    resize_relative_rows,
 )
 from posenc.indices import relative_to_absolute
 
@@ -320,6 +321,92 @@ def test_2d_gradcheck():
         lambda q, hh, ww: relative_query_term_2d(q[:, :, :3], hh, ww, size, q_pos, k_pos),
         (q, height, width),
     )
+
+
+def linear_resample(old_rows, new_rows):
+    """Where ``F.interpolate(mode="linear", align_corners=False)`` samples the old rows for
+    each new row: ``(k + 0.5) * old / new - 0.5``, clamped to the old rows at the border."""
+    where = (torch.arange(float(new_rows)) + 0.5) * old_rows / new_rows - 0.5
+    return where.clamp(0, old_rows - 1)
+
+
+@pytest.mark.parametrize("heads", [None, 2])
+def test_2d_resize_interpolates_each_axis_linearly(heads):
+    """Each table is resampled over its offsets as a 1-D Swin table is (linear,
+    align_corners=False): a table linear in the offset stays linear in the sampled offset."""
+    module = RelativeQueryEmbedding2D((3, 4), 2, heads=heads)
+    lead = () if heads is None else (heads,)
+    slope = torch.tensor([1.0, -2.0]) if heads is None else torch.tensor([[1.0, -2.0], [0.5, 3]])
+    slope = slope.reshape(*lead, 1, 2)  # [(h,) 1, d]: one line per head and channel
+    with torch.no_grad():
+        module.height.copy_(torch.arange(5.0)[:, None] * slope)  # [(h,) 5, 2]
+        module.width.copy_(torch.arange(7.0)[:, None] * slope + 1.0)  # [(h,) 7, 2]
+    assert module.resize((5, 2)) is module
+    assert module.size == (5, 2)
+    assert module.height.shape == (*lead, 9, 2) and module.width.shape == (*lead, 3, 2)
+    expected_height = linear_resample(5, 9)[:, None] * slope
+    expected_width = linear_resample(7, 3)[:, None] * slope + 1.0
+    for got, expected in ((module.height, expected_height), (module.width, expected_width)):
+        # a convex mix of two rows: a few roundings of values up to max|expected|
+        eps = torch.finfo(torch.float32).eps
+        atol = 4 * eps * float(expected.abs().max())
+        torch.testing.assert_close(got.detach(), expected, atol=atol, rtol=0)
+        assert isinstance(got, torch.nn.Parameter) and got.requires_grad
+    # offset 0 (the centre row) keeps its value, up to the rounding of where it is sampled
+    centre = 2.0 * slope[..., 0, :]
+    atol = 4 * torch.finfo(torch.float32).eps * float(centre.abs().max())
+    torch.testing.assert_close(module.height[..., 4, :].detach(), centre, atol=atol, rtol=0)
+    # the module works at the new size, with the tables it now holds
+    q = torch.randn(1, 2, 10, 2)
+    torch.testing.assert_close(
+        module(q), relative_query_logits_2d(q, module.height, module.width, (5, 2))
+    )
+    # and its state dict is that of a module built at the new size
+    fresh = RelativeQueryEmbedding2D((5, 2), 2, heads=heads)
+    fresh.load_state_dict(module.state_dict(), strict=True)
+    torch.testing.assert_close(fresh(q), module(q))
+
+
+def test_2d_resize_same_size_per_head_tables_and_frozen_tables():
+    torch.manual_seed(16)
+    module = RelativeQueryEmbedding2D((3, 4), 4, heads=3)
+    before = (module.height.detach().clone(), module.width.detach().clone())
+    module.resize((3, 4))  # same size: the tables as they were
+    assert torch.equal(module.height.detach(), before[0])
+    assert torch.equal(module.width.detach(), before[1])
+    module.resize([6, 2])
+    for got, old, rows in ((module.height, before[0], 6), (module.width, before[1], 2)):
+        # per head: each head's table resized on its own, as a shared table would be
+        for head in range(3):
+            assert torch.equal(got[head].detach(), resize_relative_rows(old[head], rows))
+        # the same convention as a 1-D Swin table (one column per channel)
+        for head in range(3):
+            assert torch.equal(
+                got[head].detach(),
+                resize_relative_position_table(old[head], old.shape[1] // 2 + 1, rows),
+            )
+    frozen = RelativeQueryEmbedding2D((2, 2), 4)
+    frozen.requires_grad_(False)
+    frozen.resize((4, 3))
+    assert isinstance(frozen.height, torch.nn.Parameter) and not frozen.height.requires_grad
+    assert not frozen.width.requires_grad and frozen.width.shape == (5, 4)
+
+
+def test_2d_resize_errors_name_new_size():
+    module = RelativeQueryEmbedding2D((3, 4), 4)
+    with pytest.raises(ValueError, match=r"new_size must be a pair \(H, W\), got 4"):
+        module.resize(4)
+    with pytest.raises(ValueError, match=r"new_size\[1\] must be >= 1, got 0"):
+        module.resize((3, 0))
+    with pytest.raises(TypeError, match=r"new_size\[0\] must be an int, got 2.5 \(float\)"):
+        module.resize((2.5, 3))
+    assert module.size == (3, 4) and module.height.shape == (5, 4)  # untouched
+    with pytest.raises(
+        ValueError, match=r"table must have shape \[2L-1, d\] or \[heads, 2L-1, d\]"
+    ):
+        resize_relative_rows(torch.zeros(4, 3), 2)
+    with pytest.raises(ValueError, match="new_len must be >= 1, got 0"):
+        resize_relative_rows(torch.zeros(5, 3), 0)
 
 
 # ----- all three: hooks, blocks, construction, errors -------------------------------------

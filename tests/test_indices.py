@@ -133,3 +133,25 @@ def test_run_offsets_and_whole_map():
     assert not is_whole_map(pos + 1, pos, 6)  # shifted
     assert not is_whole_map(pos[:, :5], pos, 6)  # not all of the map
     assert not is_whole_map(pos.flip(-1), pos, 6)  # not in order
+
+
+def test_score_mod_positions_read_shared_and_per_sequence_positions_for_any_batch():
+    from posenc.indices import score_mod_positions
+
+    b = torch.arange(3)[:, None, None, None]  # FlexAttention's batch index, broadcast
+    idx = torch.arange(4)[None, None, :, None]
+    shared = torch.tensor([5, 7, 9, 11])
+    per_row = torch.stack([shared, shared + 100, shared + 200])  # [3, 4]
+    q_pos, k_pos, read_q, read_k = score_mod_positions(shared, per_row)
+    assert q_pos.shape == (1, 4) and k_pos.shape == (3, 4)
+    # shared: every sequence reads the one row (broadcast over b); per sequence: its own row
+    assert torch.equal(read_q(b, idx).expand(3, 1, 4, 1), shared[idx].expand(3, 1, 4, 1))
+    assert torch.equal(read_k(b, idx), per_row[b, idx])
+    _, _, read_q, _ = score_mod_positions(shared[None], shared[None])
+    assert torch.equal(read_q(b, idx).expand(3, 1, 4, 1), shared[idx].expand(3, 1, 4, 1))
+    with pytest.raises(ValueError, match="q_pos has batch size 2 but k_pos has batch size 3"):
+        score_mod_positions(per_row[:2], per_row)
+    with pytest.raises(ValueError, match=r"k_pos must have shape \[n\], \[1, n\]"):
+        score_mod_positions(shared, per_row[None])
+    with pytest.raises(TypeError, match=r"q_pos must be an integer tensor.*q_pos.long\(\)"):
+        score_mod_positions(shared.float(), shared)

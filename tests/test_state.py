@@ -143,6 +143,23 @@ def test_swin_index_is_a_derived_buffer():
     assert list(swin.state_dict()) == ["table"]
 
 
+def test_swin_1d_derived_state_is_linear_in_the_window():
+    """Regression: a 1-D window kept a dense ``[W, W]`` int64 index (128 MB at W = 4096)
+    that attention never reads; its derived state must be O(W)."""
+    window = 4096
+    swin = RelativePositionBias(window, HEADS)
+    assert sum(buffer.numel() for buffer in swin.buffers()) < 10 * window
+    assert {k: tuple(v.shape) for k, v in swin.state_dict().items()} == {
+        "table": (2 * window - 1, HEADS)
+    }
+    # a checkpoint of the 1-D table loads into a meta-built module and gives the same bias
+    small = RelativePositionBias(6, HEADS)
+    with torch.device("meta"):
+        module = RelativePositionBias(6, HEADS)
+    module.load_state_dict(small.state_dict(), strict=True, assign=True)
+    assert torch.equal(module(), small())
+
+
 # ----- copies: deepcopy, pickle, torch.save ---------------------------------------------------
 
 

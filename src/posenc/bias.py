@@ -32,6 +32,7 @@ from .indices import (
     is_whole_map,
     relative_distance,
     run_offsets,
+    score_mod_positions,
     t5_bucket,
     toeplitz,
     window_relative_index,
@@ -121,6 +122,12 @@ class RelativePositionBias(nn.Module):
     ``relative_position_bias_table`` loads as it is. Tokens are numbered row-major inside
     the window. The table is initialised from a truncated ``N(0, 0.02**2)`` (Swin).
 
+    A 2-D window keeps Swin's index ``[N, N]`` as the non-persistent buffer ``index``. A
+    1-D window keeps no index: its bias ``table[i - j + W - 1]`` is constant along each
+    diagonal, read from the ``2W - 1`` rows directly (:func:`~posenc.indices.toeplitz`), so
+    the module's state is ``O(W)``, not ``O(W**2)`` (an int64 ``[4096, 4096]`` index would
+    be 128 MB).
+
     Args:
         window: ``W`` (1-D) or ``(Wh, Ww)``.
         heads: number of heads.
@@ -134,7 +141,8 @@ class RelativePositionBias(nn.Module):
         self.window = window_size(window)
         self.heads = check.positive_int("heads", heads)
         self.table = nn.Parameter(torch.empty(math.prod(_table_grid(self.window)), heads))
-        self.register_buffer("index", torch.empty(0, dtype=torch.long), persistent=False)
+        if len(self.window) == 2:
+            self.register_buffer("index", torch.empty(0, dtype=torch.long), persistent=False)
         self.reset_parameters()
 
     @property
@@ -143,11 +151,13 @@ class RelativePositionBias(nn.Module):
         return math.prod(self.window)
 
     def reset_parameters(self) -> None:
-        """Draw the table from a truncated ``N(0, 0.02**2)`` and rebuild the index."""
+        """Draw the table from a truncated ``N(0, 0.02**2)`` and rebuild the index (2-D)."""
         nn.init.trunc_normal_(self.table, std=0.02)
         self._build_index()
 
     def _build_index(self) -> None:
+        if len(self.window) == 1:
+            return  # no index: forward reads the table's rows along the diagonals
         tokens = torch.arange(self.tokens, device=self.table.device)
         self.index = window_relative_index(tokens, tokens, self.window)  # [N, N]
 
@@ -160,6 +170,11 @@ class RelativePositionBias(nn.Module):
 
     def forward(self) -> Tensor:
         """The dense bias ``[heads, N, N]``."""
+        if len(self.window) == 1:
+            width = self.window[0]
+            # column m of toeplitz is the offset j - i = m - (W - 1), i.e. row i - j + W - 1
+            # = 2W - 2 - m of the table: the table's rows in reverse
+            return toeplitz(self.table.flip(0).t(), width, width)  # [h, 2W-1] -> [h, W, W]
         return F.embedding(self.index, self.table).permute(2, 0, 1)  # [N, N, h] -> [h, N, N]
 
     def _check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
@@ -167,12 +182,18 @@ class RelativePositionBias(nn.Module):
             for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
                 _check_range(name, pos, self.tokens, f"token indices of a {self.window} window")
         elif check._can_inspect(q_pos) and check._can_inspect(k_pos):
-            # 1-D: only i - j matters, which must fit the table's 2W - 1 offsets
-            span = max(int(q_pos.max() - k_pos.min()), int(k_pos.max() - q_pos.min()))
+            # 1-D: only i - j matters, which must fit the table's 2W - 1 offsets within each
+            # sequence; sequences of a batch may lie far apart from each other
+            spans = torch.maximum(
+                q_pos.amax(-1) - k_pos.amin(-1), k_pos.amax(-1) - q_pos.amin(-1)
+            )  # [B'] (shared positions broadcast)
+            row = int(spans.argmax())
+            span = int(spans.flatten()[row])
             if span >= self.window[0]:
+                where = f" in sequence {row} of the batch" if spans.numel() > 1 else ""
                 raise ValueError(
-                    f"positions are up to {span} apart but this 1-D RelativePositionBias has "
-                    f"window={self.window[0]} (offsets up to {self.window[0] - 1}); build it "
+                    f"positions are up to {span} apart{where} but this 1-D RelativePositionBias "
+                    f"has window={self.window[0]} (offsets up to {self.window[0] - 1}); build it "
                     f"with a window of at least {span + 1} or .resize({span + 1})"
                 )
 
@@ -220,7 +241,9 @@ class RelativePositionBias(nn.Module):
             ``[B', heads, n_q, n_k]``.
 
         Raises:
-            ValueError: a token index outside the window ``[0, N)``.
+            ValueError: a token index outside the window ``[0, N)`` (2-D), or query and key
+                positions of one sequence further apart than ``W - 1`` (1-D; each sequence
+                is checked on its own).
         """
         values = self.offset_bias(q_pos, k_pos)
         if values is not None:
@@ -231,11 +254,28 @@ class RelativePositionBias(nn.Module):
         return gather_rows(self.table, index)  # [B', h, n_q, n_k]
 
     def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
-        """``score + table[index(q, k), h]`` as a FlexAttention ``score_mod``."""
+        """``score + table[index(q, k), h]`` as a FlexAttention ``score_mod``.
+
+        Args:
+            q_pos: ``[n_q]``, ``[1, n_q]`` (shared by the batch) or ``[b, n_q]`` token indices
+                (2-D) or positions (1-D).
+            k_pos: ``[n_k]``, ``[1, n_k]`` or ``[b, n_k]``, likewise.
+
+        Returns:
+            ``score_mod(score, b, h, q_idx, kv_idx)`` for any batch size when the positions
+            are shared.
+
+        Raises:
+            ValueError: positions outside the table (see :meth:`score_bias`), positions not
+                ``[n]`` or ``[B', n]``, or batch sizes that differ.
+            TypeError: positions that are not integers.
+        """
+        q_pos, k_pos, read_q, read_k = score_mod_positions(q_pos, k_pos)
+        self._check_positions(q_pos, k_pos)
         table, window = self.table, self.window
 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            qp, kp = q_pos[b, q_idx], k_pos[b, kv_idx]
+            qp, kp = read_q(b, q_idx), read_k(b, kv_idx)
             if len(window) == 1:
                 row = qp - kp + (window[0] - 1)
             else:
@@ -409,11 +449,25 @@ class T5RelativeBias(nn.Module):
         return gather_rows(self.offset_table(), rows)  # [B', h, n_q, n_k]
 
     def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
-        """``score + embedding[bucket(k - q), h]`` as a FlexAttention ``score_mod``."""
+        """``score + embedding[bucket(k - q), h]`` as a FlexAttention ``score_mod``.
+
+        Args:
+            q_pos: ``[n_q]``, ``[1, n_q]`` (shared by the batch) or ``[b, n_q]`` positions.
+            k_pos: ``[n_k]``, ``[1, n_k]`` or ``[b, n_k]`` positions.
+
+        Returns:
+            ``score_mod(score, b, h, q_idx, kv_idx)`` for any batch size when the positions
+            are shared.
+
+        Raises:
+            ValueError: positions not ``[n]`` or ``[B', n]``, or batch sizes that differ.
+            TypeError: positions that are not integers.
+        """
+        _, _, read_q, read_k = score_mod_positions(q_pos, k_pos)
         weight, args = self.embedding.weight, self._bucket_args()
 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            bucket = t5_bucket(k_pos[b, kv_idx] - q_pos[b, q_idx], **args)
+            bucket = t5_bucket(read_k(b, kv_idx) - read_q(b, q_idx), **args)
             return score + weight[bucket, h]
 
         return score_mod
@@ -519,11 +573,25 @@ class ALiBi(nn.Module):
         return -self.slopes(q_pos.device)[:, None, None] * distance[:, None]
 
     def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
-        """``score - slope_h * |k - q|`` as a FlexAttention ``score_mod``."""
+        """``score - slope_h * |k - q|`` as a FlexAttention ``score_mod``.
+
+        Args:
+            q_pos: ``[n_q]``, ``[1, n_q]`` (shared by the batch) or ``[b, n_q]`` positions.
+            k_pos: ``[n_k]``, ``[1, n_k]`` or ``[b, n_k]`` positions.
+
+        Returns:
+            ``score_mod(score, b, h, q_idx, kv_idx)`` for any batch size when the positions
+            are shared.
+
+        Raises:
+            ValueError: positions not ``[n]`` or ``[B', n]``, or batch sizes that differ.
+            TypeError: positions that are not integers.
+        """
+        q_pos, _, read_q, read_k = score_mod_positions(q_pos, k_pos)
         slopes = self.slopes(q_pos.device)
 
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            distance = (k_pos[b, kv_idx] - q_pos[b, q_idx]).abs()
+            distance = (read_k(b, kv_idx) - read_q(b, q_idx)).abs()
             return score - slopes[h] * distance
 
         return score_mod

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from .absolute import _size2d
+from .bias import resize_relative_position_table
 from .indices import (
     is_whole_map,
     offset_run,
@@ -43,6 +44,7 @@ __all__ = [
     "relative_query_logits_2d",
     "relative_query_term",
     "relative_query_term_2d",
+    "resize_relative_rows",
 ]
 
 
@@ -323,6 +325,44 @@ def relative_query_logits_2d(
     height_term = height_term.transpose(2, 3)
     out = height_term.unsqueeze(-1) + width_term.unsqueeze(-2)  # [b, h, H, W, H, W]
     return out.reshape(b, h, n, n)  # [b, h, H, W, H, W] -> [b, h, HW, HW]
+
+
+def resize_relative_rows(table: Tensor, new_len: int) -> Tensor:
+    """Interpolate a table of offset rows ``[(h,) 2L-1, d]`` to ``[(h,) 2L'-1, d]``.
+
+    Row ``m`` embeds the offset ``m - (L - 1)``; each channel (and head) is resampled
+    linearly over the offsets with ``F.interpolate(align_corners=False)``, the convention of
+    :func:`~posenc.resize_relative_position_table` for a 1-D window (and of the decomposed
+    relative embeddings of ViTDet / SAM, Li et al. 2022). Offset 0 sits at the centre of
+    both grids and keeps its row (up to the rounding of the sampling coordinate); the same
+    length returns ``table`` unchanged.
+
+    Args:
+        table: ``[2L-1, d]`` (shared) or ``[h, 2L-1, d]`` (per head), ``L >= 1``.
+        new_len: ``L'``, the new number of offsets on each side (``2L'-1`` rows).
+
+    Returns:
+        ``[(h,) 2L'-1, d]`` in ``table``'s dtype.
+
+    Raises:
+        ValueError: ``table`` is not ``[(h,) odd rows, d]``, or ``new_len`` < 1.
+        TypeError: ``new_len`` is not an int.
+    """
+    check.tensor("table", table)
+    check.positive_int("new_len", new_len)
+    if table.ndim not in (2, 3) or table.shape[-2] % 2 == 0:
+        raise ValueError(
+            f"table must have shape [2L-1, d] or [heads, 2L-1, d] (one row per offset "
+            f"-(L-1)..L-1, an odd number), got shape {tuple(table.shape)}"
+        )
+    rows, dim = table.shape[-2], table.shape[-1]
+    lead = table.shape[:-2]  # () or (h,)
+    flat = table.movedim(-2, 0).reshape(rows, -1)  # [(h,) 2L-1, d] -> [2L-1, h * d]
+    resized = resize_relative_position_table(flat, (rows + 1) // 2, new_len)  # [2L'-1, h * d]
+    if resized is flat:
+        return table
+    # [2L'-1, h * d] -> [2L'-1, (h,) d] -> [(h,) 2L'-1, d]
+    return resized.reshape(2 * new_len - 1, *lead, dim).movedim(0, -2).contiguous()
 
 
 # ----- modules ----------------------------------------------------------------------------
@@ -648,6 +688,36 @@ class RelativeQueryEmbedding2D(nn.Module):
         q_pos = _check_range("q_pos", q_pos, 0, cells, fix)
         k_pos = _check_range("k_pos", k_pos, 0, cells, fix)
         return relative_query_term_2d(q, self.height, self.width, self.size, q_pos, k_pos)
+
+    @torch.no_grad()
+    def resize(self, new_size: tuple[int, int]) -> RelativeQueryEmbedding2D:
+        """Interpolate both tables to an ``(H', W')`` feature map (fine-tuning at another size).
+
+        Each axis's table is resampled on its own over its offsets, linearly
+        (:func:`resize_relative_rows`: ``align_corners=False``, as a 1-D Swin table and
+        ViTDet's decomposed relative embeddings): ``height [(h,) 2H-1, d]`` becomes
+        ``[(h,) 2H'-1, d]`` and ``width [(h,) 2W-1, d]`` becomes ``[(h,) 2W'-1, d]``. Offset 0
+        keeps its row (up to rounding); the same size keeps the tables. The parameters are
+        replaced (same dtype, device and ``requires_grad``): build the optimizer after
+        resizing.
+
+        Args:
+            new_size: ``(H', W')``, the new feature map.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ValueError: ``new_size`` is not a pair of ints >= 1.
+            TypeError: an entry of ``new_size`` is not an int.
+        """
+        new = _size2d(new_size, "new_size")
+        for name, new_len in zip(("height", "width"), new, strict=True):
+            table: nn.Parameter = getattr(self, name)
+            resized = resize_relative_rows(table.detach(), new_len)
+            setattr(self, name, nn.Parameter(resized, requires_grad=table.requires_grad))
+        self.size = new
+        return self
 
     def grid_term(self, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor] | None:
         """The two tables when queries and keys are the whole map in order (``0 .. H*W-1``,

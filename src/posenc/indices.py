@@ -14,6 +14,7 @@ compatibility needs it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "relative_position_index",
     "relative_to_absolute",
     "run_offsets",
+    "score_mod_positions",
     "skew_rows",
     "t5_bucket",
     "toeplitz",
@@ -303,6 +305,85 @@ def skew_rows(x: Tensor, n_k: int) -> Tensor:
     flat = x.contiguous().flatten(-2)  # [..., n_q * width]
     rows = flat[..., n_q - 1 : n_q - 1 + n_q * (width - 1)]  # [..., n_q * (width - 1)]
     return rows.unflatten(-1, (n_q, width - 1))[..., :n_k]  # [..., n_q, n_k]
+
+
+def _flex_reader(name: str, pos: object) -> tuple[Tensor, Callable[[Tensor, Tensor], Tensor]]:
+    """One argument of :func:`score_mod_positions`: ``(pos [B', n], read)``.
+
+    Args:
+        name: the argument's name, for messages.
+        pos: ``[n]`` or ``[1, n]`` (shared by the batch) or ``[b, n]`` (per sequence) integer
+            positions.
+
+    Returns:
+        ``(pos [B', n], read)`` with ``read(b, idx)`` the position of token ``idx`` of
+        sequence ``b``: ``pos[0, idx]`` when shared, else ``pos[b, idx]``.
+
+    Raises:
+        TypeError: not an integer tensor.
+        ValueError: not ``[n]`` or ``[B', n]``.
+    """
+    check.tensor(name, pos)
+    p: Tensor = pos  # type: ignore[assignment]
+    if p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
+        raise TypeError(
+            f"{name} must be an integer tensor of positions, got dtype {p.dtype}; pass "
+            f"{name}.long() if the values are whole numbers"
+        )
+    if p.ndim == 1:
+        p = p.unsqueeze(0)  # [n] -> [1, n]
+    if p.ndim != 2:
+        raise ValueError(
+            f"{name} must have shape [n], [1, n] (shared by the batch) or [batch, n] (per "
+            f"sequence), got shape {tuple(p.shape)}"
+        )
+    if p.shape[0] == 1:
+        shared = p[0]  # [n]
+
+        def read_shared(b: Tensor, idx: Tensor) -> Tensor:
+            return shared[idx]
+
+        return p, read_shared
+
+    def read_row(b: Tensor, idx: Tensor) -> Tensor:
+        return p[b, idx]
+
+    return p, read_row
+
+
+def score_mod_positions(
+    q_pos: object, k_pos: object
+) -> tuple[Tensor, Tensor, Callable[[Tensor, Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]:
+    """How a FlexAttention ``score_mod`` reads query and key positions, for any batch.
+
+    FlexAttention calls a ``score_mod`` with the batch index ``b`` of every sequence, so
+    positions shared by the batch (``[n]`` or ``[1, n]``) cannot be read as ``pos[b, idx]``
+    (out of range for ``b >= 1``). The reader is chosen here, once, from the shape: a
+    ``score_mod`` must not branch on tensor values.
+
+    Args:
+        q_pos: ``[n_q]`` or ``[1, n_q]`` (shared by the batch) or ``[b, n_q]`` (per sequence)
+            integer positions.
+        k_pos: ``[n_k]``, ``[1, n_k]`` or ``[b, n_k]``, likewise.
+
+    Returns:
+        ``(q_pos [B', n_q], k_pos [B', n_k], read_q, read_k)`` with ``read_q(b, q_idx)`` the
+        position of query ``q_idx`` of sequence ``b`` (``q_pos[0, q_idx]`` when shared, else
+        ``q_pos[b, q_idx]``), and ``read_k`` the same for the keys.
+
+    Raises:
+        TypeError: positions that are not integers.
+        ValueError: positions not ``[n]`` or ``[B', n]``, or per-sequence query and key
+            positions of different batch sizes.
+    """
+    q_pos, read_q = _flex_reader("q_pos", q_pos)
+    k_pos, read_k = _flex_reader("k_pos", k_pos)
+    if 1 not in (q_pos.shape[0], k_pos.shape[0]) and q_pos.shape[0] != k_pos.shape[0]:
+        raise ValueError(
+            f"q_pos has batch size {q_pos.shape[0]} but k_pos has batch size {k_pos.shape[0]}; "
+            f"pass positions shared by the batch ([n] or [1, n]) or one row per sequence for both"
+        )
+    return q_pos, k_pos, read_q, read_k
 
 
 def relative_to_absolute(x: Tensor) -> Tensor:
