@@ -318,3 +318,209 @@ def test_compile_fullgraph_parity():
     torch.testing.assert_close(
         compiled(x, valid_lens=lens, causal=True), m(x, valid_lens=lens, causal=True)
     )
+
+
+# ----- defects: inputs that were misread, crashes, padding that leaked ------------------------
+
+
+def build_scheme(name, heads=2, head_dim=4, n=4):
+    from schemes import SCHEMES
+
+    torch.manual_seed(0)
+    scheme = SCHEMES[name].build(heads, head_dim, n, (2, n // 2))
+    if isinstance(scheme, nn.Module):
+        for p in scheme.parameters():  # tables away from zero: every term counts
+            nn.init.normal_(p, std=0.5) if p.is_floating_point() else None
+    return scheme
+
+
+def scheme_names():
+    from schemes import SCHEMES
+
+    return sorted(SCHEMES)
+
+
+def has_value_term(scheme):
+    from posenc.kernels import hooks_of
+
+    return hooks_of(scheme).value_term is not None
+
+
+@pytest.mark.parametrize("backend", ["auto", "lean", "sdpa"])
+@pytest.mark.parametrize("name", scheme_names())
+def test_second_order_gradients_equal_math(name, backend):
+    """A gradient penalty (create_graph=True, then backward) through every fast path equals
+    the math path's, for the input and every parameter, scheme tables included; and
+    gradgradcheck passes. Before the fix the lean paths' backwards were constants to
+    autograd: T5, Swin-1d, the relative embeddings and Shaw gave wrong second derivatives."""
+    scheme = build_scheme(name)
+    if backend == "sdpa" and has_value_term(scheme):
+        pytest.skip("sdpa has no value term")
+    torch.manual_seed(1)
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    results = {}
+    for be in ("math", backend):
+        torch.manual_seed(0)
+        m = MultiHeadAttention(8, 2, position=scheme, backend=be).double()
+        xi = x.clone().requires_grad_()
+        out = m(xi, causal=True)
+        (g,) = torch.autograd.grad((out * out.detach().sin()).sum(), xi, create_graph=True)
+        penalty = (g**2).sum()
+        params = [xi, *m.parameters()]
+        results[be] = torch.autograd.grad(penalty, params, allow_unused=True)
+    for got, want in zip(results[backend], results["math"], strict=True):
+        if want is None:
+            assert got is None or not got.any()
+            continue
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    m = MultiHeadAttention(8, 2, position=scheme, backend=backend).double()
+    xi = x[:1].clone().requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda t: m(t, causal=True), (xi,), fast_mode=True)
+
+
+def test_second_order_gradients_with_dropout_name_the_fix():
+    m = make("sdpa", position=DecayBias(4), dropout=0.5).train()
+    x = torch.randn(1, 5, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True through attention dropout.*'math'"):
+        torch.autograd.grad(m(x).sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad(m(x).sum(), x)  # first order: the fast path, with dropout
+    assert g.isfinite().all()
+
+
+class WideDecay(DecayBias):
+    """DecayBias built for another number of heads than the attention's."""
+
+
+class BadTerm(nn.Module):
+    def score_term(self, q, q_pos, k_pos):
+        return q.new_zeros(q.shape[0], q.shape[1], q.shape[2], k_pos.shape[-1] + 1)
+
+
+class BadValue(nn.Module):
+    def value_term(self, weights, q_pos, k_pos):
+        return weights.new_zeros(*weights.shape[:3], 3)
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "sdpa", "lean"])
+def test_hook_outputs_of_the_wrong_shape_name_the_hook(backend):
+    """DecayBias(8) in a 4-head attention used the first 4 rates on the lean path and
+    failed with a broadcast error on math; DecayBias(2) gave an aminmax() error."""
+    x = torch.randn(2, 5, 16)
+    for heads in (8, 2):
+        m = make(backend, position=WideDecay(heads))
+        want = rf"WideDecay: its score_bias hook returned shape \(1, {heads}, 5, 5\), expected "
+        with pytest.raises(ValueError, match=want + r"\[1 or 2, 1 or 4, 5, 5\].*heads=4"):
+            m(x)
+    with pytest.raises(ValueError, match=r"score_term hook returned shape \(2, 4, 5, 6\)"):
+        make(backend, position=BadTerm())(x)
+    if backend != "sdpa":
+        with pytest.raises(ValueError, match=r"value_term hook returned shape \(2, 4, 5, 3\)"):
+            make(backend, position=BadValue())(x)
+
+
+def test_flex_checks_the_bias_heads_too():
+    class FlexDecay(WideDecay):
+        def flex_score_mod(self, q_pos, k_pos):
+            return lambda score, b, h, i, j: score
+
+    with torch.no_grad(), pytest.raises(ValueError, match=r"score_bias hook returned shape"):
+        make("flex", position=FlexDecay(8))(torch.randn(1, 5, 16))
+
+
+def test_misread_arguments_are_rejected():
+    m = make()
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(TypeError, match=r"causal must be True or False, got 'yes' \(str\)"):
+        m(x, causal="yes")
+    with pytest.raises(ValueError, match="valid_lens must be >= 0.*minimum of -1"):
+        m(x, valid_lens=torch.tensor([-1, 3]))
+    with pytest.raises(ValueError, match="valid_lens must be >= 0.*minimum of -2"):
+        m(x, valid_lens=torch.tensor([[1, 2, 3, 4, -2], [0, 0, 0, 0, 0]]))
+    assert m(x, valid_lens=torch.tensor([0, 9])).shape == x.shape  # 0 and past n_k are fine
+
+
+def test_dtypes_that_do_not_match_name_the_fix():
+    m = make()
+    x = torch.randn(2, 5, 16)
+    for bad in (torch.float64, torch.bfloat16):
+        with pytest.raises(TypeError, match=rf"query has dtype {bad} but this module's param"):
+            m(x.to(bad))
+    with pytest.raises(TypeError, match=r"key has dtype torch.float64 but query has torch.float32"):
+        m(x, x.double())
+    with pytest.raises(TypeError, match=r"value has dtype torch.bfloat16 but query has"):
+        m(x, x, x.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts inside the module
+        assert m(x.bfloat16()).dtype == torch.bfloat16
+    assert m.double()(x.double()).dtype == torch.float64
+
+
+def test_a_scheme_class_instead_of_an_instance_says_so():
+    from posenc import Rotary
+
+    with pytest.raises(TypeError, match=r"position=Rotary is a class, not a scheme object"):
+        MultiHeadAttention(16, 4, position=Rotary)
+
+
+@pytest.mark.parametrize("backend", ["auto", "lean", "sdpa"])
+@pytest.mark.parametrize("name", scheme_names())
+def test_empty_batches_and_sequences_run_forward_and_backward(name, backend):
+    """An empty batch raised ZeroDivisionError in the backward of every lean scheme."""
+    scheme = build_scheme(name, head_dim=8, n=8)
+    if backend == "sdpa" and has_value_term(scheme):
+        pytest.skip("sdpa has no value term")
+    m = MultiHeadAttention(16, 2, position=scheme, backend=backend)
+    for shape in ((0, 8, 16), (2, 0, 16)):
+        for causal in (False, True):
+            x = torch.randn(*shape, requires_grad=True)
+            out = m(x, causal=causal)
+            out.sum().backward()
+            assert out.shape == shape and x.grad.shape == shape
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "sdpa", "lean"])
+@pytest.mark.parametrize(
+    "name", ["none", "rotary", "alibi", "t5", "swin-1d", "relative", "shaw", "absolute-query"]
+)
+def test_masked_keys_and_values_never_reach_a_query(name, backend):
+    """NaN or inf in a masked key or value (key padding, valid_lens, a causal future,
+    another packed document) reached real queries as 0 x NaN on every backend. The
+    outputs of the queries that cannot see them, and the gradients of q, k, v there, are
+    those of the same input with the hidden tokens finite; a query that sees one gets NaN."""
+    from posenc.kernels import Mask, attend
+
+    scheme = None if name == "none" else build_scheme(name, head_dim=8, n=12)
+    if backend == "sdpa" and has_value_term(scheme):
+        pytest.skip("sdpa has no value term")
+    torch.manual_seed(0)
+    b, h, n, d = 2, 2, 12, 8
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(n)[None]
+    padding = torch.zeros(b, n, dtype=torch.bool)
+    padding[1, 9:] = True
+    docs = torch.tensor([[0] * 6 + [1] * 6] * b)
+    lengths = torch.tensor([[n] * n, [9] * n])
+    cases = [  # (mask, (sequence, tokens made non-finite), query rows that cannot see them,
+        # rows that see them or None)
+        (Mask(n, n, key_padding=padding), (1, slice(9, n)), slice(0, n), None),
+        (Mask(n, n, lengths=lengths), (1, slice(9, n)), slice(0, n), None),
+        (Mask(n, n, causal=True), (1, slice(9, n)), slice(0, 9), slice(9, n)),
+        (Mask(n, n, q_doc=docs, k_doc=docs), (0, slice(0, 6)), slice(6, n), slice(0, 6)),
+    ]
+    for mask, (bi, hidden), clean, seeing in cases:
+        results = []
+        for fill in (None, float("nan"), float("inf")):
+            leaves = [t.clone() for t in (q, k, v)]
+            if fill is not None:
+                leaves[1][bi, :, hidden, 0] = fill  # a hidden key
+                leaves[2][bi, :, hidden, 1] = -fill  # and value
+            leaves = [t.requires_grad_() for t in leaves]
+            out, _ = attend(
+                *leaves, scheme=scheme, q_pos=pos, k_pos=pos, mask=mask, backend=backend
+            )
+            out[bi, :, clean].sum().backward()
+            results.append((out[bi, :, clean], *(t.grad[bi, :, clean] for t in leaves)))
+            if fill is not None and seeing is not None:  # NaN where it is seen
+                assert out[bi, :, seeing].isnan().all()
+        for got in results[1:]:
+            for a, want in zip(got, results[0], strict=True):
+                torch.testing.assert_close(a, want, rtol=1e-10, atol=1e-12)

@@ -130,3 +130,36 @@ def test_cache_and_packing_errors():
 
     with pytest.raises(ValueError, match="NoCache cannot decode incrementally"):
         model(NoCache(4))(x, cache=KVCache())
+
+
+def test_a_failed_step_leaves_the_cache_untouched():
+    """A step that raises (a 1-D RelativePositionBias outgrown by the positions) had already
+    appended its keys: after the suggested .resize, the retry decoded with the token cached
+    twice. Updates are all or nothing."""
+    from posenc import RelativePositionBias
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, position=RelativePositionBias(4, 4)).eval()
+    x = torch.randn(1, 6, 16)
+    cache = KVCache()
+    attn(x[:, :4], cache=cache, causal=True)
+    keys = cache.keys.clone()
+    with pytest.raises(ValueError, match=r"\.resize\(5\)"):
+        attn(x[:, 4:5], cache=cache, causal=True)
+    assert len(cache) == 4 and torch.equal(cache.keys, keys)
+    attn.position.resize(8)
+    step = attn(x[:, 4:5], cache=cache, causal=True)
+    assert len(cache) == 5
+    full = attn(x[:, :5], causal=True)
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(step, full[:, 4:], rtol=0, atol=64 * eps * float(full.abs().max()))
+
+
+def test_extended_leaves_the_cache_as_it_is_and_store_takes_it():
+    cache = KVCache()
+    k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    cache.append(k, v, torch.arange(3)[None], None)
+    entries = cache.extended(k[:, :, :1], v[:, :, :1], torch.tensor([[3]]), None)
+    assert entries[0].shape[2] == 4 and len(cache) == 3
+    cache.store(*entries)
+    assert len(cache) == 4 and torch.equal(cache.positions, torch.arange(4)[None])

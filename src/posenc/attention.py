@@ -138,6 +138,12 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(dim, dim, bias=bias)
         self.v_proj = nn.Linear(dim, dim, bias=bias)
         self.out_proj = nn.Linear(dim, dim, bias=bias)
+        if isinstance(position, type):
+            raise TypeError(
+                f"position={position.__name__} is a class, not a scheme object; pass an "
+                f"instance, e.g. position={position.__name__}(...) with the arguments its "
+                f"constructor takes"
+            )
         if position is not None:
             if not any(callable(getattr(position, name, None)) for name in HOOK_NAMES):
                 raise TypeError(
@@ -201,6 +207,10 @@ class MultiHeadAttention(nn.Module):
             TypeError: a non-float input, a non-bool padding mask, float positions.
         """
         query, key, value = self._check_inputs(query, key, value)
+        if not isinstance(causal, bool):
+            raise TypeError(
+                f"causal must be True or False, got {causal!r} ({type(causal).__name__})"
+            )
         b, n_q, _ = query.shape
         if cache is not None or document_ids is not None:
             self._check_cache_and_documents(cache, document_ids, key is query, b, n_q)
@@ -218,8 +228,9 @@ class MultiHeadAttention(nn.Module):
         rotate = getattr(self.position, "rotate", None)
         if rotate is not None:
             q, k = rotate(q, k, q_pos, k_pos)
-        if cache is not None:
-            k, v, k_pos, key_padding = cache.append(k, v, k_pos, key_padding)
+        if cache is not None:  # stored only once the step has succeeded (all or nothing)
+            entries = cache.extended(k, v, k_pos, key_padding)
+            k, v, k_pos, key_padding = entries
             n_k = k.shape[2]
         mask = Mask(
             n_q,
@@ -244,6 +255,8 @@ class MultiHeadAttention(nn.Module):
         )
         out = self.out_proj(out.transpose(1, 2).reshape(b, n_q, self.dim))
         # [b, h, n_q, d] -> [b, n_q, h, d] -> [b, n_q, dim]
+        if cache is not None:
+            cache.store(*entries)
         return (out, weights) if need_weights else out
 
     # ----- input checks --------------------------------------------------------------------
@@ -252,6 +265,15 @@ class MultiHeadAttention(nn.Module):
         self, query: Tensor, key: Tensor | None, value: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         check.floating("query", query)
+        weight = self.q_proj.weight
+        if query.dtype != weight.dtype and not (
+            weight.device.type != "meta" and torch.is_autocast_enabled(query.device.type)
+        ):
+            raise TypeError(
+                f"query has dtype {query.dtype} but this module's parameters are "
+                f"{weight.dtype}; convert the input (query.to({weight.dtype})) or the module "
+                f"(module.to({query.dtype})), or run under torch.autocast"
+            )
         if query.ndim != 3:
             raise ValueError(
                 f"query must have shape [batch, seq, dim={self.dim}], got shape "
@@ -265,6 +287,11 @@ class MultiHeadAttention(nn.Module):
         value = key if value is None else value
         for name, x in (("key", key), ("value", value)):
             check.floating(name, x)
+            if x.dtype != query.dtype:
+                raise TypeError(
+                    f"{name} has dtype {x.dtype} but query has {query.dtype}; they must "
+                    f"match: convert with {name}.to({query.dtype})"
+                )
             if x.ndim != 3:
                 raise ValueError(
                     f"{name} must have shape [batch, seq, dim={self.dim}], got shape "
@@ -347,14 +374,22 @@ class MultiHeadAttention(nn.Module):
                 f"valid_lens must be an integer tensor, got dtype {valid_lens.dtype}; "
                 f"pass valid_lens.long()"
             )
-        if valid_lens.ndim == 1 and valid_lens.shape[0] == b:
+        if not (valid_lens.ndim == 1 and valid_lens.shape[0] == b) and tuple(valid_lens.shape) != (
+            b,
+            n_q,
+        ):
+            raise ValueError(
+                f"valid_lens must have shape [batch] = [{b}] or [batch, n_q] = [{b}, {n_q}], "
+                f"got shape {tuple(valid_lens.shape)}"
+            )
+        if check._can_inspect(valid_lens) and bool((valid_lens < 0).any()):
+            raise ValueError(
+                f"valid_lens must be >= 0 (the number of keys each query sees), got a minimum "
+                f"of {int(valid_lens.min())}; use 0 for a sequence with no key"
+            )
+        if valid_lens.ndim == 1:
             return valid_lens.long()[:, None].expand(b, n_q)  # [b] -> [b, n_q]
-        if tuple(valid_lens.shape) == (b, n_q):
-            return valid_lens.long()
-        raise ValueError(
-            f"valid_lens must have shape [batch] = [{b}] or [batch, n_q] = [{b}, {n_q}], got "
-            f"shape {tuple(valid_lens.shape)}"
-        )
+        return valid_lens.long()
 
     def _positions(
         self,

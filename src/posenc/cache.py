@@ -54,6 +54,8 @@ class KVCache:
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Append new entries and return everything cached, new entries last.
 
+        The same as :meth:`extended` followed by :meth:`store`.
+
         Args:
             keys: ``[b, h, m, d]`` new keys (already rotated).
             values: ``[b, h, m, d]``.
@@ -66,35 +68,59 @@ class KVCache:
         Raises:
             ValueError: a batch size, head count or head dim that differs from the cache.
         """
-        if self.keys is not None and (
-            keys.shape[0] != self.keys.shape[0]
-            or (keys.shape[1], keys.shape[3]) != (self.keys.shape[1], self.keys.shape[3])
+        entries = self.extended(keys, values, positions, key_padding)
+        self.store(*entries)
+        return entries
+
+    def extended(
+        self, keys: Tensor, values: Tensor, positions: Tensor, key_padding: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """What the cache would hold with new entries appended; the cache is left as it is.
+
+        ``MultiHeadAttention`` attends over this and calls :meth:`store` only once the step
+        has succeeded, so that a step that raises leaves the cache untouched.
+
+        Args and Returns: as :meth:`append`.
+
+        Raises:
+            ValueError: a batch size, head count or head dim that differs from the cache.
+        """
+        if self.keys is None:
+            return keys, values, positions, key_padding
+        if keys.shape[0] != self.keys.shape[0] or (keys.shape[1], keys.shape[3]) != (
+            self.keys.shape[1],
+            self.keys.shape[3],
         ):
             raise ValueError(
                 f"the cache holds keys of shape [b, h, n, d] = {tuple(self.keys.shape)} "
                 f"but new keys have shape {tuple(keys.shape)}; use one KVCache per layer "
                 f"and sequence batch, or call cache.reset()"
             )
-        if self.keys is None:
-            self.keys, self.values, self.positions = keys, values, positions
-            self.key_padding = key_padding
-        else:
-            n_old, b = self.keys.shape[2], keys.shape[0]
-            self.keys = torch.cat((self.keys, keys), dim=2)  # [b, h, n + m, d]
-            self.values = torch.cat((self.values, values), dim=2)  # type: ignore[arg-type]
-            if self.positions.shape[0] != positions.shape[0]:  # type: ignore[union-attr]
-                self.positions = self.positions.expand(b, -1)
-                positions = positions.expand(b, -1)
-            self.positions = torch.cat((self.positions, positions), dim=1)  # [b|1, n + m]
-            if key_padding is not None or self.key_padding is not None:
-                old = self.key_padding
-                if old is None:
-                    old = torch.zeros(b, n_old, dtype=torch.bool, device=keys.device)
-                new = key_padding
-                if new is None:
-                    new = torch.zeros(b, keys.shape[2], dtype=torch.bool, device=keys.device)
-                self.key_padding = torch.cat((old, new), dim=1)  # [b, n + m]
-        return self.keys, self.values, self.positions, self.key_padding  # type: ignore[return-value]
+        n_old, b = self.keys.shape[2], keys.shape[0]
+        all_keys = torch.cat((self.keys, keys), dim=2)  # [b, h, n + m, d]
+        all_values = torch.cat((self.values, values), dim=2)  # type: ignore[arg-type]
+        old_positions = self.positions
+        if old_positions.shape[0] != positions.shape[0]:  # type: ignore[union-attr]
+            old_positions = old_positions.expand(b, -1)  # type: ignore[union-attr]
+            positions = positions.expand(b, -1)
+        all_positions = torch.cat((old_positions, positions), dim=1)  # type: ignore[arg-type]
+        padding = None  # [b, n + m]
+        if key_padding is not None or self.key_padding is not None:
+            old = self.key_padding
+            if old is None:
+                old = torch.zeros(b, n_old, dtype=torch.bool, device=keys.device)
+            new = key_padding
+            if new is None:
+                new = torch.zeros(b, keys.shape[2], dtype=torch.bool, device=keys.device)
+            padding = torch.cat((old, new), dim=1)
+        return all_keys, all_values, all_positions, padding
+
+    def store(
+        self, keys: Tensor, values: Tensor, positions: Tensor, key_padding: Tensor | None
+    ) -> None:
+        """Hold exactly these entries (what :meth:`extended` returned)."""
+        self.keys, self.values, self.positions = keys, values, positions
+        self.key_padding = key_padding
 
     def __repr__(self) -> str:
         shape = None if self.keys is None else tuple(self.keys.shape)

@@ -204,6 +204,78 @@ def hooks_of(scheme: Any) -> Hooks:
     return Hooks(**hooks)
 
 
+def _shape_check(
+    scheme: Any,
+    name: str,
+    fn: Callable[..., Any],
+    expect: Callable[..., tuple[Any, ...]],
+    heads: int,
+) -> Callable[..., Any]:
+    """``fn`` with its result's shape checked against ``expect(*args)``: per dimension an int,
+    a set of allowed ints, or None (any). ``None`` results (an extra declining) pass."""
+
+    def checked(*args: Any) -> Any:
+        out = fn(*args)
+        if out is None or not isinstance(out, Tensor):
+            return out
+        allowed = expect(*args)
+        shape = tuple(out.shape)
+        if len(shape) != len(allowed) or any(
+            a is not None and (s not in a if isinstance(a, set) else s != a)
+            for s, a in zip(shape, allowed, strict=False)
+        ):
+
+            def said(a: Any) -> str:
+                return (
+                    "any"
+                    if a is None
+                    else " or ".join(map(str, sorted(a)))
+                    if isinstance(a, set)
+                    else str(a)
+                )
+
+            raise ValueError(
+                f"position={type(scheme).__name__}: its {name} hook returned shape {shape}, "
+                f"expected [{', '.join(map(said, allowed))}] for the positions it was given "
+                f"(heads: 1, shared, or this attention's {heads}); build the scheme for "
+                f"heads={heads}"
+            )
+        return out
+
+    return checked
+
+
+def checked_hooks(hooks: Hooks, scheme: Any, b: int, h: int, d_v: int) -> Hooks:
+    """The hooks with the shapes of their results checked (``ValueError`` naming the hook,
+    the shape it returned and the shape expected), for an attention of ``b`` sequences,
+    ``h`` heads and value head dim ``d_v``: every backend then fails the same way on a
+    scheme built for another attention, instead of broadcasting it or reading part of it.
+    Not inside ``torch.compile``/``torch.export``, where comparing symbolic sizes would
+    specialise them (an eager call checks the same scheme first).
+    """
+    if torch.compiler.is_compiling():
+        return hooks
+    heads = {1, h}
+
+    def batch_of(pos: Tensor) -> set[int]:
+        return {1, pos.shape[0], b}
+
+    expect: dict[str, Callable[..., tuple[Any, ...]]] = {
+        "score_bias": lambda qp, kp: (batch_of(qp), heads, qp.shape[-1], kp.shape[-1]),
+        "score_term": lambda q, qp, kp: ({1, q.shape[0]}, heads, q.shape[2], kp.shape[-1]),
+        "value_term": lambda w, qp, kp: ({1, w.shape[0]}, heads, w.shape[2], d_v),
+        "offset_bias": lambda qp, kp: (heads, qp.shape[-1] + kp.shape[-1] - 1),
+    }
+    expect["reference_score_term"] = expect["score_term"]
+    expect["reference_value_term"] = expect["value_term"]
+    found = {
+        name: _shape_check(scheme, name, fn, expect[name], h)
+        for name, fn in vars(hooks).items()
+        if fn is not None and name in expect
+    }
+    return replace(hooks, **found) if found else hooks
+
+
 def choose_backend(hooks: Hooks, q: Tensor, *, dropout_p: float = 0.0) -> str:
     """The path ``backend="auto"`` takes: the fastest correct one for these hooks.
 
@@ -385,6 +457,8 @@ def _flex(
         raise ValueError("backend='flex' has no attention dropout; set dropout=0 or use 'auto'")
     b = q.shape[0]
     score_mod = None
+    if hooks.score_bias is not None and q_pos.shape[-1] and k_pos.shape[-1]:
+        hooks.score_bias(q_pos[:, :1], k_pos[:, :1])  # its shape checked: heads 1 or h
     if hooks.flex_score_mod is not None:
         score_mod = hooks.flex_score_mod(q_pos.expand(b, -1), k_pos.expand(b, -1))
     block_mask = None
@@ -436,11 +510,160 @@ def attend(
     Returns:
         ``(out [b, h, n_q, d], weights or None)``. A query with no visible key gets 0.
     """
-    hooks = hooks_of(scheme)
+    hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
+    if mask.empty or (not torch.compiler.is_compiling() and _finite(q, k, v)):
+        return _attend(q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights)
+    # NaN or inf somewhere: a masked key or value must not reach any query, not even as
+    # 0 x NaN, nor a query's NaN the gradients of the keys it sees through a zero gradient;
+    # each such token is replaced by zeros, and the queries it touches made NaN after
+    bad = ~torch.isfinite(k).all(dim=-1) | ~torch.isfinite(v).all(dim=-1)  # [b, h, n_k]
+    bad_q = ~torch.isfinite(q).all(dim=-1, keepdim=True)  # [b, h, n_q, 1]
+    k = k.masked_fill(bad[..., None], 0.0)
+    v = v.masked_fill(bad[..., None], 0.0)
+    q = q.masked_fill(bad_q, 0.0)
+    out, weights = _attend(
+        q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights
+    )
+    sees = _sees_any(mask, bad, q.device) | bad_q  # [b, h, n_q, 1]
+    out = out.masked_fill(sees, float("nan"))
+    return out, None if weights is None else weights.masked_fill(sees, float("nan"))
+
+
+def _finite(*xs: Tensor) -> bool:
+    """Whether every element of every tensor is finite (one sync with the device)."""
+    return bool(torch.stack([torch.isfinite(x).all() for x in xs]).all())
+
+
+def _sees_any(mask: Mask, keys: Tensor, device: torch.device) -> Tensor:
+    """``[b, h, n_q, 1]`` bool: whether query ``i`` sees any of the ``keys [b, h, n_k]`` (bool)
+    that the mask leaves visible to it; in blocks of rows (no ``[n_q, n_k]`` mask at once)."""
+    b, h, n_k = keys.shape
+    picked = keys.to(torch.float32)[..., None]  # [b, h, n_k, 1]
+
+    def seen(rows: slice | None) -> Tensor:
+        keep = mask.keep(rows, device=device)  # [b|1, 1, rows, n_k]
+        count = picked.sum(dim=2, keepdim=True) if keep is None else keep.float() @ picked
+        return count > 0  # [b, h, rows | 1, 1]
+
+    if torch.compiler.is_compiling():  # one graph for any length: the whole mask at once
+        return seen(None).expand(b, h, mask.n_q, 1)
+    rows = lean_block_rows(b, 1, mask.n_q, n_k)
+    parts = [
+        seen(slice(start, min(start + rows, mask.n_q))).expand(b, h, -1, 1)
+        for start in range(0, mask.n_q, rows)
+    ]
+    return torch.cat(parts, dim=2) if parts else keys.new_zeros(b, h, 0, 1, dtype=torch.bool)
+
+
+def _attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    hooks: Hooks,
+    scheme: Any,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    backend: str,
+    dropout_p: float,
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`attend` for inputs whose masked keys and values are finite."""
     scale = q.shape[-1] ** -0.5
     if need_weights or backend == "math":
         out, weights = _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)
         return out, (weights if need_weights else None)
+    fast = functools.partial(
+        _fast, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale,
+        dropout_p=dropout_p, backend=backend, scheme=scheme,
+    )  # fmt: skip
+    params = _scheme_parameters(scheme)
+    if (
+        torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and any(x.requires_grad for x in (q, k, v, *params))
+    ):
+        # the fast paths' backwards are not differentiable: a gradient asked for with
+        # create_graph=True is taken through the math reference instead
+        reference = functools.partial(
+            _math, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale, dropout_p=0.0
+        )
+        return _TwiceDifferentiable.apply(fast, reference, dropout_p, q, k, v, *params), None
+    return fast(q, k, v), None
+
+
+class _TwiceDifferentiable(torch.autograd.Function):
+    """A fast path whose gradient is itself differentiable.
+
+    The forward runs ``fast`` and keeps its graph. A first-order backward is that graph's
+    (the fast path's own backward). A backward with ``create_graph=True`` (gradient
+    penalties, Hessian-vector products, MAML) recomputes the output with the math reference
+    on the saved inputs and differentiates it with a graph, so that the second derivative
+    is the definition's: exact, with the reference's ``[b, h, n_q, n_k]`` memory.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        fast: Callable[..., Tensor],
+        reference: Callable[..., tuple[Tensor, Tensor]],
+        dropout_p: float,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *params: Tensor,
+    ) -> Tensor:
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(x.requires_grad) for x in (q, k, v)]
+            out = fast(*leaves)
+        ctx.graph = (out, leaves, params)
+        ctx.reference, ctx.dropout_p = reference, dropout_p
+        ctx.save_for_backward(q, k, v)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        out, leaves, params = ctx.graph
+        if not out.requires_grad:  # nothing the output depends on asks for a gradient
+            return (None,) * (6 + len(params))
+        if torch.is_grad_enabled():  # create_graph=True: the gradient needs a graph
+            if ctx.dropout_p > 0:
+                raise RuntimeError(
+                    "a gradient with create_graph=True through attention dropout needs the "
+                    "same dropout mask twice; use backend='math' (its dropout is part of the "
+                    "graph) or set dropout=0"
+                )
+            inputs = [*ctx.saved_tensors, *params]
+            wrt = [x for x in inputs if x.requires_grad]
+            ref = ctx.reference(*ctx.saved_tensors)[0]
+            grads = iter(
+                torch.autograd.grad(ref, wrt, grad_out, create_graph=True, allow_unused=True)
+            )
+        else:
+            inputs = [*leaves, *params]
+            wrt = [x for x in inputs if x.requires_grad]
+            grads = iter(
+                torch.autograd.grad(out, wrt, grad_out, retain_graph=True, allow_unused=True)
+            )
+        return None, None, None, *(next(grads) if x.requires_grad else None for x in inputs)
+
+
+def _fast(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    hooks: Hooks,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    scale: float,
+    dropout_p: float,
+    backend: str,
+    scheme: Any,
+) -> Tensor:
+    """Every path but the math reference (``backend`` ``"auto"``, ``"sdpa"``, ``"flex"`` or
+    ``"lean"``): ``[b, h, n_q, d]``."""
     if hooks.key_shift is not None and hooks.score_term is not None and backend != "flex":
         # a term of the key alone: q_i . (k_j + e_j) = q_i . k_j + q_i . e_j, so every kernel
         # computes it, with no [n_q, n_k] term (the math path keeps the literal form)
@@ -449,11 +672,16 @@ def attend(
     if backend == "auto":
         backend = choose_backend(hooks, q, dropout_p=dropout_p)
     path = {"math": None, "sdpa": _sdpa, "flex": _flex, "lean": _lean}[backend]
+    if path is _lean and (q.numel() == 0 or k.shape[-2] == 0):
+        # nothing to attend (an empty batch, no query, no key): the math path's empty
+        # products give the empty (or zero) output and its gradients; the lean engine's
+        # blocks and head groups assume at least one of each
+        path = None
     if path is None:
-        return _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)[0], None
+        return _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)[0]
     if path is _lean:
-        return _lean(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme=scheme), None
-    return path(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p), None
+        return _lean(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme=scheme)
+    return path(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)
 
 
 # ----- the memory-lean engine -------------------------------------------------------------
@@ -471,14 +699,36 @@ def _exp_no_denormals(x: Tensor) -> Tensor:
     return x.masked_fill_(x < -EXP_FLOOR, float("-inf")).exp_()
 
 
-#: in the fused CPU kernel, whose ``exp`` posenc cannot reach, a bias more than
-#: ``BIAS_SPAN`` below the best bias of its row is raised to that level. A strong bias
+#: in the fused CPU kernel, whose ``exp`` posenc cannot reach, a content-free bias more
+#: than a span below the best bias of its row is raised to that level. A strong bias
 #: (ALiBi's ``-slope * |j - i|`` reaches -1000 at 2048 tokens) otherwise sends most of a
-#: row into the denormal range: measured here, the fused backward of ALiBi at n = 2048 took
-#: 2.5x as long. A key so far below the best changes nothing a float32 softmax can show
-#: unless its content score makes up more than 60 - 17 = 43 (``exp(-17)`` is float32's
-#: resolution); scaled ``q.k`` rarely spans that much within a row.
+#: row into the denormal range, where the kernel is several times slower. The span is
+#: ``BIAS_SPAN``, or more when the content scores could make up the difference (see
+#: :func:`_bias_span`), so that raising a bias never changes the result beyond rounding.
 BIAS_SPAN = 60.0
+
+
+def _bias_span(q: Tensor, k: Tensor, scale: float) -> float:
+    """How far below its row's best a content-free bias may be raised with no visible change.
+
+    A key whose bias is raised from below ``best - span`` to ``best - span`` has a weight at
+    most ``exp(C - span)`` times that of the row's best-bias key, where ``C`` bounds how much
+    the content scores ``scale * q_i . k_j`` can differ within a row:
+    ``C = 2 * scale * max|q_i| * max|k_j|``. With ``span = C + log(n_k) + log(2 / eps)`` the
+    weight all raised keys gain together is below ``eps`` (the dtype's resolution) of the
+    row's, and the result is the definition's up to rounding. Returns ``max(BIAS_SPAN,
+    that)``: usually ``BIAS_SPAN``; a larger span for large content scores (correct, and
+    slower where the far keys then reach the denormal range).
+    """
+    n_k = k.shape[-2]
+    if q.numel() == 0 or n_k == 0:
+        return BIAS_SPAN
+    q_norm = torch.linalg.vector_norm(q.detach(), dim=-1).amax()
+    k_norm = torch.linalg.vector_norm(k.detach(), dim=-1).amax()
+    reach = 2 * scale * float(q_norm * k_norm)
+    margin = math.log(n_k) + math.log(2 / torch.finfo(q.dtype).eps)
+    return max(BIAS_SPAN, reach + margin)
+
 
 #: elements of one block of scores ``[b, h, rows, n_k]`` the lean engine aims for
 LEAN_BLOCK_ELEMENTS = 1 << 22
@@ -603,6 +853,7 @@ class _LeanAttention(torch.autograd.Function):
         mask: Mask,
         scale: float,
         rows: int,
+        span: float,
         *params: Tensor,
     ) -> Tensor:
         out = torch.empty_like(q)  # [b, h, n_q, d]
@@ -689,6 +940,7 @@ class _LeanAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
             *grad_params,
         )
 
@@ -716,7 +968,7 @@ def _head_groups(b: int, h: int) -> list[slice]:
     and all 8 heads took 1.7x as long as the whole sequence in one call, over the same rows
     one head at a time 1.1x; with 512 rows, 1.14x and 0.98x.
     """
-    group = max(1, min(h, -(-torch.get_num_threads() // b)))
+    group = max(1, min(h, -(-torch.get_num_threads() // max(1, b))))
     return [slice(s, min(s + group, h)) for s in range(0, h, group)]
 
 
@@ -725,7 +977,9 @@ def _heads_of(x: Tensor, heads: slice) -> Tensor:
     return x if x.shape[1] == 1 else x[:, heads]
 
 
-def _kernel_mask(extra: Tensor | None, keep: Tensor | None, like: Tensor) -> Tensor | None:
+def _kernel_mask(
+    extra: Tensor | None, keep: Tensor | None, like: Tensor, span: float
+) -> Tensor | None:
     """The fused kernel's additive mask for one block of rows and heads.
 
     Args:
@@ -733,10 +987,12 @@ def _kernel_mask(extra: Tensor | None, keep: Tensor | None, like: Tensor) -> Ten
         keep: ``[b|1, 1, rows, n_k]`` visible keys, rows with no visible key set all True
             (their output is zeroed after), or None.
         like: a tensor of the kernel's dtype and device.
+        span: biases more than ``span`` below the best of their row are raised to that
+            level (:func:`_bias_span`; ``inf`` for a term, which is never raised).
 
     Returns:
-        ``[B'|1, g|1, rows, n_k]`` contiguous, masked keys at -inf, far biases raised to
-        ``BIAS_SPAN`` below the best of their row; None when there is nothing to add.
+        ``[B'|1, g|1, rows, n_k]`` contiguous, masked keys at -inf; None when there is
+        nothing to add.
     """
     if extra is None and keep is None:
         return None
@@ -744,10 +1000,10 @@ def _kernel_mask(extra: Tensor | None, keep: Tensor | None, like: Tensor) -> Ten
     mask = mask.to(like.dtype)
     if extra is not None:
         low, high = torch.aminmax(mask)
-        if float(high - low) > BIAS_SPAN:
-            # no visible key more than BIAS_SPAN below the row's best bias (see BIAS_SPAN)
+        if float(high - low) > span:
+            # no visible key more than span below the row's best bias (see BIAS_SPAN)
             best = mask if keep is None else mask.masked_fill(~keep, float("-inf"))
-            mask = torch.maximum(mask, best.amax(dim=-1, keepdim=True) - BIAS_SPAN)
+            mask = torch.maximum(mask, best.amax(dim=-1, keepdim=True) - span)
     if keep is not None:
         mask = mask.masked_fill(~keep, float("-inf"))
     # the kernel broadcasts [B'|1, g|1, rows, n_k] itself: no [b, g, rows, n_k] copy
@@ -765,16 +1021,16 @@ def _visible(mask: Mask, rows: slice, device: torch.device) -> tuple[Tensor | No
 
 
 def _group_masks(
-    extra: Tensor | None, keep: Tensor | None, groups: list[slice], like: Tensor
+    extra: Tensor | None, keep: Tensor | None, groups: list[slice], like: Tensor, span: float
 ) -> Iterator[tuple[slice, Tensor | None]]:
     """``(heads, attn_mask)`` per head group; a mask shared by the heads is built once."""
     shared: list[Tensor | None] = []
     for hs in groups:
         if extra is not None and extra.shape[1] > 1:
-            yield hs, _kernel_mask(extra[:, hs], keep, like)
+            yield hs, _kernel_mask(extra[:, hs], keep, like, span)
             continue
         if not shared:
-            shared.append(_kernel_mask(extra, keep, like))
+            shared.append(_kernel_mask(extra, keep, like, span))
         yield hs, shared[0]
 
 
@@ -924,6 +1180,7 @@ class _LeanFusedAttention(torch.autograd.Function):
         mask: Mask,
         scale: float,
         rows: int,
+        span: float,
         *params: Tensor,
     ) -> Tensor:
         out = torch.empty_like(q)  # [b, h, n_q, d]
@@ -933,20 +1190,20 @@ class _LeanFusedAttention(torch.autograd.Function):
             blk = slice(start, min(start + rows, q.shape[2]))
             keep, has_key = _visible(mask, blk, q.device)
             extra = _fold_scores(hooks, q[:, :, blk], q_pos[:, blk], k_pos, scale, reference=False)
-            for hs, attn_mask in _group_masks(extra, keep, groups, q):
+            for hs, attn_mask in _group_masks(extra, keep, groups, q, span):
                 out_blk, lse_blk = _flash_cpu(
                     q[:, hs, blk], k[:, hs], v[:, hs], 0.0, False, attn_mask=attn_mask, scale=scale
                 )  # [b, g, rows, d], [b, g, rows]
                 out[:, hs, blk] = out_blk if has_key is None else out_blk * has_key
                 lse[:, hs, blk] = lse_blk
         ctx.save_for_backward(q, k, v, out, q_pos, k_pos, lse, *params)
-        ctx.hooks, ctx.mask, ctx.scale, ctx.rows = hooks, mask, scale, rows
+        ctx.hooks, ctx.mask, ctx.scale, ctx.rows, ctx.span = hooks, mask, scale, rows, span
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, q_pos, k_pos, lse, *params = ctx.saved_tensors
-        hooks, mask, scale, rows = ctx.hooks, ctx.mask, ctx.scale, ctx.rows
+        hooks, mask, scale, rows, span = ctx.hooks, ctx.mask, ctx.scale, ctx.rows, ctx.span
         grad_q = torch.empty_like(q)
         grad_params = [torch.zeros_like(p) for p in params]
         grad_out = grad_out.contiguous()
@@ -967,7 +1224,7 @@ class _LeanFusedAttention(torch.autograd.Function):
             # heads, adds to it): no zero fill needed
             grad_extra = torch.empty_like(extra) if learn else None
             term = None if extra is None else extra.detach()
-            for hs, attn_mask in _group_masks(term, keep, groups, q):
+            for hs, attn_mask in _group_masks(term, keep, groups, q, span):
                 qh, kh, vh = q[:, hs, blk], k[:, hs], v[:, hs]  # [b, g, rows | n_k, d]
                 gh, oh, lh = g_out[:, hs], out[:, hs, blk], lse[:, hs, blk]
                 gq, _, grad_s = _block_grads(
@@ -993,19 +1250,19 @@ class _LeanFusedAttention(torch.autograd.Function):
                 if g is not None:
                     acc += g
         grad_k, grad_v = key_grads.result()
-        return (grad_q, grad_k, grad_v, None, None, None, None, None, None, *grad_params)
+        return (grad_q, grad_k, grad_v, None, None, None, None, None, None, None, *grad_params)
 
 
 def _offset_kernel_values(
-    values: Tensor, n_q: int, n_k: int, *, causal: bool = False
+    values: Tensor, n_q: int, n_k: int, span: float, *, causal: bool = False
 ) -> Tensor | None:
     """A per-offset bias ready for the fused kernel: ``[h|1, n_q + n_k - 1]``, detached.
 
-    Far biases are raised to ``BIAS_SPAN`` below the best (see :data:`BIAS_SPAN`). The
+    Far biases are raised to ``span`` below the best (see :func:`_bias_span`). The
     general path does this row by row; per offset it is the same when every row meets the
     best offset (self-attention meets offset 0, ALiBi's best), so that the rows' bests are
     the overall best. None when a head spans more than ``BIAS_SPAN`` and some row misses
-    its best: then the general path must clamp.
+    its best: then the general path must raise them row by row.
 
     A causal mask (aligned at the end, ``n_q <= n_k``) hides the columns ``n_k ..`` (key
     index minus query index above ``n_k - n_q``): they are set to ``-inf``, every row keeps
@@ -1014,11 +1271,11 @@ def _offset_kernel_values(
     values = values.detach()
     visible = values[..., :n_k] if causal else values
     low, high = torch.aminmax(visible, dim=-1, keepdim=True)  # [h|1, 1]
-    if float((high - low).max()) > BIAS_SPAN:
+    if float((high - low).max()) > span:
         seen_by_all = values[..., n_q - 1 : n_k]  # offsets every row meets (none if n_q > n_k)
         if seen_by_all.shape[-1] == 0 or not torch.equal(seen_by_all.amax(-1, keepdim=True), high):
             return None
-        values = torch.maximum(values, high - BIAS_SPAN)
+        values = torch.maximum(values, high - span)
     if causal:
         hidden = torch.arange(n_k, values.shape[-1], device=values.device)
         values = values.index_fill(-1, hidden, float("-inf"))  # a copy: values stay intact
@@ -1772,22 +2029,22 @@ def _term_mask(
     return skew_rows(logits, n_k)  # [b, g, rows, n_k], a view
 
 
-def _grid_kernel_values(grid: Tensor) -> Tensor | None:
+def _grid_kernel_values(grid: Tensor, span: float) -> Tensor | None:
     """A 2-D per-offset bias ``[h, 2H-1, 2W-1]`` ready for the fused kernel, detached.
 
-    As :func:`_offset_kernel_values`: far biases raised to ``BIAS_SPAN`` below a head's best
+    As :func:`_offset_kernel_values`: far biases raised to ``span`` below a head's best
     when every query meets that best, which on a whole map only the offset ``(0, 0)`` is;
-    None when a head spans more than ``BIAS_SPAN`` and its best is elsewhere.
+    None when a head spans more than ``span`` and its best is elsewhere.
     """
     grid = grid.detach()
     flat = grid.flatten(1)  # [h, (2H-1)(2W-1)]
     low, high = torch.aminmax(flat, dim=-1, keepdim=True)  # [h, 1]
-    if float((high - low).max()) <= BIAS_SPAN:
+    if float((high - low).max()) <= span:
         return grid
     centre = grid[:, grid.shape[1] // 2, grid.shape[2] // 2, None]  # [h, 1]: offset (0, 0)
     if not torch.equal(centre, high):
         return None
-    return torch.maximum(grid, high[..., None] - BIAS_SPAN)
+    return torch.maximum(grid, high[..., None] - span)
 
 
 #: query rows per fused-kernel call on the grid paths, in whole map rows (at least one):
@@ -2204,7 +2461,7 @@ def _lean(
         grid = hooks.grid_bias(q_pos, k_pos)
         if grid is not None:
             grid = grid.to(q.dtype)  # [h, 2H-1, 2W-1]
-            kernel_grid = _grid_kernel_values(grid)
+            kernel_grid = _grid_kernel_values(grid, _bias_span(q, k, scale))
             if kernel_grid is not None:
                 q, k, v = _dense_last(q, k, v)
                 return _GridFusedAttention.apply(q, k, v, grid, kernel_grid, scale)
@@ -2212,16 +2469,20 @@ def _lean(
         values = None if hooks.offset_bias is None else hooks.offset_bias(q_pos, k_pos)
         if values is not None:
             values = values.to(q.dtype)  # [h|1, n_q + n_k - 1]
-            kernel_values = _offset_kernel_values(values, n_q, k.shape[2], causal=mask.causal)
+            span = _bias_span(q, k, scale)
+            kernel_values = _offset_kernel_values(values, n_q, k.shape[2], span, causal=mask.causal)
             if kernel_values is not None:
                 q, k, v = _dense_last(q, k, v)
                 return _OffsetFusedAttention.apply(
                     q, k, v, values, kernel_values, scale, mask.causal
                 )
+    span = math.inf  # a term is content: never raised
     if _fused_cpu_available(q, hooks):
         engine = _LeanFusedAttention
         q, k, v = _dense_last(q, k, v)
-    return engine.apply(q, k, v, hooks, q_pos, k_pos, mask, scale, rows, *params)
+        if hooks.score_term is None:
+            span = _bias_span(q, k, scale)
+    return engine.apply(q, k, v, hooks, q_pos, k_pos, mask, scale, rows, span, *params)
 
 
 def _runs(x: Tensor) -> list[tuple[int, int, int]]:
