@@ -9,10 +9,32 @@ from __future__ import annotations
 import torch
 
 import posenc
-from posenc import KVCache, MultiHeadAttention
+from posenc import KVCache, MultiHeadAttention, Rotary
 
 attn = MultiHeadAttention(8, 2)
 x = torch.randn(2, 5, 8)
+q16 = torch.randn(2, 3, 7, 16)  # [b, h, n, d]
+q8 = torch.randn(1, 2, 16, 8)  # 16 tokens: a 4 x 4 grid without its prefix token
+
+
+class DecayBias(torch.nn.Module):
+    """The attention docstring's example scheme (a learned decay per head)."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.rate = torch.nn.Parameter(torch.full((heads,), 0.1))
+
+    def score_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        distance = (k_pos[:, None, :] - q_pos[:, :, None]).abs()  # [B', n_q, n_k]
+        return -self.rate[:, None, None] * distance[:, None]  # [B', h, n_q, n_k]
+
+
+def _outgrow_swin_1d() -> None:
+    model = MultiHeadAttention(8, 2, position=posenc.RelativePositionBias(4, 2))
+    cache = KVCache()
+    model(torch.randn(1, 4, 8), cache=cache, causal=True)
+    model(torch.randn(1, 1, 8), cache=cache, causal=True)
+
 
 #: (bad input, call that raises)
 CASES = [
@@ -67,6 +89,55 @@ CASES = [
     ("skew input that is not `[L, 2L-1]`", lambda: posenc.relative_to_absolute(torch.zeros(3, 4))),
     ("float relative positions for T5 buckets", lambda: posenc.t5_bucket(torch.zeros(3))),
     ("a bad Swin window", lambda: posenc.relative_position_index((2, 0))),
+    ("a scheme class instead of an instance", lambda: MultiHeadAttention(8, 2, position=Rotary)),
+    ("`causal` that is not a bool", lambda: attn(x, causal="yes")),
+    ("negative `valid_lens`", lambda: attn(x, valid_lens=torch.tensor([-1, 3]))),
+    ("query of another dtype than the module", lambda: attn(x.double())),
+    ("key of another dtype than the query", lambda: attn(x, x.bfloat16())),
+    (
+        "a scheme built for other heads (its hook's output)",
+        lambda: MultiHeadAttention(8, 2, position=DecayBias(4))(x),
+    ),
+    (
+        "a decoding step past a 1-D Swin window (the cache is left as it was)",
+        lambda: _outgrow_swin_1d(),
+    ),
+    (
+        "1-D Swin positions too far apart in one sequence",
+        lambda: posenc.RelativePositionBias(20, 2).score_bias(
+            torch.tensor([[19], [119]]), torch.stack([torch.arange(20), torch.arange(98, 118)])
+        ),
+    ),
+    (
+        "score_mod positions of two batch sizes",
+        lambda: posenc.ALiBi(2).flex_score_mod(
+            torch.zeros(2, 4, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long)
+        ),
+    ),
+    (
+        "`resize` to a size that is not a pair",
+        lambda: posenc.RelativeQueryEmbedding2D((3, 4), 4).resize(4),
+    ),
+    (
+        "Rotary with `[b, n, h, d]` input and the default layout",
+        lambda: Rotary(16)(torch.randn(2, 7, 3, 16), torch.randn(2, 7, 3, 16), torch.arange(7)),
+    ),
+    ("unknown Rotary layout", lambda: Rotary(16)(q16, q16, layout="BNHD")),
+    (
+        "Rotary2D tokens past its grid",
+        lambda: MultiHeadAttention(16, 2, position=posenc.Rotary2D(8, size=(4, 4)))(
+            torch.randn(1, 17, 16)
+        ),
+    ),
+    (
+        "Rotary2D called with another token count",
+        lambda: posenc.Rotary2D(8, size=(4, 4), prefix_tokens=1)(q8, q8),
+    ),
+    ("negative `prefix_tokens`", lambda: posenc.Rotary2D(8, prefix_tokens=-1)),
+    (
+        "a token sequence into a 2-D encoding",
+        lambda: posenc.SinusoidalEncoding2D(32)(torch.zeros(2, 36, 32)),
+    ),
 ]
 
 
