@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
+from posenc import registry
 from posenc.cli import main
-from posenc.cli.bench import SCHEMES
+from posenc.cli.bench import default_schemes
 
 
 def test_bench_prints_ratios_and_writes_json(tmp_path, capsys):
@@ -37,8 +38,38 @@ def test_every_scheme_runs_forward_only(capsys):
     argv += ["--repeats", "1", "--warmup", "0", "--no-backward", "--no-memory", "--quiet"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for name in SCHEMES:
+    for name in default_schemes():
         assert f"| {name} | 8 |" in out
+
+
+def test_default_schemes_are_those_bench_always_ran():
+    assert default_schemes() == [
+        "rotary",
+        "alibi",
+        "t5",
+        "swin-1d",
+        "swin-2d",
+        "relative",
+        "relative-2d",
+        "absolute-query",
+        "shaw",
+    ]
+
+
+def test_every_scheme_inside_attention_runs_when_named(capsys):
+    """bench takes every registry entry inside attention, variants too; old names give
+    today's, with a note."""
+    names = registry.names(inside=True)
+    argv = ["bench", "--lengths", "8", "--batch", "1", "--heads", "2", "--head-dim", "8"]
+    argv += ["--repeats", "1", "--warmup", "0", "--no-backward", "--no-memory", "--quiet"]
+    assert main([*argv, "--schemes", ",".join(names)]) == 0
+    out = capsys.readouterr().out
+    for name in names:
+        assert f"| {name} | 8 |" in out
+    assert main([*argv, "--schemes", "swin"]) == 0
+    captured = capsys.readouterr()
+    assert "| swin-1d | 8 |" in captured.out
+    assert "scheme 'swin' is now called 'swin-1d'" in captured.err
 
 
 def test_causal_bench_masks_posenc_and_the_floor(tmp_path, capsys, monkeypatch):
@@ -54,9 +85,9 @@ def test_causal_bench_masks_posenc_and_the_floor(tmp_path, capsys, monkeypatch):
     assert "causal, median of 1" in capsys.readouterr().out
     assert json.loads(record.read_text())["config"]["causal"] is True
     assert seen  # the floor ran with SDPA's causal flag
-    core = bench._core(bench.SCHEMES["alibi"](2, 8, 16), "auto", causal=True)
+    core = bench._core(bench.build_scheme("alibi", 2, 8, 16), "auto", causal=True)
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
-    expected = bench._core(bench.SCHEMES["alibi"](2, 8, 16), "math", causal=True)(q, k, v)
+    expected = bench._core(bench.build_scheme("alibi", 2, 8, 16), "math", causal=True)(q, k, v)
     torch.testing.assert_close(core(q, k, v), expected)
     # causal: the first query sees only the first key
     torch.testing.assert_close(expected[:, :, 0], v[:, :, 0])
@@ -79,7 +110,7 @@ def test_padding_bench_masks_posenc_and_the_floor(tmp_path, capsys, sdpa_masks, 
     assert not keep[1, ..., 12:].any() and keep[0, ..., -1, :].all()
     assert keep[1, ..., -1, :12].all()
     assert bench._key_padding(2, 16, 0.99, torch.device("cpu"))[1].sum() == 15  # a key left
-    scheme = bench.SCHEMES["t5"](2, 8, 16)
+    scheme = bench.build_scheme("t5", 2, 8, 16)
     q, k, v = (torch.randn(2, 2, 16, 8) for _ in range(3))
     out = bench._core(scheme, "auto", causal, 0.25)(q, k, v)
     torch.testing.assert_close(out, bench._core(scheme, "math", causal, 0.25)(q, k, v))
@@ -108,7 +139,7 @@ def test_documents_bench_packs_each_sequence(tmp_path, capsys, sdpa_masks):
     expected = (doc[:, None] == doc[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
     assert torch.equal(masks[0][0, 0], expected)  # the floor's: three causal documents
     # posenc: each document on its own, its positions from 0 (an absolute scheme sees them)
-    scheme = bench.SCHEMES["absolute-query"](2, 8, 12)
+    scheme = bench.build_scheme("absolute-query", 2, 8, 12)
     q, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
     out = bench._core(scheme, "auto", True, 0.0, 3)(q, k, v)
     torch.testing.assert_close(out, bench._core(scheme, "math", True, 0.0, 3)(q, k, v))
@@ -244,7 +275,7 @@ def test_allocator_thresholds_for_timing_and_memory(monkeypatch):
     threshold. Both are set together: fixing one by hand freezes glibc's rule for both."""
     import ctypes
 
-    from posenc.cli import bench
+    from posenc.cli import _memory
 
     calls = []
 
@@ -254,8 +285,8 @@ def test_allocator_thresholds_for_timing_and_memory(monkeypatch):
             return 1
 
     monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeLibc())
-    bench._set_mmap_threshold(bench.TIMING_MMAP_THRESHOLD, bench.TIMING_TRIM_THRESHOLD)
-    bench._set_mmap_threshold(bench.MEMORY_MMAP_THRESHOLD, bench.MEMORY_TRIM_THRESHOLD)
+    _memory.set_mmap_threshold(_memory.TIMING_MMAP_THRESHOLD, _memory.TIMING_TRIM_THRESHOLD)
+    _memory.set_mmap_threshold(_memory.MEMORY_MMAP_THRESHOLD, _memory.MEMORY_TRIM_THRESHOLD)
     m_mmap_threshold, m_trim_threshold = -3, -1
     assert calls == [
         (m_mmap_threshold, 32 << 20),

@@ -1,4 +1,8 @@
-"""``posenc compare``: the command end to end on tiny sizes, the pieces, and DDP."""
+"""``posenc compare``: the command end to end on tiny sizes, the report, and DDP.
+
+The pieces of one model (build, positions, checkpoints) are tested in
+tests/experiments/test_training.py.
+"""
 
 from __future__ import annotations
 
@@ -11,20 +15,9 @@ import pytest
 import torch
 
 from posenc.cli import main
-from posenc.cli.compare import (
-    SCHEMES,
-    Config,
-    build_model,
-    compare,
-    format_markdown,
-    load_checkpoint,
-    logits_of,
-    positions_for,
-    schemes_for,
-    setting_for,
-    train,
-)
-from posenc.tasks import TASKS, GridTask
+from posenc.cli.compare import compare, format_markdown
+from posenc.experiments.tasks import TASKS
+from posenc.experiments.training import Config, load_checkpoint, train
 
 TINY = ["--steps", "3", "--batch", "4", "--dim", "16", "--heads", "2", "--layers", "1"]
 TINY_CONFIG = Config(steps=3, batch=4, dim=16, heads=2, layers=1, eval_examples=4)
@@ -86,34 +79,22 @@ def test_workers_give_the_same_results_as_one_process():
         assert abs(a.final_loss - w.final_loss) <= 1e-5 * abs(a.final_loss)
 
 
-def test_schemes_for_each_task():
-    assert "rotary-2d" in schemes_for(TASKS["grid"]) and "rotary-2d" not in schemes_for(
-        TASKS["shift"]
-    )
-    assert schemes_for(TASKS["grid"]) == list(SCHEMES)
+def test_the_old_name_swin_still_works_with_a_note(capsys):
+    """``swin`` was compare's name of the 1-D Swin table; it is ``swin-1d`` everywhere now."""
+    argv = ["compare", "--tasks", "shift", "--schemes", "swin", "--lengths", "8", "--seeds", "1"]
+    argv += ["--eval-examples", "2", "--jobs", "1", "--quiet"]
+    assert main([*argv, *TINY]) == 0
+    captured = capsys.readouterr()
+    assert "| `swin-1d` |" in captured.out and "`swin`" not in captured.out
+    assert "posenc: note: scheme 'swin' is now called 'swin-1d'" in captured.err
+    from posenc.cli import build_parser
 
-
-def test_2d_schemes_number_cells_in_the_largest_grid():
-    task = GridTask(train_length=(2, 3), test_lengths=((2, 3), (4, 5)))
-    batch = task.sample(1, (2, 3), torch.Generator().manual_seed(0))
-    config = Config()
-    # cell (r, c) of a 2x3 grid is r * 5 + c in the largest (4x5) grid
-    assert positions_for(task, "swin-2d", config, batch).tolist() == [0, 1, 2, 5, 6, 7]
-    assert positions_for(task, "swin", config, batch) is None  # 1-D: the flat sequence
-
-
-@pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_every_scheme_builds_and_runs(scheme):
-    task = TASKS["grid"]
-    torch.manual_seed(0)
-    model = build_model(task, scheme, TINY_CONFIG)
-    for length in task.test_lengths:
-        if not SCHEMES[scheme].serves(setting_for(task, TINY_CONFIG), task.tokens_of(length)):
-            continue
-        batch = task.sample(2, length, torch.Generator().manual_seed(0))
-        logits = logits_of(model, task, scheme, TINY_CONFIG, batch)
-        assert logits.shape == (2, task.tokens_of(length), task.vocab)
-        assert torch.isfinite(logits).all()
+    parser = build_parser()
+    for command in ("compare", "bench"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        # (argparse wraps the help at spaces and hyphens)
+        assert "deprecatedoldnames:swin=swin-1d" in "".join(capsys.readouterr().out.split())
 
 
 def test_markdown_shows_mean_and_spread():
@@ -209,7 +190,9 @@ DDP_SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
-    from posenc.cli.compare import Config, TASKS, _init_distributed, _leave_distributed, train
+    from posenc.cli.compare import _init_distributed, _leave_distributed
+    from posenc.experiments.tasks import TASKS
+    from posenc.experiments.training import Config, train
 
     assert _init_distributed("cpu")
     torch.set_num_threads(1)
@@ -269,10 +252,3 @@ def test_cuda_on_a_cpu_build_is_a_clean_error(capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--device", "cuda"])
     assert "sees no CUDA GPU; use cpu" in capsys.readouterr().err
-
-
-def test_a_foreign_checkpoint_is_a_clean_error(tmp_path):
-    path = tmp_path / "shift-none.pt"
-    torch.save({"something": "else"}, path)
-    with pytest.raises(ValueError, match=r"shift-none.pt is not a checkpoint of this posenc"):
-        load_checkpoint(path)

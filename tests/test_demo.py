@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 
 from posenc.cli import main
-from posenc.cli.compare import TASKS, Config
 from posenc.cli.demo import DemoPlan, markdown_to_html, plan_for, run_demo
+from posenc.experiments.tasks import TASKS
+from posenc.experiments.training import Config
 
 TINY = DemoPlan(
     seeds=1,

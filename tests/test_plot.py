@@ -14,14 +14,16 @@ import torch
 
 from posenc import LearnedEncoding, LinearScaling, Rotary, YaRNScaling, alibi_slopes, t5_bucket
 from posenc.cli import main
-from posenc.cli.plot import (
-    KINDS,
-    alibi_data,
+from posenc.cli._plot_options import parse_window
+from posenc.cli.plot import KINDS
+from posenc.cli.plot_encodings import (
     cosine_similarity_matrix,
-    parse_window,
     rotary_decay,
     rotary_wavelengths,
     similarity_figure,
+)
+from posenc.cli.plot_scores import (
+    alibi_data,
     skew_data,
     swin_bias_data,
     swin_index_data,

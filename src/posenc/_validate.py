@@ -1,7 +1,7 @@
 """Input checks shared by every module.
 
 Every check raises ``ValueError`` or ``TypeError`` with a message that names the
-argument, the value it got, and the fix (DESIGN.md, "Conventions"). Nothing here uses
+argument, the value it got, and the fix (docs/errors.md lists them). Nothing here uses
 ``assert``: asserts vanish under ``python -O`` and give no fix.
 
 Shape legend: ``b`` batch, ``n`` sequence length.

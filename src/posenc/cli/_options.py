@@ -15,10 +15,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+from .. import registry
 
 # ----- numbers -------------------------------------------------------------------------------
 
@@ -80,6 +83,39 @@ def positive_int_list(text: str) -> list[int]:
             f"must be comma-separated integers >= 1 (e.g. 512,1024), got {text!r}"
         )
     return values
+
+
+def scheme_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """The type of comma-separated scheme names of :mod:`posenc.registry`, among ``allowed``.
+
+    An old name (:data:`posenc.registry.ALIASES`, e.g. ``swin``) still works: it gives
+    today's name (``swin-1d``), with a note on stderr that the old one will go.
+    """
+
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if registry.ALIASES.get(n, n) not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown scheme(s) {', '.join(unknown) or text!r}; "
+                f"choose from {', '.join(allowed)}"
+            )
+        for old in dict.fromkeys(n for n in names if n in registry.ALIASES):
+            print(
+                f"posenc: note: scheme {old!r} is now called {registry.ALIASES[old]!r}; "
+                "the old name still works but will be removed",
+                file=sys.stderr,
+            )
+        return [registry.ALIASES.get(n, n) for n in names]
+
+    parse.__name__ = "scheme list"
+    return parse
+
+
+def aliases_note(allowed: Sequence[str]) -> str:
+    """``--help`` text on the old names of ``allowed``: ``" (old names: swin = swin-1d)"``."""
+    old = [f"{a} = {n}" for a, n in registry.ALIASES.items() if n in allowed]
+    return f" (deprecated old names: {', '.join(old)})" if old else ""
 
 
 def formats(text: str) -> list[str]:

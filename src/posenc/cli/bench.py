@@ -15,6 +15,10 @@ fresh Python process per case whose allocator returns freed blocks (Linux: reset
 ``/proc/self/clear_refs``); on CUDA ``max_memory_allocated``. Speed
 is reported as ratios to the floor measured beside it, never as absolute claims.
 
+The schemes are the entries of :mod:`posenc.registry` inside attention, built for each
+length (:func:`build_scheme`); the default run takes those whose ``default_in`` names
+``bench`` (:func:`default_schemes`).
+
 Shape legend: ``b`` batch, ``h`` heads, ``n`` length, ``d`` head dim.
 """
 
@@ -33,191 +37,52 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels import Mask, attend, hooks_of
+from .. import registry
+from ..engine import Mask, attend
+from ..hooks import hooks_of
+from ..registry import Shape
+from ..shaw import ShawRelativePosition
+from ._memory import PeakMemory, status_kib
 from ._options import (
+    aliases_note,
     device,
     non_negative_int,
     output_file,
     positive_int,
     positive_int_list,
+    scheme_list,
 )
 from ._progress import Progress
 
 # ----- the schemes ------------------------------------------------------------------------
 
 
-def _rotary(heads: int, head_dim: int, n: int) -> Any:
-    from ..rotary import Rotary
-
-    return Rotary(head_dim)
-
-
-def _alibi(heads: int, head_dim: int, n: int) -> Any:
-    from ..bias import ALiBi
-
-    return ALiBi(heads)
+def default_schemes() -> list[str]:
+    """The schemes of bench's default run: those of :mod:`posenc.registry` inside attention
+    whose ``default_in`` names ``bench``, in the registry's order."""
+    return registry.names(inside=True, default_in="bench")
 
 
-def _t5(heads: int, head_dim: int, n: int) -> Any:
-    from ..bias import T5RelativeBias
+def build_scheme(name: str, heads: int, head_dim: int, n: int) -> Any:
+    """The scheme ``name`` of :mod:`posenc.registry` built for length ``n`` (its 2-D grid:
+    the squarest with ``n`` cells), with the registry's default sizes (Shaw clipped at 16,
+    T5's 32 buckets up to distance 128)."""
+    return registry.build(name, Shape(heads, head_dim, n, grid=registry.squarest_grid(n)))
 
-    return T5RelativeBias(heads)
-
-
-def _swin_1d(heads: int, head_dim: int, n: int) -> Any:
-    from ..bias import RelativePositionBias
-
-    return RelativePositionBias(n, heads)
-
-
-def _swin_2d(heads: int, head_dim: int, n: int) -> Any:
-    from ..bias import RelativePositionBias
-
-    return RelativePositionBias(_grid(n), heads)
-
-
-def _relative(heads: int, head_dim: int, n: int) -> Any:
-    from ..embedding import RelativeQueryEmbedding
-
-    return RelativeQueryEmbedding(n, head_dim)
-
-
-def _relative_2d(heads: int, head_dim: int, n: int) -> Any:
-    from ..embedding import RelativeQueryEmbedding2D
-
-    return RelativeQueryEmbedding2D(_grid(n), head_dim)
-
-
-def _absolute_query(heads: int, head_dim: int, n: int) -> Any:
-    from ..embedding import AbsoluteQueryEmbedding
-
-    return AbsoluteQueryEmbedding(n, head_dim)
-
-
-def _shaw(heads: int, head_dim: int, n: int) -> Any:
-    from ..shaw import ShawRelativePosition
-
-    return ShawRelativePosition(head_dim, 16)
-
-
-def _grid(n: int) -> tuple[int, int]:
-    """A 2-D grid with ``n`` cells, as square as possible."""
-    height = int(n**0.5)
-    while n % height:
-        height -= 1
-    return height, n // height
-
-
-#: name -> factory(heads, head_dim, n) -> scheme (None: no positions)
-SCHEMES: dict[str, Callable[[int, int, int], Any]] = {
-    "rotary": _rotary,
-    "alibi": _alibi,
-    "t5": _t5,
-    "swin-1d": _swin_1d,
-    "swin-2d": _swin_2d,
-    "relative": _relative,
-    "relative-2d": _relative_2d,
-    "absolute-query": _absolute_query,
-    "shaw": _shaw,
-}
 
 #: bytes a literal reference may need before it is skipped
 REFERENCE_BUDGET = 6 * 2**30
 
 
-def _reference_bytes(scheme_name: str, b: int, h: int, n: int, d: int, itemsize: int) -> int:
+def _reference_bytes(scheme: Any, b: int, h: int, n: int, d: int, itemsize: int) -> int:
     """What the literal reference keeps for its backward, roughly."""
     scores = 6 * b * h * n * n * itemsize  # scores, weights, masks and their grads
-    if scheme_name == "shaw":
+    if isinstance(scheme, ShawRelativePosition):
         scores += 6 * n * n * d * itemsize  # a^K, a^V and their grads, [n, n, d] each
     return scores
 
 
 # ----- measuring ---------------------------------------------------------------------------
-
-
-def _status_kib(field_name: str) -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-#: glibc's mmap threshold while timing: its largest dynamic value on 64-bit Linux, the
-#: steady state of a long-running program (large blocks are reused from the heap)
-TIMING_MMAP_THRESHOLD = 32 << 20
-#: glibc's trim threshold while timing: twice the mmap threshold, as glibc's dynamic rule
-#: sets it whenever it raises the mmap threshold (fixing the mmap threshold by hand froze
-#: it at its 128 KiB default: every large block freed at the top of the heap went back to
-#: the system and the next one was page-faulted; relative-2d's forward read 1.5x or 2.0x
-#: the floor from run to run under it, 1.51-1.52x with this, measured here)
-TIMING_TRIM_THRESHOLD = 2 * TIMING_MMAP_THRESHOLD
-#: ... and while measuring memory: every block >= 64 KiB its own mmap, returned on free,
-#: and glibc's default trim threshold
-MEMORY_MMAP_THRESHOLD = 64 << 10
-MEMORY_TRIM_THRESHOLD = 128 << 10
-
-
-def _set_mmap_threshold(threshold: int, trim: int) -> None:
-    """Fix glibc's mmap and trim thresholds (``mallopt(M_MMAP_THRESHOLD)``,
-    ``mallopt(M_TRIM_THRESHOLD)``; no-op elsewhere).
-
-    By default glibc raises its mmap threshold as large blocks are freed and keeps them in
-    its heap, so the resident set stops following what is live and a peak reads as 0:
-    memory is measured with a low fixed threshold. Timing must not run under it: a fresh
-    mmap and its page faults for every block made the lean engine look 35% slower than it
-    is (ALiBi at n = 2048: 3.0x the floor instead of 2.2x, measured here); it runs under
-    the thresholds a long-running program reaches (:data:`TIMING_MMAP_THRESHOLD`,
-    :data:`TIMING_TRIM_THRESHOLD`).
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, trim)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: peaks may read low
-        pass
-
-
-class PeakMemory:
-    """Peak memory growth of one call, in MiB: CUDA allocator or Linux peak RSS."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.available = device.type == "cuda" or _status_kib("VmHWM") is not None
-        if device.type != "cuda" and self.available:
-            _set_mmap_threshold(TIMING_MMAP_THRESHOLD, TIMING_TRIM_THRESHOLD)
-
-    def measure(self, fn: Callable[[], object]) -> float | None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            start = torch.cuda.memory_allocated(self.device)
-            fn()
-            torch.cuda.synchronize(self.device)
-            return (torch.cuda.max_memory_allocated(self.device) - start) / 2**20
-        if not self.available:
-            fn()
-            return None
-        try:
-            with open("/proc/self/clear_refs", "w") as refs:
-                refs.write("5")  # reset the peak resident set to the current one
-        except OSError:
-            self.available = False
-            fn()
-            return None
-        _set_mmap_threshold(MEMORY_MMAP_THRESHOLD, MEMORY_TRIM_THRESHOLD)
-        try:
-            start = _status_kib("VmRSS") or 0
-            fn()
-            return ((_status_kib("VmHWM") or 0) - start) / 1024
-        finally:
-            _set_mmap_threshold(TIMING_MMAP_THRESHOLD, TIMING_TRIM_THRESHOLD)
 
 
 _MEMORY_SCRIPT = """
@@ -238,7 +103,7 @@ def _peak_of_case(spec: dict[str, Any]) -> float | None:
     large block on free, so that the resident set follows what is live.
     """
     dtype = getattr(torch, spec["dtype"])
-    scheme = SCHEMES[spec["scheme"]](spec["heads"], spec["head_dim"], spec["n"])
+    scheme = build_scheme(spec["scheme"], spec["heads"], spec["head_dim"], spec["n"])
     masks = {k: spec[k] for k in ("causal", "padding", "documents") if k in spec}
     fn = {
         "floor": _floor_of(**masks),
@@ -254,9 +119,9 @@ def _peak_of_case(spec: dict[str, Any]) -> float | None:
             refs.write("5")  # reset the peak resident set to the current one
     except OSError:
         return None
-    start = _status_kib("VmRSS") or 0
+    start = status_kib("VmRSS") or 0
     _time_once(run, inputs, spec["backward"], torch.device("cpu"))
-    return ((_status_kib("VmHWM") or 0) - start) / 1024
+    return ((status_kib("VmHWM") or 0) - start) / 1024
 
 
 def _peak_in_subprocess(spec: dict[str, Any]) -> float | None:
@@ -461,7 +326,7 @@ def run_bench(
     for index, (n, name) in enumerate((n, s) for n in lengths for s in schemes):
         if progress is not None:
             progress.update(index, f"{name:<15} n={n:<5}")
-        scheme = SCHEMES[name](heads, head_dim, n)
+        scheme = build_scheme(name, heads, head_dim, n)
         if isinstance(scheme, torch.nn.Module):
             scheme = scheme.to(device=device)
         case = Case(name, n, backend)
@@ -472,7 +337,7 @@ def run_bench(
         itemsize = torch.finfo(dtype).bits // 8
         if (
             reference
-            and _reference_bytes(name, batch, heads, n, head_dim, itemsize) <= REFERENCE_BUDGET
+            and _reference_bytes(scheme, batch, heads, n, head_dim, itemsize) <= REFERENCE_BUDGET
         ):
             variants["reference"] = _core(scheme, "math", causal, padding, documents)
         elif reference:
@@ -564,22 +429,12 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _scheme_list(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SCHEMES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown scheme(s) {unknown or text!r}; choose from {', '.join(SCHEMES)}"
-        )
-    return names
-
-
 #: the backends that serve every scheme, offered instead of one that cannot
 _GENERAL_BACKENDS = "auto, lean or math"
 
 
 def _backend_problem(scheme: Any, backend: str) -> str | None:
-    """Why ``backend`` cannot run ``scheme`` (the rules of :mod:`posenc.kernels`), or None."""
+    """Why ``backend`` cannot run ``scheme`` (the rules of :mod:`posenc.engine`), or None."""
     hooks = hooks_of(scheme)
     if backend == "sdpa" and hooks.value_term is not None:
         return "SDPA has no value term, which Shaw's a^V needs"
@@ -608,20 +463,25 @@ def check(args: argparse.Namespace) -> None:
     # built at a small length: the length only sizes the tables, what can be refused is
     # --heads or --head-dim (a table for n = 16384 would take a minute to build here)
     small = min(16, *args.lengths)
+    problems: dict[str, str | None] = {}
     for name in args.schemes:
         try:
-            SCHEMES[name](args.heads, args.head_dim, small)
+            scheme = build_scheme(name, args.heads, args.head_dim, small)
         except ValueError as err:
             raise ValueError(
                 f"--schemes {name} cannot be built with --heads {args.heads} "
                 f"--head-dim {args.head_dim}: {err}"
             ) from None
-    # the hooks a scheme has do not depend on its sizes
-    problems = {name: _backend_problem(SCHEMES[name](1, 2, 1), args.backend) for name in SCHEMES}
+        problems[name] = _backend_problem(scheme, args.backend)
     unfit = [name for name in args.schemes if problems[name] is not None]
     if unfit:
         reasons = dict.fromkeys(problems[name] for name in unfit)
-        fit = [name for name in SCHEMES if problems[name] is None]
+        # the hooks a scheme has do not depend on its sizes
+        fit = [
+            name
+            for name in default_schemes()
+            if _backend_problem(build_scheme(name, 1, 2, 1), args.backend) is None
+        ]
         raise ValueError(
             f"--backend {args.backend} cannot run --schemes {','.join(unfit)} "
             f"({'; '.join(reasons)}); use --backend {_GENERAL_BACKENDS}, or --schemes "
@@ -699,9 +559,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--schemes",
-        type=_scheme_list,
-        default=list(SCHEMES),
-        help=f"comma-separated, from: {', '.join(SCHEMES)}",
+        type=scheme_list(registry.names(inside=True)),
+        default=default_schemes(),
+        help=f"comma-separated, from: {', '.join(registry.names(inside=True))} (default: "
+        f"{','.join(default_schemes())}){aliases_note(registry.names(inside=True))}",
     )
     parser.add_argument(
         "--lengths",

@@ -1,18 +1,20 @@
 """``posenc compare``: train a small transformer per scheme and compare them.
 
-For each task (``shift``, ``copy``, ``grid``; see :mod:`posenc.tasks`), each scheme that
-makes sense for it, and each seed, a :class:`~posenc.models.TinyTransformer` is trained at
-the task's training length and evaluated at that length and longer ones. The output is a
-Markdown table (accuracy per test length, mean and spread over seeds, parameters, training
-seconds), a line plot of accuracy against test length per task, and optionally JSON.
+For each task (``shift``, ``copy``, ``grid``; see :mod:`posenc.experiments.tasks`), each
+scheme that makes sense for it (the names of :mod:`posenc.registry`), and each seed, a
+:class:`~posenc.experiments.models.TinyTransformer` is trained at the task's training
+length and evaluated at that length and longer ones (:mod:`posenc.experiments.training`).
+The output is a Markdown table (accuracy per test length, mean and spread over seeds,
+parameters, training seconds), a line plot of accuracy against test length per task, and
+optionally JSON.
 
 Tables sized by length: a learned absolute table (``learned``) only has rows for the
-training length, so longer tests are "n/a". The relative tables (``swin``, ``relative``,
-and the 2-D ones) are built for the longest test length (window, ``max_len`` or grid),
-and the rows of offsets that training never reaches keep their initial values: that is
-what such a model meets when it is run longer than it was trained. 2-D schemes number the
-cells of a grid row-major within the largest test grid, so the cell above is always the
-same table row.
+training length, so longer tests are "n/a". The relative tables (``swin-1d``,
+``relative``, and the 2-D ones) are built for the longest test length (window,
+``max_len`` or grid), and the rows of offsets that training never reaches keep their
+initial values: that is what such a model meets when it is run longer than it was
+trained. 2-D schemes number the cells of a grid row-major within the largest test grid,
+so the cell above is always the same table row.
 
 Launched with ``torchrun --nproc_per_node N -m posenc compare ...`` it trains with
 DistributedDataParallel (gloo on CPU, nccl on CUDA): each rank takes its share of every
@@ -25,23 +27,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 
-from .. import absolute, bias, embedding, rotary, shaw
-from ..models import TinyTransformer
-from ..tasks import IGNORE, TASKS, Batch, Task, get_task
+from .. import registry
+from ..experiments.tasks import TASKS, Task
+from ..experiments.training import (
+    Config,
+    Run,
+    default_schemes,
+    rank_and_world,
+    run_one,
+    schemes_for,
+)
+from ._figures import pyplot, save
 from ._options import (
+    aliases_note,
     device,
     float_above,
     formats,
@@ -49,346 +56,11 @@ from ._options import (
     output_file,
     positive_float,
     positive_int,
+    scheme_list,
 )
 from ._progress import Progress
 
-# ----- the schemes ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Setting:
-    """What a scheme is built for: the model shape and the task's lengths."""
-
-    dim: int
-    heads: int
-    task: Task
-    train_tokens: int  # tokens of a training example
-    max_tokens: int  # tokens of the longest test example
-    max_grid: tuple[int, int] | None  # the largest test grid (2-D tasks)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.heads
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """A scheme of ``compare``: how to build it, and which lengths it can serve.
-
-    ``build(setting) -> (input encoding or None, position)``; ``position`` is an object
-    shared by every layer, a zero-argument factory (one per layer), or None.
-    """
-
-    build: Callable[[Setting], tuple[nn.Module | None, Any]]
-    summary: str
-    two_d: bool = False  # positions are cells of the largest test grid
-    grid_only: bool = False  # makes sense only on a grid task
-    max_tokens: Callable[[Setting], int] | None = None  # longest length it serves
-
-    def serves(self, setting: Setting, tokens: int) -> bool:
-        return self.max_tokens is None or tokens <= self.max_tokens(setting)
-
-
-def _two_d(s: Setting) -> tuple[int, int]:
-    if s.max_grid is None:
-        raise ValueError(f"a 2-D scheme needs a 2-D task, got task {s.task.name!r}")
-    return s.max_grid
-
-
-SCHEMES: dict[str, Scheme] = {
-    "none": Scheme(lambda s: (None, None), "no positions at all"),
-    "sinusoidal": Scheme(
-        lambda s: (absolute.SinusoidalEncoding(s.dim), None), "Vaswani sin/cos added to the input"
-    ),
-    "learned": Scheme(
-        lambda s: (absolute.LearnedEncoding(s.dim, s.train_tokens), None),
-        "learned absolute table (BERT/GPT), rows for the training length",
-        max_tokens=lambda s: s.train_tokens,
-    ),
-    "rotary": Scheme(lambda s: (None, rotary.Rotary(s.head_dim)), "RoPE (half-split)"),
-    "rotary-ntk": Scheme(
-        lambda s: (
-            None,
-            rotary.Rotary(
-                s.head_dim, scaling=rotary.DynamicNTKScaling(1.0, original_max_len=s.train_tokens)
-            ),
-        ),
-        "RoPE with dynamic NTK scaling past the training length",
-    ),
-    "alibi": Scheme(lambda s: (None, bias.ALiBi(s.heads)), "ALiBi linear distance penalty"),
-    "t5": Scheme(
-        lambda s: (
-            None,
-            bias.T5RelativeBias(
-                s.heads, num_buckets=16, max_distance=64, bidirectional=not s.task.causal
-            ),
-        ),
-        "T5 log-bucketed bias, shared by the layers",
-    ),
-    "swin": Scheme(
-        lambda s: (None, lambda: bias.RelativePositionBias(s.max_tokens, s.heads)),
-        "1-D relative bias table (Swin-style), per layer",
-    ),
-    "relative": Scheme(
-        lambda s: (None, lambda: embedding.RelativeQueryEmbedding(s.max_tokens, s.head_dim)),
-        "relative embedding q.R[j-i] with the skew, per layer",
-    ),
-    "shaw": Scheme(
-        lambda s: (None, lambda: shaw.ShawRelativePosition(s.head_dim, 8)),
-        "Shaw relative keys and values, clipped at 8, per layer",
-    ),
-    "sinusoidal-2d": Scheme(
-        lambda s: (absolute.SinusoidalEncoding2D(s.dim), None),
-        "2-D sin/cos added to the input (ViT/MAE)",
-        grid_only=True,
-    ),
-    "rotary-2d": Scheme(
-        lambda s: (None, rotary.Rotary2D(s.head_dim, size=_two_d(s))),
-        "axial 2-D RoPE",
-        two_d=True,
-        grid_only=True,
-    ),
-    "swin-2d": Scheme(
-        lambda s: (None, lambda: bias.RelativePositionBias(_two_d(s), s.heads)),
-        "Swin 2-D relative bias table, per layer",
-        two_d=True,
-        grid_only=True,
-    ),
-    "relative-2d": Scheme(
-        lambda s: (None, lambda: embedding.RelativeQueryEmbedding2D(_two_d(s), s.head_dim)),
-        "factorised 2-D relative embedding (SASA/BoTNet), per layer",
-        two_d=True,
-        grid_only=True,
-    ),
-}
-
-
-def schemes_for(task: Task, names: Sequence[str] | None = None) -> list[str]:
-    """The schemes that make sense for ``task`` (2-D ones only on grids), in order."""
-    names = list(SCHEMES) if names is None else list(names)
-    return [n for n in names if task.two_d or not SCHEMES[n].grid_only]
-
-
-# ----- one model --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Config:
-    """Training set-up shared by every run."""
-
-    steps: int = 200
-    batch: int = 32
-    dim: int = 64
-    layers: int = 2
-    heads: int = 4
-    lr: float = 3e-3
-    table_lr_scale: float = 10.0
-    eval_examples: int = 128
-    device: str = "cpu"
-
-
-def setting_for(task: Task, config: Config) -> Setting:
-    """The :class:`Setting` of ``task`` under ``config``."""
-    grids = [t for t in (task.train_length, *task.test_lengths) if isinstance(t, tuple)]
-    max_grid = (max(g[0] for g in grids), max(g[1] for g in grids)) if grids else None
-    return Setting(
-        dim=config.dim,
-        heads=config.heads,
-        task=task,
-        train_tokens=task.tokens_of(task.train_length),
-        max_tokens=max(task.tokens_of(t) for t in (task.train_length, *task.test_lengths)),
-        max_grid=max_grid,
-    )
-
-
-def build_model(task: Task, scheme: str, config: Config) -> TinyTransformer:
-    """A :class:`TinyTransformer` for ``task`` with ``scheme`` (seed the RNG before)."""
-    encoding, position = SCHEMES[scheme].build(setting_for(task, config))
-    return TinyTransformer(
-        task.vocab,
-        dim=config.dim,
-        layers=config.layers,
-        heads=config.heads,
-        encoding=encoding,
-        position=position,
-    )
-
-
-def positions_for(task: Task, scheme: str, config: Config, batch: Batch) -> Tensor | None:
-    """Token positions for ``scheme``: cells of the largest grid for 2-D schemes, else None.
-
-    A 1-D scheme on a grid sees the flattened sequence (``arange(H * W)``, the default).
-    """
-    if not SCHEMES[scheme].two_d or batch.size is None:
-        return None
-    width = _two_d(setting_for(task, config))[1]
-    h, w = batch.size
-    rows = torch.arange(h)[:, None].expand(h, w)  # [H, W]
-    cols = torch.arange(w)[None, :].expand(h, w)  # [H, W]
-    return (rows * width + cols).flatten()  # [H*W]
-
-
-def logits_of(model: nn.Module, task: Task, scheme: str, config: Config, batch: Batch) -> Tensor:
-    """``model``'s logits ``[b, n, vocab]`` on ``batch``."""
-    device = torch.device(config.device)
-    positions = positions_for(task, scheme, config, batch)
-    return model(
-        batch.tokens.to(device),
-        causal=task.causal,
-        positions=None if positions is None else positions.to(device),
-        size=batch.size,
-    )
-
-
-def accuracy(logits: Tensor, targets: Tensor) -> float:
-    """The fraction of scored positions (target != IGNORE) whose argmax is the target."""
-    scored = targets != IGNORE
-    hits = (logits.argmax(-1) == targets) & scored
-    return float(hits.sum()) / max(1, int(scored.sum()))
-
-
-def parameter_groups(model: nn.Module, config: Config) -> list[dict[str, Any]]:
-    """AdamW groups: the positional tables inside attention at ``table_lr_scale * lr``.
-
-    A bias table holds one scalar per offset and head, and Adam moves each parameter by
-    about ``lr`` per step: at ``lr = 3e-3`` a Swin or T5 bias cannot grow past about 0.6
-    in 200 steps (less with the warm-up and decay), too flat to stand out among many more keys at a longer test length.
-    The faster rate lets such tables reach the size that a longer training would give.
-    """
-    tables = [p for n, p in model.named_parameters() if ".attn.position." in n]
-    ids = {id(p) for p in tables}
-    rest = [p for p in model.parameters() if id(p) not in ids]
-    groups = [{"params": rest, "lr": config.lr}]
-    if tables:
-        groups.append({"params": tables, "lr": config.lr * config.table_lr_scale})
-    return groups
-
-
-def _distributed() -> tuple[int, int]:
-    """``(rank, world)`` of the process group, ``(0, 1)`` without one."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def train(
-    task: Task,
-    scheme: str,
-    seed: int,
-    config: Config,
-    *,
-    on_step: Callable[[int, float], None] | None = None,
-) -> tuple[nn.Module, list[float]]:
-    """Train one model; return it (unwrapped) and its loss per step.
-
-    Every rank builds the same model (same seed) and draws the same global batch; under
-    DistributedDataParallel each rank trains on its slice of the batch and the gradients
-    are averaged, which equals one process on the whole batch.
-    """
-    rank, world = _distributed()
-    if config.batch % world:
-        raise ValueError(
-            f"--batch {config.batch} must be divisible by the number of processes ({world})"
-        )
-    torch.manual_seed(seed)
-    device = torch.device(config.device)
-    model = build_model(task, scheme, config).to(device)
-    net: nn.Module = model
-    if world > 1:
-        net = nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(parameter_groups(model, config), weight_decay=0.01, fused=True)
-    warmup = max(1, config.steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: (
-            min(1.0, (step + 1) / warmup)
-            * 0.5
-            * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
-        ),
-    )
-    generator = torch.Generator().manual_seed(10_000 + seed)
-    share = slice(rank * config.batch // world, (rank + 1) * config.batch // world)
-    losses = []
-    model.train()
-    for step in range(config.steps):
-        full = task.sample(config.batch, task.train_length, generator)
-        batch = Batch(full.tokens[share], full.targets[share], full.size)
-        logits = logits_of(net, task, scheme, config, batch)
-        loss = F.cross_entropy(
-            logits.flatten(0, 1), batch.targets.to(device).flatten(), ignore_index=IGNORE
-        )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(step, losses[-1])
-    return model.eval(), losses
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, task: Task, scheme: str, seed: int, config: Config
-) -> dict[str, float | None]:
-    """Accuracy at every test length (None where the scheme cannot serve the length)."""
-    setting = setting_for(task, config)
-    results: dict[str, float | None] = {}
-    for length in task.test_lengths:
-        label = task.label(length)
-        if not SCHEMES[scheme].serves(setting, task.tokens_of(length)):
-            results[label] = None
-            continue
-        generator = torch.Generator().manual_seed(20_000 + seed)
-        batch = task.sample(config.eval_examples, length, generator)
-        results[label] = accuracy(logits_of(model, task, scheme, config, batch), batch.targets)
-    return results
-
-
 # ----- the whole comparison ---------------------------------------------------------------
-
-
-@dataclass
-class Run:
-    """One trained model: its task, scheme, seed and results."""
-
-    task: str
-    scheme: str
-    seed: int
-    accuracy: dict[str, float | None]
-    parameters: int
-    seconds: float
-    final_loss: float
-
-
-def run_one(
-    task: Task,
-    scheme: str,
-    seed: int,
-    config: Config,
-    *,
-    checkpoints: Path | None = None,
-    on_step: Callable[[int, float], None] | None = None,
-    threads: int | None = None,
-) -> Run:
-    """Train and evaluate one model (and save it when ``seed == 0`` and ``checkpoints``)."""
-    if threads is not None:
-        torch.set_num_threads(threads)
-    started = time.perf_counter()
-    model, losses = train(task, scheme, seed, config, on_step=on_step)
-    seconds = time.perf_counter() - started
-    if checkpoints is not None and seed == 0 and _distributed()[0] == 0:
-        save_checkpoint(checkpoints, model, task, scheme, config)
-    return Run(
-        task=task.name,
-        scheme=scheme,
-        seed=seed,
-        accuracy=evaluate(model, task, scheme, seed, config),
-        parameters=sum(p.numel() for p in model.parameters()),
-        seconds=seconds,
-        final_loss=statistics.fmean(losses[-10:]),
-    )
 
 
 def compare(
@@ -405,7 +77,8 @@ def compare(
 
     Args:
         tasks: the tasks.
-        schemes: scheme names (each task takes those that make sense for it), or all.
+        schemes: scheme names (each task takes those that make sense for it), or None
+            for the default run (:func:`~posenc.experiments.training.default_schemes`).
         seeds: seeds per (task, scheme): 0 .. seeds-1.
         config: the training set-up.
         quiet: no progress bar.
@@ -418,7 +91,7 @@ def compare(
     Returns:
         One :class:`Run` per trained model, in plan order (every rank gets the list).
     """
-    rank, world = _distributed()
+    rank, world = rank_and_world()
     plan = [(t, s, seed) for t in tasks for s in schemes_for(t, schemes) for seed in range(seeds)]
     progress = Progress(len(plan), quiet=quiet or rank != 0)
     if jobs > 1 and world == 1 and len(plan) > 1:
@@ -470,51 +143,7 @@ def _compare_in_workers(
     return [r for r in runs if r is not None]
 
 
-def save_checkpoint(
-    folder: Path, model: nn.Module, task: Task, scheme: str, config: Config
-) -> Path:
-    """Save a trained model with what rebuilds it (see :func:`load_checkpoint`)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{task.name}-{scheme}.pt"
-    config_dict = asdict(config)
-    lengths = {"train_length": task.train_length, "test_lengths": task.test_lengths}
-    torch.save(
-        {
-            "task": task.name,
-            "lengths": lengths,
-            "scheme": scheme,
-            "config": config_dict,
-            "state": model.state_dict(),
-        },
-        path,
-    )
-    return path
-
-
-def load_checkpoint(path: Path) -> tuple[TinyTransformer, Task, str, Config]:
-    """``(model in eval mode, task, scheme, config)`` from :func:`save_checkpoint`."""
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        config = Config(**{**saved["config"], "device": "cpu"})
-        lengths = saved["lengths"]
-        task = replace(
-            get_task(saved["task"]),
-            train_length=_length(lengths["train_length"]),
-            test_lengths=tuple(_length(x) for x in lengths["test_lengths"]),
-        )
-        model = build_model(task, saved["scheme"], config)
-        model.load_state_dict(saved["state"])
-    except Exception as err:  # any file that is not one of ours: say which, and why
-        raise ValueError(
-            f"{path} is not a checkpoint of this posenc's `compare` ({type(err).__name__}: "
-            f"{err}); run `posenc compare --out DIR` again to make new ones"
-        ) from err
-    return model.eval(), task, saved["scheme"], config
-
-
-def _length(value: Any) -> int | tuple[int, int]:
-    """A length read back from a checkpoint (grids may come back as lists)."""
-    return int(value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+# ----- the report ------------------------------------------------------------------------
 
 
 def _mean_spread(values: list[float]) -> tuple[float, float]:
@@ -581,8 +210,6 @@ def plot_accuracy(
     runs: Sequence[Run], tasks: Sequence[Task], out: Path, formats: Sequence[str] = ("png",)
 ) -> list[Path]:
     """A line plot per task: accuracy against test length, a line per scheme."""
-    from ._figures import pyplot, save
-
     plt = pyplot()
     table = summarise(runs, tasks)
     paths: list[Path] = []
@@ -607,7 +234,7 @@ def plot_accuracy(
                 yerr=[p[1][1] for p in points],
                 color=colours[index % len(colours)],
                 marker=markers[index % len(markers)],
-                linestyle="--" if SCHEMES[scheme].grid_only else "-",
+                linestyle="--" if registry.get(scheme).two_d else "-",
                 capsize=3,
                 label=scheme,
             )
@@ -769,14 +396,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if config.dim % config.heads:
         raise ValueError(f"--dim {config.dim} must be divisible by --heads {config.heads}")
-    if any(SCHEMES[s].grid_only for s in plan) and (config.dim // config.heads) % 4:
+    if any(registry.get(s).two_d for s in plan) and (config.dim // config.heads) % 4:
         raise ValueError(
             f"--dim {config.dim} / --heads {config.heads} must give a head dim that is a "
             f"multiple of 4 for the 2-D schemes (they split it in quarters)"
         )
     started_group = _init_distributed(args.device)
     try:
-        rank, world = _distributed()
+        rank, world = rank_and_world()
         runs = compare(
             tasks,
             args.schemes,
@@ -827,9 +454,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--schemes",
-        type=lambda t: _names(t, list(SCHEMES), "scheme(s)"),
+        type=scheme_list(registry.names()),
         default=None,
-        help=f"comma-separated schemes (default all that fit each task: {','.join(SCHEMES)})",
+        help=f"comma-separated, from: {', '.join(registry.names())} (default all that fit "
+        f"each task of: {','.join(default_schemes())}){aliases_note(registry.names())}",
     )
     parser.add_argument(
         "--lengths",

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..tasks import Task
+from ..experiments.tasks import TASKS, Task
+from ..experiments.training import Config
 from . import bench, compare, plot
 from ._options import output_dir
 from ._progress import Progress
@@ -88,9 +89,9 @@ BENCH_TEXT = (
 
 def _plot(kind: str, out: Path, extra: Sequence[str] = ()) -> list[Path]:
     """Draw one ``posenc plot`` kind with its defaults; return the files written."""
-    from . import build_parser
-
-    args = build_parser().parse_args(["plot", kind, "--out", str(out), *extra])
+    parser = argparse.ArgumentParser(prog="posenc")
+    plot.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plot", kind, "--out", str(out), *extra])
     return plot.KINDS[kind](args)
 
 
@@ -103,7 +104,7 @@ class DemoPlan:
     """How much the demo trains and measures (see :func:`plan_for`)."""
 
     seeds: int
-    config: compare.Config
+    config: Config
     tasks: tuple[Task, ...]
     bench_lengths: tuple[int, ...]
     bench: dict[str, Any] = field(default_factory=dict)  # more run_bench arguments
@@ -112,11 +113,9 @@ class DemoPlan:
 def plan_for(quick: bool) -> DemoPlan:
     """The default demo (about 4 minutes here) or the ``--quick`` one (under 2)."""
     if quick:
-        config = compare.Config(
-            steps=compare.QUICK["steps"], eval_examples=compare.QUICK["eval_examples"]
-        )
-        return DemoPlan(1, config, tuple(compare.TASKS.values()), (256, 512), {"repeats": 2})
-    return DemoPlan(2, compare.Config(), tuple(compare.TASKS.values()), (256, 512, 1024))
+        config = Config(steps=compare.QUICK["steps"], eval_examples=compare.QUICK["eval_examples"])
+        return DemoPlan(1, config, tuple(TASKS.values()), (256, 512), {"repeats": 2})
+    return DemoPlan(2, Config(), tuple(TASKS.values()), (256, 512, 1024))
 
 
 def run_demo(
@@ -170,9 +169,10 @@ def run_demo(
         sections += ["", f"### {kind}", "", text, "", *images(paths)]
 
     log(f"bench at n = {', '.join(map(str, plan.bench_lengths))}")
-    progress = Progress(len(bench.SCHEMES) * len(plan.bench_lengths), quiet=quiet)
+    schemes = bench.default_schemes()
+    progress = Progress(len(schemes) * len(plan.bench_lengths), quiet=quiet)
     cases = bench.run_bench(
-        list(bench.SCHEMES),
+        schemes,
         list(plan.bench_lengths),
         progress=progress,
         **plan.bench,

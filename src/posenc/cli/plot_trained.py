@@ -1,8 +1,8 @@
 """Pictures of the models that ``posenc compare --out DIR`` trained and saved.
 
 ``compare`` saves the seed-0 model of every (task, scheme) in ``DIR/checkpoints``; these
-functions load them back (:func:`~posenc.cli.compare.load_checkpoint`) and draw what they
-learned: their attention maps, and the similarity of a learned position table.
+functions load them back (:func:`~posenc.experiments.training.load_checkpoint`) and draw
+what they learned: their attention maps, and the similarity of a learned position table.
 
 Shape legend: ``h`` heads, ``n`` tokens.
 """
@@ -16,14 +16,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import registry
 from ..absolute import LearnedEncoding
-from ..tasks import Task
-from . import compare
+from ..experiments.tasks import Task
+from ..experiments.training import load_checkpoint, positions_for, scheme_order
 from ._figures import pyplot, save
 
 
+def _scheme_of(path: Path) -> str:
+    """The scheme of a checkpoint ``TASK-SCHEME.pt`` (an old name gives today's)."""
+    scheme = path.stem.partition("-")[2]
+    return registry.ALIASES.get(scheme, scheme)
+
+
 def checkpoints_in(folder: Path | None) -> dict[str, list[Path]]:
-    """The checkpoints in ``folder`` per task, in the order of ``compare.SCHEMES``.
+    """The checkpoints in ``folder`` per task, in the order ``compare`` lists the schemes.
 
     Raises:
         ValueError: no folder, or no checkpoint in it, with the command that makes them.
@@ -34,22 +41,22 @@ def checkpoints_in(folder: Path | None) -> dict[str, list[Path]]:
     files = sorted(Path(folder).glob("*.pt"))
     if not files:
         raise ValueError(f"--checkpoints {folder} holds no checkpoint (*.pt): {fix}")
-    order = {name: i for i, name in enumerate(compare.SCHEMES)}
+    order = {name: i for i, name in enumerate(scheme_order(registry.names()))}
     found: dict[str, list[Path]] = {}
     for path in files:
         found.setdefault(path.stem.partition("-")[0], []).append(path)
     for paths in found.values():
-        paths.sort(key=lambda p: order.get(p.stem.partition("-")[2], len(order)))
+        paths.sort(key=lambda p: order.get(_scheme_of(p), len(order)))
     return found
 
 
 @torch.no_grad()
 def _maps(path: Path, examples: int, length: int | tuple[int, int] | None) -> tuple[Any, ...]:
     """``(task, scheme, [per layer [examples, h, n, n]])`` of a checkpoint (seeded examples)."""
-    model, task, scheme, config = compare.load_checkpoint(path)
+    model, task, scheme, config = load_checkpoint(path)
     length = task.train_length if length is None else length
     batch = task.sample(examples, length, torch.Generator().manual_seed(0))
-    positions = compare.positions_for(task, scheme, config, batch)
+    positions = positions_for(task, scheme, config, batch)
     maps = model.attention_maps(
         batch.tokens, causal=task.causal, positions=positions, size=batch.size
     )
@@ -125,13 +132,14 @@ def plot_attention(args: argparse.Namespace) -> list[Path]:
 
 
 def learned_tables(folder: Path | None) -> list[tuple[str, np.ndarray]]:
-    """``(task, weight [max_len, dim])`` of every trained ``learned`` scheme."""
+    """``(task, weight [max_len, dim])`` of every trained learned absolute table (``learned``)."""
     tables = []
     for task_name, files in checkpoints_in(folder).items():
         for path in files:
-            if path.stem.partition("-")[2] != "learned":
+            entry = registry.SCHEMES.get(_scheme_of(path))
+            if entry is None or entry.place != 1 or not entry.learned:
                 continue
-            model, *_ = compare.load_checkpoint(path)
+            model, *_ = load_checkpoint(path)
             if isinstance(model.encoding, LearnedEncoding):
                 tables.append((task_name, model.encoding.weight.detach().numpy()))
     return tables

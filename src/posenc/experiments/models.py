@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _validate as check
-from .absolute import SinusoidalEncoding2D
-from .attention import MultiHeadAttention
+from .. import _validate as check
+from ..absolute import SinusoidalEncoding2D
+from ..attention import MultiHeadAttention
 
 __all__ = ["TinyTransformer", "TransformerBlock"]
 

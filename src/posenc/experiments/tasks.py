@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import _validate as check
+from .. import _validate as check
 
 __all__ = ["IGNORE", "TASKS", "Batch", "CopyTask", "GridTask", "ShiftTask", "Task", "get_task"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posenc.tasks import IGNORE, TASKS, CopyTask, GridTask, ShiftTask, get_task
+from posenc.experiments.tasks import IGNORE, TASKS, CopyTask, GridTask, ShiftTask, get_task
 
 
 def gen(seed=0):
