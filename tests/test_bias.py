@@ -445,3 +445,54 @@ def test_meta_construction_and_state():
     torch.testing.assert_close(swin.index, RelativePositionBias((3, 3), 2).index)
     assert list(swin.state_dict()) == ["table"]
     assert list(t5.state_dict()) == ["embedding.weight"]
+
+
+# ----- the families the schemes belong to --------------------------------------------------
+
+
+def test_each_bias_is_one_primitive_of_its_family():
+    """ALiBi, T5 and a 1-D Swin table are offset biases, a 2-D Swin table a grid bias; the
+    class the constructor picks is still a RelativePositionBias and loads Swin's table."""
+    from posenc import GridBias, OffsetBias
+    from posenc.bias import RelativePositionBias1D, RelativePositionBias2D
+
+    one, two = RelativePositionBias(8, 2), RelativePositionBias((2, 3), 2)
+    assert isinstance(one, RelativePositionBias1D) and isinstance(one, OffsetBias)
+    assert isinstance(two, RelativePositionBias2D) and isinstance(two, GridBias)
+    assert isinstance(one, RelativePositionBias) and isinstance(two, RelativePositionBias)
+    assert isinstance(ALiBi(2), OffsetBias) and isinstance(T5RelativeBias(2), OffsetBias)
+    offsets = torch.tensor([[-7, 0], [3, 7]])
+    torch.testing.assert_close(one.bias(offsets), one.table[7 - offsets], atol=0, rtol=0)
+    slopes = alibi_slopes(2)
+    expected = -offsets.abs().float()[..., None] * slopes
+    torch.testing.assert_close(ALiBi(2).bias(offsets), expected, atol=0, rtol=0)
+    t5 = T5RelativeBias(2, num_buckets=8, max_distance=16)
+    buckets = t5_bucket(offsets, num_buckets=8, max_distance=16)
+    torch.testing.assert_close(t5.bias(offsets), t5.embedding.weight[buckets], atol=0, rtol=0)
+    dr, dc = torch.tensor([-1, 0, 1]), torch.tensor([2, 0, -2])
+    rows = (1 - dr) * 5 + (2 - dc)  # Swin's row: query minus key
+    torch.testing.assert_close(two.bias(dr, dc), two.table[rows], atol=0, rtol=0)
+    with pytest.raises(
+        ValueError, match=r"RelativePositionBias2D takes a 2-D window, got window=5"
+    ):
+        RelativePositionBias2D(5, 2)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "swin-1d"])
+def test_score_mod_computing_the_bias_per_pair_equals_the_dense_bias(monkeypatch, name):
+    """Where the offsets cannot be read to build a table (a GPU without a sync), the
+    score_mod computes the primitive per pair and picks the head: the same bias."""
+    import posenc.families.biases as biases
+
+    monkeypatch.setattr(biases, "offset_span", lambda *args: None)
+    torch.manual_seed(0)
+    b, h, n = 2, 3, 8
+    scheme = SCORE_MOD_SCHEMES[name](h, n)
+    positions = torch.stack([torch.arange(8), torch.arange(8).flip(0)])
+    score = torch.randn(b, h, n, n)
+    index = [torch.arange(s).view([-1 if a == d else 1 for a in range(4)]) for d, s in
+             enumerate((b, h, n, n))]  # fmt: skip
+    got = scheme.flex_score_mod(positions, positions)(score, *index)
+    expected = score + scheme.score_bias(positions, positions)
+    atol = 2 * torch.finfo(torch.float32).eps * float(expected.detach().abs().max())
+    torch.testing.assert_close(got.detach(), expected.detach(), atol=atol, rtol=0)

@@ -123,18 +123,18 @@ def test_absolute_key_shift_is_the_score_term_folded_into_the_keys():
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "lean"])
-def test_absolute_fast_paths_fold_the_term_into_the_keys(monkeypatch, backend):
+def test_absolute_fast_paths_fold_the_term_into_the_keys(backend):
     """Not a score term on the fast paths: ``auto`` takes SDPA; equal to math, gradients too."""
-    import posenc.kernels as kernels
-    from posenc.kernels import Mask, attend
+    from posenc.engine import Mask, attend, explain_call
 
-    if backend == "auto":
-        monkeypatch.setattr(kernels, "_lean", lambda *a, **k: pytest.fail("auto took lean"))
     torch.manual_seed(0)
     module = AbsoluteQueryEmbedding(40, 8).double()
     q, k, v = (rand(2, 3, n, 8) for n in (5, 12, 12))
     q_pos, k_pos = arange(5) + 20, torch.stack([arange(12)[0] + 13, arange(12)[0]])
     mask = Mask(5, 12, key_padding=torch.rand(2, 12) < 0.3)
+    if backend == "auto":
+        args = dict(scheme=module, q_pos=q_pos, k_pos=k_pos, mask=mask)
+        assert explain_call(q, k, v, **args).path == "sdpa"
     results = {}
     for name in ("math", backend):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -609,3 +609,38 @@ def test_compile_fullgraph_parity():
     compiled = torch.compile(terms, fullgraph=True)
     for got, expected in zip(compiled(q, pos, pos), terms(q, pos, pos), strict=True):
         torch.testing.assert_close(got, expected)
+
+
+# ----- the families the classes belong to --------------------------------------------------
+
+
+def test_relative_classes_are_one_primitive_of_their_family():
+    from posenc import GridTerm, OffsetTerm
+    from posenc.embedding import relative_rows
+
+    torch.manual_seed(0)
+    shared, per_head = RelativeQueryEmbedding(5, 4), RelativeQueryEmbedding(5, 4, heads=3)
+    assert isinstance(shared, OffsetTerm) and shared.reach == 4
+    offsets = torch.tensor([[-4, 0], [2, 4]])
+    assert torch.equal(shared.rows(offsets), shared.weight[offsets + 4])  # [2, 2, d]
+    assert torch.equal(per_head.rows(offsets), per_head.weight[:, offsets + 4])  # [h, 2, 2, d]
+    # beyond the table: the edge rows (the module's checks raise before that)
+    assert torch.equal(relative_rows(shared.weight, torch.tensor([-9, 9])), shared.weight[[0, 8]])
+    two = RelativeQueryEmbedding2D((3, 4), 4, heads=2)
+    assert isinstance(two, GridTerm)
+    assert torch.equal(two.axis_rows(0, torch.tensor([-2, 2])), two.height[:, [0, 4]])
+    assert torch.equal(two.axis_rows(1, torch.tensor([-3, 3])), two.width[:, [0, 6]])
+
+
+def test_offset_term_of_a_run_equals_the_score_term_by_the_skew():
+    from posenc.indices import skew_rows
+
+    torch.manual_seed(0)
+    scheme = RelativeQueryEmbedding(16, 8, heads=3).double()
+    q = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    q_pos, k_pos = torch.arange(4, 9)[None], torch.arange(11)[None]
+    rows = scheme.offset_term(q_pos, k_pos)  # [h, 5 + 11 - 1, d]: offsets -8 .. 6
+    assert rows.shape == (3, 15, 8)
+    assert torch.equal(rows[:, 0], scheme.weight[:, -8 + 15])
+    term = skew_rows(q @ rows.transpose(-2, -1), 11)  # [b, h, 5, 11]
+    torch.testing.assert_close(term, scheme.score_term(q, q_pos, k_pos), atol=1e-12, rtol=0)

@@ -155,3 +155,35 @@ def test_score_mod_positions_read_shared_and_per_sequence_positions_for_any_batc
         score_mod_positions(shared, per_row[None])
     with pytest.raises(TypeError, match=r"q_pos must be an integer tensor.*q_pos.long\(\)"):
         score_mod_positions(shared.float(), shared)
+
+
+def test_gather_logits_reads_each_pairs_row():
+    from posenc.indices import gather_logits
+
+    logits = torch.randn(2, 3, 4, 7)  # [b, h, n_q, R]
+    index = torch.randint(0, 7, (1, 4, 5))  # [B' = 1, n_q, n_k]
+    got = gather_logits(logits, index)
+    assert got.shape == (2, 3, 4, 5)
+    for i in range(4):
+        for j in range(5):
+            assert torch.equal(got[:, :, i, j], logits[:, :, i, index[0, i, j]])
+    per_row = torch.randint(0, 7, (2, 4, 5))  # [B' = b, n_q, n_k]
+    got = gather_logits(logits, per_row)
+    assert torch.equal(got[1, 2, 3], logits[1, 2, 3, per_row[1, 3]])
+
+
+def test_grid_offset_index_is_key_minus_query_and_swins_index_reversed():
+    from posenc.indices import grid_offset_index, relative_position_index
+
+    height, width = 3, 4
+    tokens = torch.arange(height * width)
+    index = grid_offset_index(tokens, tokens, (height, width))  # [N, N]
+    for i in range(12):
+        for j in range(12):
+            dr, dc = j // width - i // width, j % width - i % width
+            assert int(index[i, j]) == (dr + height - 1) * (2 * width - 1) + dc + width - 1
+    # Swin's rows are query minus key: the same grid read backwards
+    rows = (2 * height - 1) * (2 * width - 1)
+    assert torch.equal(index, rows - 1 - relative_position_index((height, width)))
+    batch = grid_offset_index(tokens[None, :5].expand(2, -1), tokens[None].expand(2, -1), (3, 4))
+    assert batch.shape == (2, 5, 12) and torch.equal(batch[1], index[:5])

@@ -23,6 +23,7 @@ from posenc.shaw import (
     shaw_value_term,
     shaw_value_term_literal,
 )
+from tolerances import assert_close, logit_size
 
 # ----- the paper, as loops -----------------------------------------------------------------
 
@@ -144,11 +145,14 @@ def test_lean_equals_literal_outputs_and_gradients_float32():
         (out * torch.linspace(-1, 1, d)).sum().backward()
         results.append((out, [leaf.grad for leaf in leaves]))
     (out_lit, grads_lit), (out_lean, grads_lean) = results
-    torch.testing.assert_close(out_lean, out_lit, atol=1e-5, rtol=1e-5)
+    q, k, _, keys, _ = inputs + tables  # logits: (q.k + q.keys[offset]) / sqrt(d), n keys
+    close = dict(terms=n, logit=logit_size(q, k) + logit_size(q, keys))
+    assert_close(out_lean, out_lit, **close)
+    size = max(float(g.abs().max()) for g in grads_lit)  # gradients: at the largest's size
     for name, g_lean, g_lit in zip(
         ["q", "k", "v", "keys", "values"], grads_lean, grads_lit, strict=True
     ):
-        torch.testing.assert_close(g_lean, g_lit, atol=1e-5, rtol=1e-5, msg=name)
+        assert_close(g_lean, g_lit, magnitude=size, **close, msg=name)
 
 
 def test_gradcheck_lean_and_literal():
@@ -224,14 +228,14 @@ def test_hooks_lean_equal_reference_and_are_translation_invariant(values):
     scheme = ShawRelativePosition(4, 2, values=values)
     q, weights = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 6).softmax(-1)
     pos = torch.arange(6)[None]
-    base = scheme.score_term(q, pos, pos)
-    torch.testing.assert_close(scheme.reference_score_term(q, pos, pos), base)
+    base = scheme.score_term(q, pos, pos)  # float32 sums of d = 4 products, 6 weights
+    assert_close(scheme.reference_score_term(q, pos, pos), base, terms=4)
     for shift in (5, -20, 100_000):
-        torch.testing.assert_close(scheme.score_term(q, pos + shift, pos + shift), base)
+        assert_close(scheme.score_term(q, pos + shift, pos + shift), base, terms=4)
     if values:
         base_v = scheme.value_term(weights, pos, pos)
-        torch.testing.assert_close(scheme.reference_value_term(weights, pos, pos), base_v)
-        torch.testing.assert_close(scheme.value_term(weights, pos + 9, pos + 9), base_v)
+        assert_close(scheme.reference_value_term(weights, pos, pos), base_v, terms=6)
+        assert_close(scheme.value_term(weights, pos + 9, pos + 9), base_v, terms=6)
 
 
 def test_hooks_block_of_queries_and_batch_rows():
@@ -240,19 +244,20 @@ def test_hooks_block_of_queries_and_batch_rows():
     q, weights = torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 8).softmax(-1)
     pos = torch.stack([torch.arange(8), torch.tensor([3, 0, 9, 1, 5, 5, 2, 20])])  # [b, n]
     full_s, full_v = scheme.score_term(q, pos, pos), scheme.value_term(weights, pos, pos)
-    for start, stop in [(0, 3), (3, 8), (7, 8)]:
+    for start, stop in [(0, 3), (3, 8), (7, 8)]:  # float32 sums of d = 4 and of 8 terms
         qp = pos[:, start:stop]
-        torch.testing.assert_close(
-            scheme.score_term(q[:, :, start:stop], qp, pos), full_s[:, :, start:stop]
+        assert_close(
+            scheme.score_term(q[:, :, start:stop], qp, pos), full_s[:, :, start:stop], terms=4
         )
-        torch.testing.assert_close(
-            scheme.value_term(weights[:, :, start:stop], qp, pos), full_v[:, :, start:stop]
-        )
+        assert_close(
+            scheme.value_term(weights[:, :, start:stop], qp, pos), full_v[:, :, start:stop],
+            terms=8,
+        )  # fmt: skip
     for row in range(2):
         alone = scheme.score_term(q[row : row + 1], pos[row], pos[row])
-        torch.testing.assert_close(alone, full_s[row : row + 1])
+        assert_close(alone, full_s[row : row + 1], terms=4)
         alone_v = scheme.value_term(weights[row : row + 1], pos[row], pos[row])
-        torch.testing.assert_close(alone_v, full_v[row : row + 1])
+        assert_close(alone_v, full_v[row : row + 1], terms=8)
 
 
 @pytest.mark.parametrize("values", [True, False])
@@ -339,4 +344,34 @@ def test_compile_fullgraph_parity():
     q, k, v = (torch.randn(2, 2, 6, 4) for _ in range(3))
     pos = torch.stack([torch.arange(6), torch.arange(6) * 3])  # [b, n]
     compiled = torch.compile(run, fullgraph=True)
-    torch.testing.assert_close(compiled(q, k, v, pos), run(q, k, v, pos))
+    logit = logit_size(q, k, full, pos, pos)  # inductor's fused kernels round otherwise
+    assert_close(compiled(q, k, v, pos), run(q, k, v, pos), terms=6, logit=logit)
+
+
+# ----- the family: one primitive, the rows of an offset --------------------------------------
+
+
+def test_rows_of_an_offset_and_the_per_offset_forms():
+    """``rows`` (``a^K``) and ``value_rows`` (``a^V``) are the clipped table rows; a run of
+    positions longer than the table gives ``(table, index)``, a shorter one the rows
+    themselves, and keys and values share the index (the lean engine then reads both once)."""
+    from posenc import OffsetTerm
+    from posenc.shaw import clipped_rows
+
+    torch.manual_seed(0)
+    scheme = ShawRelativePosition(4, 2)
+    assert isinstance(scheme, OffsetTerm) and scheme.reach == 2
+    offsets = torch.tensor([-9, -2, 0, 1, 30])
+    assert torch.equal(scheme.rows(offsets), scheme.keys[[0, 0, 2, 3, 4]])
+    assert torch.equal(scheme.value_rows(offsets), scheme.values[[0, 0, 2, 3, 4]])
+    assert torch.equal(clipped_rows(scheme.keys, offsets), scheme.rows(offsets))
+    long, short = torch.arange(8)[None], torch.arange(2)[None]
+    table, index = scheme.offset_term(long, long)  # offsets -7 .. 7, rows of -2 .. 2
+    assert torch.equal(table, scheme.keys) and index.tolist() == [0] * 6 + [1, 2, 3] + [4] * 6
+    value_table, value_index = scheme.offset_value(long, long)
+    assert torch.equal(value_table, scheme.values) and torch.equal(value_index, index)
+    rows = scheme.offset_term(short, short)  # 3 offsets -1 .. 1: the rows themselves
+    assert torch.equal(rows, scheme.keys[1:4])
+    assert scheme.offset_term(torch.tensor([[0, 2]]), long) is None
+    with pytest.raises(AttributeError, match="offset_value"):
+        ShawRelativePosition(4, 2, values=False).offset_value

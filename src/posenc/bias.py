@@ -9,9 +9,13 @@
   Short, Test Long").
 
 Each is an ``nn.Module`` usable on its own (``forward`` returns the dense bias), and a
-scheme for :class:`~posenc.MultiHeadAttention` through the hooks ``score_bias`` (the bias
-for any query and key positions, added *after* the ``1/sqrt(d)`` scaling) and
-``flex_score_mod`` (the same bias computed on the fly by FlexAttention).
+scheme for :class:`~posenc.MultiHeadAttention`. Each writes one primitive, the bias of an
+offset (:class:`~posenc.families.OffsetBias`: ALiBi, T5, 1-D Swin) or of a 2-D offset
+(:class:`~posenc.families.GridBias`: 2-D Swin); the family derives the hooks from it:
+``score_bias`` (the bias for any query and key positions, added *after* the
+``1/sqrt(d)`` scaling), ``offset_bias`` / ``grid_bias`` (the forms of the per-offset and
+grid fast paths) and ``flex_score_mod`` (the same bias computed on the fly by
+FlexAttention).
 
 Shape legend: ``B'`` batch of positions (1 when shared), ``h`` heads, ``n_q`` queries,
 ``n_k`` keys, ``N = Wh * Ww`` tokens of a window, ``R`` rows of a table.
@@ -20,35 +24,25 @@ Shape legend: ``B'`` batch of positions (1 when shared), ``h`` heads, ``n_q`` qu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _validate as check
-from .indices import (
-    gather_rows,
-    is_whole_map,
-    relative_distance,
-    run_offsets,
-    score_mod_positions,
-    t5_bucket,
-    toeplitz,
-    window_relative_index,
-    window_size,
-)
+from .families import GridBias, OffsetBias
+from .indices import t5_bucket, toeplitz, window_relative_index, window_size
 
 __all__ = [
     "ALiBi",
     "RelativePositionBias",
+    "RelativePositionBias1D",
+    "RelativePositionBias2D",
     "T5RelativeBias",
     "alibi_slopes",
     "load_relative_position_bias",
     "resize_relative_position_table",
 ]
-
-ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def _check_heads(scheme: str, built: int, heads: int) -> None:
@@ -122,6 +116,13 @@ class RelativePositionBias(nn.Module):
     ``relative_position_bias_table`` loads as it is. Tokens are numbered row-major inside
     the window. The table is initialised from a truncated ``N(0, 0.02**2)`` (Swin).
 
+    ``RelativePositionBias(window, heads)`` builds a :class:`RelativePositionBias1D` for a
+    1-D window (an :class:`~posenc.families.OffsetBias`: the bias of ``j - i``, any
+    positions within the window of each other) and a :class:`RelativePositionBias2D` for a
+    2-D one (a :class:`~posenc.families.GridBias`: token indices of the window); both are
+    instances of this class, which holds what they share (the table, :meth:`resize`, the
+    standalone :meth:`forward`).
+
     A 2-D window keeps Swin's index ``[N, N]`` as the non-persistent buffer ``index``. A
     1-D window keeps no index: its bias ``table[i - j + W - 1]`` is constant along each
     diagonal, read from the ``2W - 1`` rows directly (:func:`~posenc.indices.toeplitz`), so
@@ -136,9 +137,23 @@ class RelativePositionBias(nn.Module):
         ValueError: a bad window or head count.
     """
 
+    #: the window's dimension a subclass handles
+    dims: int = 0
+
+    def __new__(cls, *args: object, **kwargs: object) -> RelativePositionBias:
+        if cls is RelativePositionBias:  # pick the family from the window's dimension
+            window = window_size(args[0] if args else kwargs.get("window"))
+            cls = RelativePositionBias1D if len(window) == 1 else RelativePositionBias2D
+        return super().__new__(cls)
+
     def __init__(self, window: int | tuple[int, int], heads: int) -> None:
         super().__init__()
         self.window = window_size(window)
+        if len(self.window) != self.dims:
+            raise ValueError(
+                f"{type(self).__name__} takes a {self.dims}-D window, got window={window!r}; "
+                f"build RelativePositionBias(window, heads), which picks the class"
+            )
         self.heads = check.positive_int("heads", heads)
         self.table = nn.Parameter(torch.empty(math.prod(_table_grid(self.window)), heads))
         if len(self.window) == 2:
@@ -168,7 +183,7 @@ class RelativePositionBias(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)  # type: ignore[arg-type]
         self._build_index()
 
-    def forward(self) -> Tensor:
+    def forward(self) -> Tensor:  # type: ignore[override]
         """The dense bias ``[heads, N, N]``."""
         if len(self.window) == 1:
             width = self.window[0]
@@ -176,114 +191,6 @@ class RelativePositionBias(nn.Module):
             # = 2W - 2 - m of the table: the table's rows in reverse
             return toeplitz(self.table.flip(0).t(), width, width)  # [h, 2W-1] -> [h, W, W]
         return F.embedding(self.index, self.table).permute(2, 0, 1)  # [N, N, h] -> [h, N, N]
-
-    def _check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
-        if len(self.window) == 2:
-            for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
-                _check_range(name, pos, self.tokens, f"token indices of a {self.window} window")
-        elif check._can_inspect(q_pos) and check._can_inspect(k_pos):
-            # 1-D: only i - j matters, which must fit the table's 2W - 1 offsets within each
-            # sequence; sequences of a batch may lie far apart from each other
-            spans = torch.maximum(
-                q_pos.amax(-1) - k_pos.amin(-1), k_pos.amax(-1) - q_pos.amin(-1)
-            )  # [B'] (shared positions broadcast)
-            row = int(spans.argmax())
-            span = int(spans.flatten()[row])
-            if span >= self.window[0]:
-                where = f" in sequence {row} of the batch" if spans.numel() > 1 else ""
-                raise ValueError(
-                    f"positions are up to {span} apart{where} but this 1-D RelativePositionBias "
-                    f"has window={self.window[0]} (offsets up to {self.window[0] - 1}); build it "
-                    f"with a window of at least {span + 1} or .resize({span + 1})"
-                )
-
-    def offset_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        """The 1-D bias per offset when the positions are one consecutive run.
-
-        Returns:
-            ``[heads, n_q + n_k - 1]`` with column ``m`` the bias of offset
-            ``k_pos[0, 0] - q_pos[0, -1] + m`` (see :func:`~posenc.indices.offset_run`), so
-            that ``score_bias == toeplitz(offset_bias)``; None for a 2-D window or other
-            positions.
-
-        Raises:
-            ValueError: a position outside the table (see :meth:`score_bias`).
-        """
-        offsets = run_offsets(q_pos, k_pos) if len(self.window) == 1 else None
-        if offsets is None:
-            return None
-        self._check_positions(q_pos, k_pos)
-        return self.table[self.window[0] - 1 - offsets].t()  # [h, n_q + n_k - 1]
-
-    def grid_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        """The 2-D bias per (row offset, column offset) when queries and keys are the whole
-        window in order (``0 .. N-1``, shared by the batch): global attention over a map.
-
-        Returns:
-            ``[heads, 2Wh-1, 2Ww-1]``, entry ``[h, dr + Wh - 1, dc + Ww - 1]`` the bias of a
-            key ``dr`` rows and ``dc`` columns from its query (key minus query), so that
-            ``score_bias[0, h, i, j] = grid[h, r_j - r_i + Wh - 1, c_j - c_i + Ww - 1]``;
-            None for a 1-D window or other positions.
-        """
-        if len(self.window) != 2:
-            return None
-        if not is_whole_map(q_pos, k_pos, self.tokens):
-            return None
-        wh, ww = self.window
-        # Swin's rows are query minus key: flip both axes to index by key minus query
-        grid = self.table.view(2 * wh - 1, 2 * ww - 1, self.heads).flip(0, 1)
-        return grid.permute(2, 0, 1)  # [h, 2Wh-1, 2Ww-1]
-
-    def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """The bias for token indices ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``.
-
-        Returns:
-            ``[B', heads, n_q, n_k]``.
-
-        Raises:
-            ValueError: a token index outside the window ``[0, N)`` (2-D), or query and key
-                positions of one sequence further apart than ``W - 1`` (1-D; each sequence
-                is checked on its own).
-        """
-        values = self.offset_bias(q_pos, k_pos)
-        if values is not None:
-            # consecutive positions: one table row per offset, spread along the diagonals
-            return toeplitz(values, q_pos.shape[-1], k_pos.shape[-1]).unsqueeze(0)
-        self._check_positions(q_pos, k_pos)
-        index = window_relative_index(q_pos, k_pos, self.window)  # [B', n_q, n_k]
-        return gather_rows(self.table, index)  # [B', h, n_q, n_k]
-
-    def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
-        """``score + table[index(q, k), h]`` as a FlexAttention ``score_mod``.
-
-        Args:
-            q_pos: ``[n_q]``, ``[1, n_q]`` (shared by the batch) or ``[b, n_q]`` token indices
-                (2-D) or positions (1-D).
-            k_pos: ``[n_k]``, ``[1, n_k]`` or ``[b, n_k]``, likewise.
-
-        Returns:
-            ``score_mod(score, b, h, q_idx, kv_idx)`` for any batch size when the positions
-            are shared.
-
-        Raises:
-            ValueError: positions outside the table (see :meth:`score_bias`), positions not
-                ``[n]`` or ``[B', n]``, or batch sizes that differ.
-            TypeError: positions that are not integers.
-        """
-        q_pos, k_pos, read_q, read_k = score_mod_positions(q_pos, k_pos)
-        self._check_positions(q_pos, k_pos)
-        table, window = self.table, self.window
-
-        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            qp, kp = read_q(b, q_idx), read_k(b, kv_idx)
-            if len(window) == 1:
-                row = qp - kp + (window[0] - 1)
-            else:
-                wh, ww = window
-                row = (qp // ww - kp // ww + wh - 1) * (2 * ww - 1) + (qp % ww - kp % ww + ww - 1)
-            return score + table[row, h]
-
-        return score_mod
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention with another number of heads."""
@@ -307,6 +214,96 @@ class RelativePositionBias(nn.Module):
 
     def extra_repr(self) -> str:
         return f"window={self.window}, heads={self.heads}"
+
+
+class RelativePositionBias1D(RelativePositionBias, OffsetBias):
+    """Swin's table over a 1-D window: the bias of ``j - i`` is ``table[i - j + W - 1]``.
+
+    Any positions (shifted, per sequence) whose query and key lie within ``W - 1`` of each
+    other in every sequence; every hook comes from :class:`~posenc.families.OffsetBias`.
+    Build it as ``RelativePositionBias(W, heads)``.
+    """
+
+    dims = 1
+
+    @property
+    def reach(self) -> int:  # type: ignore[override]
+        """Offsets up to ``W - 1`` have a row (further ones are rejected)."""
+        return self.window[0] - 1
+
+    def bias(self, offsets: Tensor) -> Tensor:
+        """``table[i - j + W - 1]`` (Swin's row, query minus key) for offsets ``j - i``.
+
+        Args:
+            offsets: integer ``[*S]`` in ``[-(W-1), W-1]`` (clamped into it).
+
+        Returns:
+            ``[*S, heads]``.
+        """
+        width = self.window[0]
+        return self.table[(width - 1 - offsets).clamp(0, 2 * width - 2)]  # [*S, h]
+
+    def check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
+        """Raise when query and key positions of one sequence lie ``W`` or more apart
+        (each sequence is checked on its own: sequences of a batch may lie far apart)."""
+        if not (check._can_inspect(q_pos) and check._can_inspect(k_pos)):
+            return
+        spans = torch.maximum(
+            q_pos.amax(-1) - k_pos.amin(-1), k_pos.amax(-1) - q_pos.amin(-1)
+        )  # [B'] (shared positions broadcast)
+        row = int(spans.argmax())
+        span = int(spans.flatten()[row])
+        if span >= self.window[0]:
+            where = f" in sequence {row} of the batch" if spans.numel() > 1 else ""
+            raise ValueError(
+                f"positions are up to {span} apart{where} but this 1-D RelativePositionBias "
+                f"has window={self.window[0]} (offsets up to {self.window[0] - 1}); build it "
+                f"with a window of at least {span + 1} or .resize({span + 1})"
+            )
+
+    def grid_bias(self, q_pos: Tensor, k_pos: Tensor) -> None:
+        """None: a 1-D window has no 2-D grid (the hook of the 2-D class)."""
+        return None
+
+
+class RelativePositionBias2D(RelativePositionBias, GridBias):
+    """Swin's table over a 2-D window ``(Wh, Ww)``, for token indices of the window.
+
+    Every hook comes from :class:`~posenc.families.GridBias`; the table keeps Swin's
+    layout (query minus key), so checkpoints load as they are. Build it as
+    ``RelativePositionBias((Wh, Ww), heads)``.
+    """
+
+    dims = 2
+
+    @property
+    def size(self) -> tuple[int, int]:  # type: ignore[override]
+        """``(Wh, Ww)``: the window is the map."""
+        return self.window  # type: ignore[return-value]
+
+    def bias(self, rows: Tensor, cols: Tensor) -> Tensor:
+        """Swin's row ``(-dr + Wh - 1) * (2Ww - 1) + (-dc + Ww - 1)`` for offsets ``(dr, dc)``
+        key minus query (Swin's rows are query minus key).
+
+        Args:
+            rows: integer ``[*S]`` row offsets in ``[-(Wh-1), Wh-1]`` (clamped into it).
+            cols: integer ``[*S]`` column offsets in ``[-(Ww-1), Ww-1]`` (clamped into it).
+
+        Returns:
+            ``[*S, heads]``.
+        """
+        wh, ww = self.window
+        row = (wh - 1 - rows).clamp(0, 2 * wh - 2) * (2 * ww - 1)
+        return self.table[row + (ww - 1 - cols).clamp(0, 2 * ww - 2)]  # [*S, h]
+
+    def check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
+        """Raise unless the positions are token indices of the window, ``[0, N)``."""
+        for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
+            _check_range(name, pos, self.tokens, f"token indices of a {self.window} window")
+
+    def offset_bias(self, q_pos: Tensor, k_pos: Tensor) -> None:
+        """None: a 2-D window has no bias per 1-D offset (the hook of the 1-D class)."""
+        return None
 
 
 def load_relative_position_bias(
@@ -355,7 +352,7 @@ def load_relative_position_bias(
 # ----- T5 ------------------------------------------------------------------------------------------
 
 
-class T5RelativeBias(nn.Module):
+class T5RelativeBias(OffsetBias):
     """T5's bucketed relative position bias: ``B[h, i, j] = embedding[bucket(j - i), h]``.
 
     ``forward(q_len, k_len, offset)`` equals HF transformers'
@@ -407,10 +404,21 @@ class T5RelativeBias(nn.Module):
         """Draw the table from ``N(0, 0.02**2)``."""
         nn.init.normal_(self.embedding.weight, std=0.02)
 
-    def forward(self, q_len: int, k_len: int, offset: int = 0) -> Tensor:
-        """The dense bias ``[heads, q_len, k_len]``; queries at ``offset + arange(q_len)``."""
-        q_pos, k_pos = _lengths(q_len, k_len, offset, self.embedding.weight.device)
-        return self.score_bias(q_pos, k_pos)[0]
+    @property
+    def reach(self) -> int:  # type: ignore[override]
+        """``max_distance``: further offsets share the last bucket."""
+        return self.max_distance
+
+    def bias(self, offsets: Tensor) -> Tensor:
+        """``embedding[bucket(offset)]``: the bias of each offset ``j - i``.
+
+        Args:
+            offsets: integer ``[*S]``.
+
+        Returns:
+            ``[*S, heads]``.
+        """
+        return self.embedding(t5_bucket(offsets, **self._bucket_args()))  # [*S, h]
 
     def offset_table(self) -> Tensor:
         """The bias of each offset ``-max_distance .. max_distance``: ``[2 * max_distance + 1, h]``.
@@ -421,60 +429,7 @@ class T5RelativeBias(nn.Module):
         """
         reach = self.max_distance
         offsets = torch.arange(-reach, reach + 1, device=self.embedding.weight.device)
-        return self.embedding(t5_bucket(offsets, **self._bucket_args()))  # [2 reach + 1, h]
-
-    def offset_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        """The bias per offset when the positions are one consecutive run.
-
-        Returns:
-            ``[heads, n_q + n_k - 1]`` with column ``m`` the bias of offset
-            ``k_pos[0, 0] - q_pos[0, -1] + m`` (see :func:`~posenc.indices.offset_run`), so
-            that ``score_bias == toeplitz(offset_bias)``; None for other positions.
-        """
-        offsets = run_offsets(q_pos, k_pos)
-        if offsets is None:
-            return None
-        reach = self.max_distance
-        rows = offsets.clamp(-reach, reach) + reach  # [n_q + n_k - 1]
-        return self.offset_table()[rows].t()  # [h, n_q + n_k - 1]
-
-    def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """The bias for ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
-        values = self.offset_bias(q_pos, k_pos)
-        if values is not None:
-            # consecutive positions: one bias per offset, spread along the diagonals
-            return toeplitz(values, q_pos.shape[-1], k_pos.shape[-1]).unsqueeze(0)
-        reach = self.max_distance
-        rows = relative_distance(q_pos, k_pos).clamp(-reach, reach) + reach  # [B', n_q, n_k]
-        return gather_rows(self.offset_table(), rows)  # [B', h, n_q, n_k]
-
-    def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
-        """``score + embedding[bucket(k - q), h]`` as a FlexAttention ``score_mod``.
-
-        Args:
-            q_pos: ``[n_q]``, ``[1, n_q]`` (shared by the batch) or ``[b, n_q]`` positions.
-            k_pos: ``[n_k]``, ``[1, n_k]`` or ``[b, n_k]`` positions.
-
-        Returns:
-            ``score_mod(score, b, h, q_idx, kv_idx)`` for any batch size when the positions
-            are shared.
-
-        Raises:
-            ValueError: positions not ``[n]`` or ``[B', n]``, or batch sizes that differ.
-            TypeError: positions that are not integers.
-        """
-        _, _, read_q, read_k = score_mod_positions(q_pos, k_pos)
-        weight, args = self.embedding.weight, self._bucket_args()
-
-        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            bucket = t5_bucket(read_k(b, kv_idx) - read_q(b, q_idx), **args)
-            return score + weight[bucket, h]
-
-        return score_mod
-
-    def validate_attention(self, heads: int, head_dim: int) -> None:
-        """Reject an attention with another number of heads."""
-        _check_heads("T5RelativeBias", self.heads, heads)
+        return self.bias(offsets)  # [2 reach + 1, h]
 
     def extra_repr(self) -> str:
         return (
@@ -514,17 +469,7 @@ def alibi_slopes(heads: int, *, device: torch.device | str | None = None) -> Ten
     return torch.tensor(slopes, dtype=torch.float64, device=device).float()
 
 
-def _lengths(q_len: int, k_len: int, offset: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    for name, value in (("q_len", q_len), ("k_len", k_len), ("offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    q_pos = torch.arange(q_len, device=device)[None] + offset  # [1, q_len]
-    return q_pos, torch.arange(k_len, device=device)[None]  # [1, k_len]
-
-
-class ALiBi(nn.Module):
+class ALiBi(OffsetBias):
     """Attention with linear biases: ``B[h, i, j] = -slope_h * |j - i|``.
 
     Press et al. 2022. Below the diagonal this is the paper's causal bias
@@ -537,6 +482,8 @@ class ALiBi(nn.Module):
         heads: number of heads.
     """
 
+    tabulate = False  # a product per pair costs no more than reading a table
+
     def __init__(self, heads: int) -> None:
         super().__init__()
         self.heads = check.positive_int("heads", heads)
@@ -545,60 +492,19 @@ class ALiBi(nn.Module):
         """``[heads]`` float32 slopes."""
         return alibi_slopes(self.heads, device=device)
 
-    def forward(self, q_len: int, k_len: int, offset: int = 0) -> Tensor:
-        """The dense bias ``[heads, q_len, k_len]``; queries at ``offset + arange(q_len)``."""
-        q_pos, k_pos = _lengths(q_len, k_len, offset, torch.device("cpu"))
-        return self.score_bias(q_pos, k_pos)[0]
-
-    def offset_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        """``-slope_h * |offset|`` per offset when the positions are one consecutive run.
-
-        Returns:
-            ``[heads, n_q + n_k - 1]`` with column ``m`` the bias of offset
-            ``k_pos[0, 0] - q_pos[0, -1] + m`` (see :func:`~posenc.indices.offset_run`), so
-            that ``score_bias == toeplitz(offset_bias)``; None for other positions.
-        """
-        offsets = run_offsets(q_pos, k_pos)
-        if offsets is None:
-            return None
-        return -self.slopes(q_pos.device)[:, None] * offsets.abs().float()  # [h, n_q + n_k - 1]
-
-    def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """``-slope_h * |k - q|`` for ``q_pos [B', n_q]``, ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
-        values = self.offset_bias(q_pos, k_pos)
-        if values is not None:
-            # consecutive positions: one bias per offset, spread along the diagonals
-            return toeplitz(values, q_pos.shape[-1], k_pos.shape[-1]).unsqueeze(0)
-        distance = relative_distance(q_pos, k_pos).abs().float()  # [B', n_q, n_k]
-        return -self.slopes(q_pos.device)[:, None, None] * distance[:, None]
-
-    def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
-        """``score - slope_h * |k - q|`` as a FlexAttention ``score_mod``.
+    def bias(self, offsets: Tensor) -> Tensor:
+        """``-slope_h * |offset|`` for each offset ``j - i``, float32.
 
         Args:
-            q_pos: ``[n_q]``, ``[1, n_q]`` (shared by the batch) or ``[b, n_q]`` positions.
-            k_pos: ``[n_k]``, ``[1, n_k]`` or ``[b, n_k]`` positions.
+            offsets: integer ``[*S]``.
 
         Returns:
-            ``score_mod(score, b, h, q_idx, kv_idx)`` for any batch size when the positions
-            are shared.
-
-        Raises:
-            ValueError: positions not ``[n]`` or ``[B', n]``, or batch sizes that differ.
-            TypeError: positions that are not integers.
+            ``[*S, heads]`` float32.
         """
-        q_pos, _, read_q, read_k = score_mod_positions(q_pos, k_pos)
-        slopes = self.slopes(q_pos.device)
-
-        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            distance = (read_k(b, kv_idx) - read_q(b, q_idx)).abs()
-            return score - slopes[h] * distance
-
-        return score_mod
-
-    def validate_attention(self, heads: int, head_dim: int) -> None:
-        """Reject an attention with another number of heads."""
-        _check_heads("ALiBi", self.heads, heads)
+        slopes = self.slopes(offsets.device).view(-1, *[1] * offsets.ndim)  # [h, 1, ...]
+        # each head's biases contiguous in memory (as the dense [B', h, n_q, n_k] bias
+        # wants them), heads last in the family's layout: [h, *S] -> [*S, h] (a view)
+        return (-slopes * offsets.abs().float()).movedim(0, -1)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}"

@@ -11,6 +11,12 @@ Scaling: every term here is part of the logits. On its own, ``forward`` returns 
 to add to ``q k^T`` unscaled; inside :class:`~posenc.MultiHeadAttention` it is divided by
 ``sqrt(head_dim)`` together with ``q k^T`` (the attention does that, not the scheme).
 
+The relative classes write one primitive each, the embedding of an offset
+(:class:`~posenc.families.OffsetTerm`) or of a row and a column offset
+(:class:`~posenc.families.GridTerm`), from which the family derives the hooks
+``score_term`` and ``offset_term`` / ``grid_term`` (the forms the lean engine's fast
+paths read).
+
 Shape legend: ``b`` batch, ``h`` heads, ``n`` sequence length (``n_q`` queries, ``n_k``
 keys), ``d`` head dim, ``B'`` the batch of the positions (1 when shared, else ``b``),
 ``L`` ``max_len``, ``H, W`` feature-map height and width (``n = H * W`` tokens, row-major).
@@ -25,15 +31,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _validate as check
-from .absolute import _size2d
 from .bias import resize_relative_position_table
-from .indices import (
-    is_whole_map,
-    offset_run,
-    relative_distance,
-    relative_to_absolute,
-    skew_rows,
+from .families import (
+    GridTerm,
+    OffsetTerm,
+    check_queries,
+    hook_positions,
+    map_size,
+    offset_term_logits,
+    relative_query_term_2d,
+    table_logits,
 )
+from .indices import relative_to_absolute
 
 __all__ = [
     "AbsoluteQueryEmbedding",
@@ -44,58 +53,12 @@ __all__ = [
     "relative_query_logits_2d",
     "relative_query_term",
     "relative_query_term_2d",
+    "relative_rows",
     "resize_relative_rows",
 ]
 
 
 # ----- input checks -----------------------------------------------------------------------
-
-
-def _check_q(q: object, head_dim: int, name: str = "q") -> Tensor:
-    """``q`` must be a float ``[b, h, n, d]`` tensor with ``d == head_dim``."""
-    check.floating(name, q)
-    if q.ndim != 4:  # type: ignore[union-attr]
-        raise ValueError(
-            f"{name} must have shape [b, h, n, d] (split the heads first), got shape "
-            f"{tuple(q.shape)}"  # type: ignore[union-attr]
-        )
-    check.last_dim(name, q, head_dim, what="head_dim")  # type: ignore[arg-type]
-    return q  # type: ignore[return-value]
-
-
-def _check_pos(name: str, pos: object, n: int, batch: int) -> Tensor:
-    """A hook's positions: integer ``[n]`` or ``[B', n]`` with ``B'`` in ``{1, b}``."""
-    check.tensor(name, pos)
-    p: Tensor = pos  # type: ignore[assignment]
-    if p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
-        raise TypeError(
-            f"{name} must be an integer tensor of positions, got dtype {p.dtype}; pass "
-            f"{name}.long() if the values are whole numbers"
-        )
-    if p.ndim == 1:
-        p = p.unsqueeze(0)  # [n] -> [1, n]
-    if p.ndim != 2 or p.shape[-1] != n or p.shape[0] not in (1, batch):
-        raise ValueError(
-            f"{name} must have shape [{n}] or [1 or {batch}, {n}] (one position per token, "
-            f"shared by the batch or per row), got shape {tuple(pos.shape)}"  # type: ignore[union-attr]
-        )
-    return p.long()
-
-
-def _hook_positions(x: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
-    """Check the positions a hook receives against ``x [b, h, n_q, *]``.
-
-    For a score term ``x`` is ``q [b, h, n_q, d]`` and ``k_pos`` may have any length;
-    for a value term ``x`` is the weights ``[b, h, n_q, n_k]`` and ``k_pos`` must cover
-    ``n_k`` (checked by the caller).
-
-    Returns:
-        ``(q_pos [B', n_q], k_pos [B', n_k])`` int64.
-    """
-    q_pos = _check_pos("q_pos", q_pos, x.shape[-2], x.shape[0])
-    check.tensor("k_pos", k_pos)
-    k_pos = _check_pos("k_pos", k_pos, k_pos.shape[-1], x.shape[0])
-    return q_pos, k_pos
 
 
 def _check_range(name: str, pos: Tensor, low: int, high: int, fix: str) -> Tensor:
@@ -129,40 +92,6 @@ def _check_offsets(q_pos: Tensor, k_pos: Tensor, max_len: int, scheme: str) -> N
             f"for offsets -{max_len - 1}..{max_len - 1} (max_len={max_len}); build {scheme} "
             f"with max_len >= {max(largest, -smallest) + 1}"
         )
-
-
-def _gather(logits: Tensor, index: Tensor) -> Tensor:
-    """``logits[b, h, i, index[b', i, j]]``: ``[b, h, n_q, R]`` by ``[B', n_q, n_k]``.
-
-    Returns:
-        ``[b, h, n_q, n_k]``.
-    """
-    b, h, n_q, _ = logits.shape
-    # [B', n_q, n_k] -> [b, h, n_q, n_k] (a view: no copy)
-    index = index.unsqueeze(1).expand(b, h, n_q, index.shape[-1])
-    return logits.gather(-1, index)
-
-
-def _table_logits(q: Tensor, table: Tensor) -> Tensor:
-    """``q @ table^T`` for a shared ``[R, d]`` or per-head ``[h, R, d]`` table.
-
-    Args:
-        q: ``[b, h, ..., d]`` (extra dims between ``h`` and ``d`` allowed, e.g. 2-D maps).
-        table: ``[R, d]`` or ``[h, R, d]``.
-
-    Returns:
-        ``[b, h, ..., R]`` in ``q``'s dtype.
-    """
-    table_t = table.to(q.dtype).transpose(-2, -1)  # [d, R] or [h, d, R]
-    if table.ndim == 3:
-        if table.shape[0] != q.shape[1]:
-            raise ValueError(
-                f"the per-head table has {table.shape[0]} heads but q has {q.shape[1]} heads "
-                f"(q shape {tuple(q.shape)}); build the scheme with heads={q.shape[1]}"
-            )
-        extra = (1,) * (q.ndim - 4)  # the dims between h and the last two of q
-        table_t = table_t.reshape(table.shape[0], *extra, *table_t.shape[-2:])  # [h, 1.., d, R]
-    return q @ table_t  # [b, h, ..., R]
 
 
 def _heads(heads: object) -> int | None:
@@ -222,14 +151,31 @@ def relative_query_logits(q: Tensor, weight: Tensor) -> Tensor:
     n = q.shape[-2]
     length = (weight.shape[-2] + 1) // 2
     rows = weight[..., length - n : length + n - 1, :]  # [(h,) 2n-1, d]: offsets -(n-1)..n-1
-    return relative_to_absolute(_table_logits(q, rows))  # [b, h, n, 2n-1] -> [b, h, n, n]
+    return relative_to_absolute(table_logits(q, rows))  # [b, h, n, 2n-1] -> [b, h, n, n]
+
+
+def relative_rows(weight: Tensor, offsets: Tensor) -> Tensor:
+    """The rows of a table of offsets ``-(L-1) .. L-1`` for offsets ``j - i``.
+
+    Args:
+        weight: ``[2L-1, d]`` (shared) or ``[h, 2L-1, d]`` (per head), row ``j - i + L - 1``.
+        offsets: integer ``[*S]``; beyond ``+-(L-1)`` they read the first or last row.
+
+    Returns:
+        ``[*S, d]`` or ``[h, *S, d]``.
+    """
+    length = (weight.shape[-2] + 1) // 2
+    return weight[..., offsets.clamp(1 - length, length - 1) + (length - 1), :]
 
 
 def relative_query_term(q: Tensor, weight: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     """``q_i . weight[k_pos_j - q_pos_i + L - 1]`` for any positions.
 
-    ``q @ weight^T`` (``[b, h, n_q, 2L-1]``, one logit per offset) gathered by the offset
-    of each pair: memory ``O(n_q (2L + n_k))``, never ``[n_q, n_k, d]``.
+    A run of consecutive positions: ``q`` against the rows of the offsets it meets, then
+    the skew. Others: ``q @ weight^T`` over the offsets the positions meet (``[b, h, n_q,
+    <= 2L-1]``, one logit per offset) gathered by the offset of each pair: memory
+    ``O(n_q (2L + n_k))``, never ``[n_q, n_k, d]`` (see
+    :func:`~posenc.families.offset_term_logits`).
 
     Args:
         q: ``[b, h, n_q, d]``.
@@ -243,54 +189,9 @@ def relative_query_term(q: Tensor, weight: Tensor, q_pos: Tensor, k_pos: Tensor)
         ``[b, h, n_q, n_k]``.
     """
     length = (weight.shape[-2] + 1) // 2
-    first = offset_run(q_pos, k_pos)
-    n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
-    if first is not None and -length < first and first + n_q + n_k - 2 < length:
-        # consecutive positions: the rows of offsets first .. first + n_q + n_k - 2, then
-        # the skew (a view) instead of a gather
-        used = weight[..., first + length - 1 : first + length - 1 + n_q + n_k - 1, :]
-        return skew_rows(_table_logits(q, used), n_k)  # [b, h, n_q, n_q + n_k - 1] -> [.., n_k]
-    rows = relative_distance(q_pos, k_pos) + (length - 1)  # [B', n_q, n_k]
-    rows = rows.clamp(0, 2 * length - 2)  # offsets beyond L-1 share the last row
-    if rows.device.type == "cpu" and check._can_inspect(rows):
-        # only the offsets these positions meet: a block of queries of the lean engine
-        # meets n_k + rows - 1 of the 2L - 1, about half of them (on CPU only: reading the
-        # range is a device sync elsewhere)
-        first, last = int(rows.min()), int(rows.max())
-        weight = weight[..., first : last + 1, :]  # [(h,) used offsets, d]
-        rows = rows - first
-    return _gather(_table_logits(q, weight), rows)
-
-
-def relative_query_term_2d(
-    q: Tensor,
-    height: Tensor,
-    width: Tensor,
-    size: tuple[int, int],
-    q_pos: Tensor,
-    k_pos: Tensor,
-) -> Tensor:
-    """``q_i . (height[r_j - r_i + H - 1] + width[c_j - c_i + W - 1])`` for flat token indices.
-
-    A token index ``p`` is the cell ``(r, c) = (p // W, p % W)`` of a row-major ``H x W``
-    map. Each axis is gathered on its own: ``q @ height^T`` by the row offset plus
-    ``q @ width^T`` by the column offset.
-
-    Args:
-        q: ``[b, h, n_q, d]``.
-        height: ``[2H-1, d]`` or ``[h, 2H-1, d]``.
-        width: ``[2W-1, d]`` or ``[h, 2W-1, d]``.
-        size: ``(H, W)``.
-        q_pos: ``[B', n_q]`` int64 token indices in ``[0, H*W)``.
-        k_pos: ``[B', n_k]`` int64 token indices in ``[0, H*W)``.
-
-    Returns:
-        ``[b, h, n_q, n_k]``.
-    """
-    rows, cols = size
-    dr = relative_distance(q_pos // cols, k_pos // cols) + (rows - 1)  # [B', n_q, n_k]
-    dc = relative_distance(q_pos % cols, k_pos % cols) + (cols - 1)  # [B', n_q, n_k]
-    return _gather(_table_logits(q, height), dr) + _gather(_table_logits(q, width), dc)
+    return offset_term_logits(
+        q, lambda offsets: relative_rows(weight, offsets), q_pos, k_pos, reach=length - 1
+    )
 
 
 def relative_query_logits_2d(
@@ -316,10 +217,10 @@ def relative_query_logits_2d(
     rows, cols = size
     b, h, n, d = q.shape
     grid = q.reshape(b, h, rows, cols, d)  # [b, h, HW, d] -> [b, h, H, W, d]
-    width_term = _table_logits(grid, width)  # [b, h, H, W, 2W-1]
+    width_term = table_logits(grid, width)  # [b, h, H, W, 2W-1]
     width_term = relative_to_absolute(width_term)  # [b, h, H, W, W]: key column
     by_col = grid.transpose(2, 3)  # [b, h, W, H, d]
-    height_term = _table_logits(by_col, height)  # [b, h, W, H, 2H-1]
+    height_term = table_logits(by_col, height)  # [b, h, W, H, 2H-1]
     height_term = relative_to_absolute(height_term)  # [b, h, W, H, H]: key row
     # back to token order: [b, h, H (query row), W (query col), H (key row)]
     height_term = height_term.transpose(2, 3)
@@ -413,7 +314,7 @@ class AbsoluteQueryEmbedding(nn.Module):
         Raises:
             ValueError: ``n > max_len``, or ``q`` is not ``[b, h, n, head_dim]``.
         """
-        q = _check_q(q, self.head_dim)
+        q = check_queries(q, self.head_dim)
         n = q.shape[-2]
         if n > self.max_len:
             raise ValueError(
@@ -437,7 +338,7 @@ class AbsoluteQueryEmbedding(nn.Module):
             ValueError: a key position outside ``[0, max_len)`` (checked when the values
                 can be read; under ``torch.compile`` they are clamped into the table).
         """
-        q = _check_q(q, self.head_dim)
+        q = check_queries(q, self.head_dim)
         return absolute_query_term(q, self.weight, self._key_positions(q, q_pos, k_pos))
 
     def key_shift(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
@@ -457,12 +358,12 @@ class AbsoluteQueryEmbedding(nn.Module):
         Raises:
             ValueError: as :meth:`score_term`.
         """
-        q = _check_q(q, self.head_dim)
+        q = check_queries(q, self.head_dim)
         k_pos = self._key_positions(q, q_pos, k_pos)
         return F.embedding(k_pos, self.weight).to(q.dtype).unsqueeze(1)  # [B', 1, n_k, d]
 
     def _key_positions(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        _, k_pos = _hook_positions(q, q_pos, k_pos)
+        _, k_pos = hook_positions(q, q_pos, k_pos)
         return _check_range(
             "k_pos",
             k_pos,
@@ -479,7 +380,7 @@ class AbsoluteQueryEmbedding(nn.Module):
         return f"max_len={self.max_len}, head_dim={self.head_dim}"
 
 
-class RelativeQueryEmbedding(nn.Module):
+class RelativeQueryEmbedding(OffsetTerm):
     """``s_ij += q_i . R_(j - i)``: the query against a learned embedding of the offset.
 
     Shaw et al. 2018's key term without clipping, computed with the skew of Huang et al.
@@ -515,8 +416,9 @@ class RelativeQueryEmbedding(nn.Module):
         """Draw the table from ``N(0, 1/head_dim)``."""
         nn.init.normal_(self.weight, std=self.head_dim**-0.5)
 
-    def _check(self, q: object) -> Tensor:
-        q = _check_q(q, self.head_dim)
+    def check_queries(self, q: object) -> Tensor:
+        """``q`` must be ``[b, h, n, head_dim]`` float, with ``h == heads`` per head."""
+        q = check_queries(q, self.head_dim)
         if self.heads is not None and q.shape[1] != self.heads:
             raise ValueError(
                 f"q has {q.shape[1]} heads but this RelativeQueryEmbedding has a per-head "
@@ -537,7 +439,7 @@ class RelativeQueryEmbedding(nn.Module):
             ValueError: ``n > max_len``, wrong head dim, or wrong number of heads for a
                 per-head table.
         """
-        q = self._check(q)
+        q = self.check_queries(q)
         n = q.shape[-2]
         if n > self.max_len:
             raise ValueError(
@@ -546,44 +448,27 @@ class RelativeQueryEmbedding(nn.Module):
             )
         return relative_query_logits(q, self.weight)
 
-    def score_term(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """The hook (place 4): ``q_i . weight[k_pos_j - q_pos_i + L - 1]``.
+    @property
+    def reach(self) -> int:  # type: ignore[override]
+        """Offsets up to ``max_len - 1`` have a row (further ones are rejected)."""
+        return self.max_len - 1
+
+    def rows(self, offsets: Tensor) -> Tensor:
+        """``weight[j - i + L - 1]``: the embedding of each offset (the family's primitive;
+        :class:`~posenc.families.OffsetTerm` derives ``score_term`` and ``offset_term``).
 
         Args:
-            q: ``[b, h, n_q, d]``.
-            q_pos: ``[B', n_q]`` query positions (any integers).
-            k_pos: ``[B', n_k]`` key positions, within ``max_len - 1`` of every query.
+            offsets: integer ``[*S]`` in ``[-(L-1), L-1]`` (clamped into it).
 
         Returns:
-            ``[b, h, n_q, n_k]``.
-
-        Raises:
-            ValueError: an offset ``|j - i| >= max_len`` (checked when the values can be
-                read; under ``torch.compile`` offsets are clamped to the last row).
+            ``[*S, head_dim]`` (shared table) or ``[heads, *S, head_dim]``.
         """
-        q = self._check(q)
-        q_pos, k_pos = _hook_positions(q, q_pos, k_pos)
+        return relative_rows(self.weight, offsets)
+
+    def check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
+        """Raise for an offset ``|j - i| >= max_len`` (checked when the values can be read;
+        under ``torch.compile`` offsets are clamped to the last row)."""
         _check_offsets(q_pos, k_pos, self.max_len, "RelativeQueryEmbedding")
-        return relative_query_term(q, self.weight, q_pos, k_pos)
-
-    def offset_term(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        """The table rows the term uses when the positions are one consecutive run.
-
-        Returns:
-            ``[(heads,) n_q + n_k - 1, head_dim]``: row ``m`` embeds offset
-            ``k_pos[0, 0] - q_pos[0, -1] + m`` (see :func:`~posenc.indices.offset_run`), so
-            that ``score_term(q) == skew_rows(q @ rows^T, n_k)``; None for other positions
-            (the lean engine then takes :meth:`score_term`).
-
-        Raises:
-            ValueError: an offset ``|j - i| >= max_len``.
-        """
-        first = offset_run(q_pos, k_pos)
-        if first is None:
-            return None
-        _check_offsets(q_pos, k_pos, self.max_len, "RelativeQueryEmbedding")
-        start = first + self.max_len - 1
-        return self.weight[..., start : start + q_pos.shape[-1] + k_pos.shape[-1] - 1, :]
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention with another head dim (or heads, for a per-head table)."""
@@ -593,7 +478,7 @@ class RelativeQueryEmbedding(nn.Module):
         return f"max_len={self.max_len}, head_dim={self.head_dim}, heads={self.heads}"
 
 
-class RelativeQueryEmbedding2D(nn.Module):
+class RelativeQueryEmbedding2D(GridTerm):
     """``s_ij += q_i . (height[r_j - r_i + H - 1] + width[c_j - c_i + W - 1])`` on an H x W map.
 
     The 2-D relative position embedding of SASA (Ramachandran et al. 2019) and BoTNet
@@ -618,7 +503,7 @@ class RelativeQueryEmbedding2D(nn.Module):
 
     def __init__(self, size: tuple[int, int], head_dim: int, *, heads: int | None = None) -> None:
         super().__init__()
-        self.size = _size2d(size)
+        self.size = map_size(size)
         self.head_dim = check.positive_int("head_dim", head_dim)
         self.heads = _heads(heads)
         lead = () if self.heads is None else (self.heads,)
@@ -632,8 +517,9 @@ class RelativeQueryEmbedding2D(nn.Module):
         nn.init.normal_(self.height, std=self.head_dim**-0.5)
         nn.init.normal_(self.width, std=self.head_dim**-0.5)
 
-    def _check(self, q: object) -> Tensor:
-        q = _check_q(q, self.head_dim)
+    def check_queries(self, q: object) -> Tensor:
+        """``q`` must be ``[b, h, n, head_dim]`` float, with ``h == heads`` per head."""
+        q = check_queries(q, self.head_dim)
         if self.heads is not None and q.shape[1] != self.heads:
             raise ValueError(
                 f"q has {q.shape[1]} heads but this RelativeQueryEmbedding2D has per-head "
@@ -653,7 +539,7 @@ class RelativeQueryEmbedding2D(nn.Module):
         Raises:
             ValueError: ``n != H * W``, wrong head dim or number of heads.
         """
-        q = self._check(q)
+        q = self.check_queries(q)
         rows, cols = self.size
         if q.shape[-2] != rows * cols:
             raise ValueError(
@@ -663,31 +549,30 @@ class RelativeQueryEmbedding2D(nn.Module):
             )
         return relative_query_logits_2d(q, self.height, self.width, self.size)
 
-    def score_term(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """The hook (place 4) for flat token indices (any subset, any order).
+    def axis_rows(self, axis: int, offsets: Tensor) -> Tensor:
+        """``height[dr + H - 1]`` (axis 0) or ``width[dc + W - 1]`` (axis 1): the family's
+        primitive (:class:`~posenc.families.GridTerm` derives ``score_term`` and
+        ``grid_term``).
 
         Args:
-            q: ``[b, h, n_q, d]``.
-            q_pos: ``[B', n_q]`` token indices in ``[0, H*W)``.
-            k_pos: ``[B', n_k]`` token indices in ``[0, H*W)``.
+            axis: 0 for row offsets, 1 for column offsets.
+            offsets: integer ``[*S]`` in ``[-(H-1), H-1]`` or ``[-(W-1), W-1]`` (clamped).
 
         Returns:
-            ``[b, h, n_q, n_k]``.
-
-        Raises:
-            ValueError: an index outside ``[0, H*W)`` (checked when the values can be read;
-                under ``torch.compile`` indices are clamped into the map).
+            ``[*S, head_dim]`` (shared tables) or ``[heads, *S, head_dim]``.
         """
-        q = self._check(q)
-        q_pos, k_pos = _hook_positions(q, q_pos, k_pos)
+        return relative_rows(self.width if axis else self.height, offsets)
+
+    def check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
+        """Raise for an index outside ``[0, H*W)`` (checked when the values can be read;
+        under ``torch.compile`` indices are clamped into the map)."""
         cells = math.prod(self.size)
         fix = (
             f"positions are row-major token indices of the {self.size[0]}x{self.size[1]} map; "
             f"build RelativeQueryEmbedding2D with the feature map's size"
         )
-        q_pos = _check_range("q_pos", q_pos, 0, cells, fix)
-        k_pos = _check_range("k_pos", k_pos, 0, cells, fix)
-        return relative_query_term_2d(q, self.height, self.width, self.size, q_pos, k_pos)
+        _check_range("q_pos", q_pos, 0, cells, fix)
+        _check_range("k_pos", k_pos, 0, cells, fix)
 
     @torch.no_grad()
     def resize(self, new_size: tuple[int, int]) -> RelativeQueryEmbedding2D:
@@ -711,25 +596,13 @@ class RelativeQueryEmbedding2D(nn.Module):
             ValueError: ``new_size`` is not a pair of ints >= 1.
             TypeError: an entry of ``new_size`` is not an int.
         """
-        new = _size2d(new_size, "new_size")
+        new = map_size(new_size, "new_size")
         for name, new_len in zip(("height", "width"), new, strict=True):
             table: nn.Parameter = getattr(self, name)
             resized = resize_relative_rows(table.detach(), new_len)
             setattr(self, name, nn.Parameter(resized, requires_grad=table.requires_grad))
         self.size = new
         return self
-
-    def grid_term(self, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor] | None:
-        """The two tables when queries and keys are the whole map in order (``0 .. H*W-1``,
-        shared by the batch): then the lean engine builds the term a few map rows at a time.
-
-        Returns:
-            ``(height [(h,) 2H-1, d], width [(h,) 2W-1, d])``, row ``dr + H - 1`` and
-            ``dc + W - 1`` for a key ``dr`` rows and ``dc`` columns from its query; None for
-            other positions (the engine then takes :meth:`score_term`).
-        """
-        cells = math.prod(self.size)
-        return (self.height, self.width) if is_whole_map(q_pos, k_pos, cells) else None
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention with another head dim (or heads, for per-head tables)."""

@@ -26,7 +26,9 @@ from . import _validate as check
 __all__ = [
     "clipped_distance",
     "diagonal_sums",
+    "gather_logits",
     "gather_rows",
+    "grid_offset_index",
     "is_whole_map",
     "offset_run",
     "positions_from_documents",
@@ -106,6 +108,49 @@ def gather_rows(table: Tensor, index: Tensor) -> Tensor:
         ``[B', h, n_q, n_k]``.
     """
     return _GatherRows.apply(table, index)
+
+
+def gather_logits(logits: Tensor, index: Tensor) -> Tensor:
+    """A logit per pair read from one logit per table row: ``logits[b, h, i, index[b', i, j]]``.
+
+    A query term ``q_i . r_(i,j)`` with ``r`` drawn from a table of ``R`` rows is
+    ``q @ table^T`` (``[b, h, n_q, R]``, one logit per row) read at each pair's row: no
+    ``[n_q, n_k, d]`` tensor.
+
+    Args:
+        logits: ``[b, h, n_q, R]``.
+        index: ``[B', n_q, n_k]`` int64 rows in ``[0, R)`` (``B'`` 1 or ``b``).
+
+    Returns:
+        ``[b, h, n_q, n_k]``.
+    """
+    b, h, n_q, _ = logits.shape
+    # [B', n_q, n_k] -> [b, h, n_q, n_k] (a view: no copy)
+    index = index.unsqueeze(1).expand(b, h, n_q, index.shape[-1])
+    return logits.gather(-1, index)
+
+
+def grid_offset_index(q_pos: Tensor, k_pos: Tensor, size: tuple[int, int]) -> Tensor:
+    """The row of a 2-D offset grid for every pair of token indices, key minus query.
+
+    Token ``p`` of a row-major ``H x W`` map is the cell ``(p // W, p % W)``; the pair
+    ``(i, j)`` has the offset ``(dr, dc) = (r_j - r_i, c_j - c_i)`` and the row
+    ``(dr + H - 1) * (2W - 1) + (dc + W - 1)`` of a ``[2H-1, 2W-1]`` grid flattened
+    row-major. (Swin's :func:`window_relative_index` is the same grid read backwards:
+    query minus key.)
+
+    Args:
+        q_pos: ``[..., n_q]`` token indices in ``[0, H*W)``.
+        k_pos: ``[..., n_k]`` token indices in ``[0, H*W)``.
+        size: ``(H, W)``.
+
+    Returns:
+        ``[..., n_q, n_k]`` int64 in ``[0, (2H-1)(2W-1))``.
+    """
+    height, width = size
+    dr = relative_distance(q_pos // width, k_pos // width)  # [..., n_q, n_k]
+    dc = relative_distance(q_pos % width, k_pos % width)  # [..., n_q, n_k]
+    return (dr + height - 1) * (2 * width - 1) + (dc + width - 1)
 
 
 def offset_run(q_pos: Tensor, k_pos: Tensor) -> int | None:

@@ -37,11 +37,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _validate as check
-from .embedding import _check_q, _gather, _hook_positions
-from .indices import clipped_distance, run_offsets
+from .families import OffsetTerm, check_queries, hook_positions
+from .indices import clipped_distance, gather_logits
 
 __all__ = [
     "ShawRelativePosition",
+    "clipped_rows",
     "shaw_attention",
     "shaw_key_term",
     "shaw_key_term_literal",
@@ -53,6 +54,20 @@ __all__ = [
 def _max_distance(table: Tensor) -> int:
     """``k`` of a ``[2k+1, d]`` table."""
     return (table.shape[-2] - 1) // 2
+
+
+def clipped_rows(table: Tensor, offsets: Tensor) -> Tensor:
+    """Shaw's vector of each offset: ``table[clip(offset, -k, k) + k]``.
+
+    Args:
+        table: ``[2k+1, d]``, ``w^K`` or ``w^V``.
+        offsets: integer ``[*S]``, ``j - i``.
+
+    Returns:
+        ``[*S, d]``.
+    """
+    k = _max_distance(table)
+    return table[offsets.clamp(-k, k) + k]
 
 
 def _check_table(name: str, table: object) -> Tensor:
@@ -73,7 +88,7 @@ def _check_weights(weights: object, q_pos: Tensor, k_pos: Tensor) -> tuple[Tenso
             f"weights must be the attention probabilities [b, h, n_q, n_k], got shape "
             f"{tuple(weights.shape)}"  # type: ignore[union-attr]
         )
-    q_pos, k_pos = _hook_positions(weights, q_pos, k_pos)  # type: ignore[arg-type]
+    q_pos, k_pos = hook_positions(weights, q_pos, k_pos)  # type: ignore[arg-type]
     if k_pos.shape[-1] != weights.shape[-1]:  # type: ignore[union-attr]
         raise ValueError(
             f"k_pos must have one position per key: weights have n_k={weights.shape[-1]} "  # type: ignore[union-attr]
@@ -153,7 +168,7 @@ def shaw_key_term(q: Tensor, keys: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tens
     """
     rows = clipped_distance(q_pos, k_pos, _max_distance(keys))  # [B', n_q, n_k]
     logits = q @ keys.to(q.dtype).transpose(-2, -1)  # [b, h, n_q, d] @ [d, 2k+1]
-    return _gather(logits, rows)  # [b, h, n_q, n_k]
+    return gather_logits(logits, rows)  # [b, h, n_q, n_k]
 
 
 def shaw_value_term(weights: Tensor, values: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
@@ -219,7 +234,7 @@ def shaw_attention(
     return out
 
 
-class ShawRelativePosition(nn.Module):
+class ShawRelativePosition(OffsetTerm):
     """Relative position representations in keys and values (Shaw et al. 2018).
 
     Parameters ``keys`` and ``values`` (``w^K`` and ``w^V`` of the paper), each
@@ -276,25 +291,39 @@ class ShawRelativePosition(nn.Module):
 
     # ----- hooks ------------------------------------------------------------------------
 
-    def score_term(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """The key hook (lean): ``q_i . a^K_ij``, ``[b, h, n_q, n_k]``.
+    @property
+    def reach(self) -> int:  # type: ignore[override]
+        """``k``: offsets beyond it share the edge rows."""
+        return self.max_distance
+
+    def rows(self, offsets: Tensor) -> Tensor:
+        """``a^K`` of each offset, ``w^K[clip(j - i, -k, k) + k]``: the family's primitive
+        (:class:`~posenc.families.OffsetTerm` derives the key hook ``score_term``, lean,
+        and ``offset_term``).
 
         Args:
-            q: ``[b, h, n_q, d]``.
-            q_pos: ``[B', n_q]`` query positions (any integers).
-            k_pos: ``[B', n_k]`` key positions (any integers).
+            offsets: integer ``[*S]``.
 
         Returns:
-            ``[b, h, n_q, n_k]`` (the attention scales it with ``q k^T``).
+            ``[*S, head_dim]``.
         """
-        q = _check_q(q, self.head_dim)
-        q_pos, k_pos = _hook_positions(q, q_pos, k_pos)
-        return shaw_key_term(q, self.keys, q_pos, k_pos)
+        return clipped_rows(self.keys, offsets)
+
+    def value_rows(self, offsets: Tensor) -> Tensor:
+        """``a^V`` of each offset, ``w^V[clip(j - i, -k, k) + k]`` (``values=True`` only).
+
+        Args:
+            offsets: integer ``[*S]``.
+
+        Returns:
+            ``[*S, head_dim]``.
+        """
+        return clipped_rows(self.values, offsets)
 
     def reference_score_term(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """The key hook, literal (``a^K [n_q, n_k, d]``), for ``backend="math"``."""
-        q = _check_q(q, self.head_dim)
-        q_pos, k_pos = _hook_positions(q, q_pos, k_pos)
+        q = check_queries(q, self.head_dim)
+        q_pos, k_pos = hook_positions(q, q_pos, k_pos)
         return shaw_key_term_literal(q, self.keys, q_pos, k_pos)
 
     def _value_term(self, weights: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
@@ -330,35 +359,16 @@ class ShawRelativePosition(nn.Module):
             raise AttributeError("reference_value_term: built with values=False")
         return self._reference_value_term
 
-    def _offset_index(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        offsets = run_offsets(q_pos, k_pos)
-        if offsets is None:
-            return None
-        k = self.max_distance
-        return offsets.to(self.keys.device).clamp(-k, k) + k  # [n_q + n_k - 1] rows of the tables
-
-    def offset_term(self, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor] | None:
-        """``a^K`` per offset when the positions are one consecutive run (lean engine).
-
-        Returns:
-            ``(w^K [2k+1, head_dim], index [n_q + n_k - 1])``: offset
-            ``first + m`` (``first = k_pos[0, 0] - q_pos[0, -1]``) has the row
-            ``w^K[index[m]] = w^K[clip(first + m, -k, k) + k]``, so that the key term is
-            ``skew_rows(q @ w^K[index]^T, n_k)``; None for other positions.
-        """
-        index = self._offset_index(q_pos, k_pos)
-        return None if index is None else (self.keys, index)
-
     @property
-    def offset_value(self) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor] | None]:
-        """``offset_value(q_pos, k_pos)``: ``(w^V, index)`` as :meth:`offset_term` (the value
-        term is ``unskew(weights) @ w^V[index]``); absent when ``values=False``."""
+    def offset_value(self) -> Callable[[Tensor, Tensor], Tensor | tuple[Tensor, Tensor] | None]:
+        """``offset_value(q_pos, k_pos)``: ``a^V`` per offset as :meth:`offset_term` gives
+        ``a^V``'s rows, indexed alike (the value term is ``unskew(weights) @ rows``);
+        absent when ``values=False``."""
         if not self.has_values:
             raise AttributeError("offset_value: built with values=False (relative keys only)")
 
-        def rows(q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor] | None:
-            index = self._offset_index(q_pos, k_pos)
-            return None if index is None else (self.values, index)
+        def rows(q_pos: Tensor, k_pos: Tensor) -> Tensor | tuple[Tensor, Tensor] | None:
+            return self.offset_form(self.value_rows, q_pos, k_pos)
 
         return rows
 
@@ -398,9 +408,9 @@ class ShawRelativePosition(nn.Module):
         Raises:
             ValueError: shapes that do not fit (each message names the argument).
         """
-        q = _check_q(q, self.head_dim)
-        k = _check_q(k, self.head_dim, "k")
-        v = _check_q(v, self.head_dim, "v")
+        q = check_queries(q, self.head_dim)
+        k = check_queries(k, self.head_dim, "k")
+        v = check_queries(v, self.head_dim, "v")
         if k.shape != v.shape or k.shape[:2] != q.shape[:2]:
             raise ValueError(
                 f"k and v must have shape [b, h, n_k, d] matching q's b and h, got q "
@@ -410,8 +420,8 @@ class ShawRelativePosition(nn.Module):
             q_pos = torch.arange(q.shape[-2], device=q.device)
         if k_pos is None:
             k_pos = torch.arange(k.shape[-2], device=k.device)
-        q_pos, k_pos = _hook_positions(q, q_pos, k_pos)
-        _hook_positions(k, k_pos, k_pos)  # k_pos must cover n_k
+        q_pos, k_pos = hook_positions(q, q_pos, k_pos)
+        hook_positions(k, k_pos, k_pos)  # k_pos must cover n_k
         values = self.values if self.has_values else None
         return shaw_attention(q, k, v, self.keys, values, q_pos, k_pos)
 
