@@ -59,6 +59,7 @@ TABLES: dict[str, dict[str, tuple[int, ...]]] = {
     "rotary": {},
     "rotary-interleaved": {},
     "rotary-partial": {},
+    "rotary-ntk": {},
     "alibi": {},
     "rotary-2d": {},
     "t5": {"embedding.weight": (8, HEADS)},  # num_buckets=8

@@ -1,7 +1,9 @@
 """posenc: positional encodings for self-attention.
 
-See DESIGN.md: every scheme enters attention at one of five places (the input; q and k
-rotated; content-free score bias; content-dependent score term; keys and values).
+Every scheme enters attention at one of five places, and lives in the module of its place:
+the input (``absolute.py``); q and k rotated (``rotary.py``); a content-free score bias
+(``bias.py``); a content-dependent score term (``embedding.py``); keys and values
+(``shaw.py``). README.md has the table and the usage; docs/ has the rest.
 """
 
 from ._version import __version__
@@ -13,7 +15,7 @@ from .absolute import (
     sinusoidal_2d,
     sinusoidal_shift,
 )
-from .attention import MultiHeadAttention
+from .attention import MultiHeadAttention, attention, explain
 from .bias import (
     ALiBi,
     RelativePositionBias,
@@ -24,6 +26,7 @@ from .bias import (
 )
 from .cache import KVCache
 from .embedding import AbsoluteQueryEmbedding, RelativeQueryEmbedding, RelativeQueryEmbedding2D
+from .families import GridBias, GridTerm, OffsetBias, OffsetTerm
 from .indices import (
     positions_from_documents,
     positions_from_padding,
@@ -46,11 +49,15 @@ __all__ = [
     "ALiBi",
     "AbsoluteQueryEmbedding",
     "DynamicNTKScaling",
+    "GridBias",
+    "GridTerm",
     "KVCache",
     "LearnedEncoding",
     "LinearScaling",
     "MultiHeadAttention",
     "NTKScaling",
+    "OffsetBias",
+    "OffsetTerm",
     "RelativePositionBias",
     "RelativeQueryEmbedding",
     "RelativeQueryEmbedding2D",
@@ -64,6 +71,8 @@ __all__ = [
     "YaRNScaling",
     "__version__",
     "alibi_slopes",
+    "attention",
+    "explain",
     "load_relative_position_bias",
     "positions_from_documents",
     "positions_from_padding",

@@ -1,54 +1,17 @@
-"""Multi-head attention that takes one positional scheme and calls its hooks.
+"""Attention with one positional scheme: the functional :func:`attention` on ``[b, h, n, d]``
+tensors (called like :func:`torch.nn.functional.scaled_dot_product_attention`),
+:func:`explain` (which path it takes, and why not the others), and
+:class:`MultiHeadAttention` (projections around the same call).
 
 Shape legend: ``b`` batch, ``n_q`` queries, ``n_k`` keys, ``dim`` model width,
 ``h`` heads, ``d = dim / h`` head dim. Model tensors are ``[b, n, dim]``; inside attention
 ``[b, h, n, d]``.
 
-The hook protocol
------------------
-A positional scheme is any object (usually an ``nn.Module``, so its tables are trained and
-saved with the model) that defines only the hooks it needs. ``MultiHeadAttention`` calls
-them in this order, with integer positions ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``
-(``B'`` is 1 when the batch shares positions, else ``b``):
-
-=========================================  =====  =============================================
-hook                                       place  what it does
-=========================================  =====  =============================================
-``rotate(q, k, q_pos, k_pos) -> (q, k)``   2      rotate queries and keys (RoPE)
-``score_term(q, q_pos, k_pos)``            4, 5   ``[b, h, n_q, n_k]`` added to ``q k^T``,
-                                                  scaled with it by ``1/sqrt(d)``
-``score_bias(q_pos, k_pos)``               3      ``[B', h or 1, n_q, n_k]`` added after
-                                                  the scaling (Swin, T5, ALiBi)
-``value_term(weights, q_pos, k_pos)``      5      ``[b, h, n_q, d]`` added to
-                                                  ``weights @ v`` (Shaw's ``a^V``)
-=========================================  =====  =============================================
-
-so that the attention computes ``softmax((q k^T + score_term) / sqrt(d) + score_bias) v +
-value_term``. Optional extras:
-
-- ``reference_score_term`` / ``reference_value_term``: a literal form that
-  ``backend="math"`` prefers;
-- ``flex_score_mod(q_pos, k_pos)``: the bias as a FlexAttention ``score_mod``;
-- ``offset_bias(q_pos, k_pos)``: a relative bias as one value per offset,
-  ``[h, n_q + n_k - 1]``, when the positions are one consecutive run (the lean engine
-  then never writes an ``[n_q, n_k]`` bias);
-- ``offset_term(q_pos, k_pos)``: the same for a query term ``q_i . r_(j-i)``, the rows
-  ``r [(h,) n_q + n_k - 1, d]`` or ``(table, index)`` with ``r = table[index]`` (a
-  clipped table such as Shaw's then skips its repeated rows, and on long sequences its
-  constant far pairs take the fused kernels without a mask); ``offset_value`` likewise
-  for Shaw's ``a^V``;
-- ``grid_bias(q_pos, k_pos)`` / ``grid_term(q_pos, k_pos)``: the 2-D counterparts, for
-  queries and keys that are a whole ``H x W`` map in order;
-- ``key_shift(q, q_pos, k_pos)``: a score term of the key alone, ``q_i . e_j``, as the
-  vector ``e [B', 1, n_k, d]`` added to the keys (any kernel computes it);
-- ``validate_attention(heads, head_dim)``: called once at construction, to reject a
-  scheme built for another shape.
-
-An extra counts only where the hook it stands for is defined in the same class or above:
-a subclass that overrides ``score_bias`` alone (a steeper ALiBi) runs on its
-``score_bias``, not on the parent's ``offset_bias``. Hooks must accept any
-positions (a block of queries against all keys, shifted, per-batch), never assume
-``n_q == n_k``. Masks are the attention's job, never a hook's.
+A positional scheme (places 2-5) is one object passed as ``position=``; it defines the
+hooks it needs (:mod:`posenc.hooks` describes each, with its shapes): ``rotate`` (RoPE),
+``score_bias`` (Swin, T5, ALiBi), ``score_term`` (relative embeddings, Shaw's keys),
+``value_term`` (Shaw's values), so that attention computes
+``softmax((q k^T + score_term) / sqrt(d) + score_bias) v + value_term``.
 
 A new scheme in a few lines, a learned bias per head that decays with distance::
 
@@ -76,10 +39,350 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from .cache import KVCache
+from .engine import BACKENDS, Explanation, Mask, attend, explain_call
+from .hooks import HOOK_NAMES
 from .indices import positions_from_documents
-from .kernels import BACKENDS, HOOK_NAMES, Mask, attend
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "attention", "explain"]
+
+
+def check_scheme(position: Any) -> None:
+    """Raise unless ``position`` is None or a scheme object that defines an attention hook.
+
+    Raises:
+        TypeError: a class instead of an instance, or an object with no hook (e.g. a
+            place-1 input encoding).
+    """
+    if isinstance(position, type):
+        raise TypeError(
+            f"position={position.__name__} is a class, not a scheme object; pass an "
+            f"instance, e.g. position={position.__name__}(...) with the arguments its "
+            f"constructor takes"
+        )
+    if position is not None and not any(
+        callable(getattr(position, name, None)) for name in HOOK_NAMES
+    ):
+        raise TypeError(
+            f"position={type(position).__name__} defines none of the attention hooks "
+            f"{HOOK_NAMES}; an input encoding (place 1, e.g. SinusoidalEncoding) is "
+            f"added to the input before attention, not passed as position="
+        )
+
+
+def _check_backend(backend: object) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend  # type: ignore[return-value]
+
+
+def _check_causal(causal: object) -> bool:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__})")
+    return causal
+
+
+def _check_padding(mask: Tensor | None, b: int, n_k: int) -> Tensor | None:
+    if mask is None:
+        return None
+    check.tensor("key_padding_mask", mask)
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"key_padding_mask must be a bool tensor (True = padding), got dtype "
+            f"{mask.dtype}; convert with key_padding_mask.bool() (or == 0 if 1 marks "
+            f"real tokens)"
+        )
+    if tuple(mask.shape) != (b, n_k):
+        raise ValueError(
+            f"key_padding_mask must have shape [batch, n_k] = [{b}, {n_k}], got shape "
+            f"{tuple(mask.shape)}"
+        )
+    return mask
+
+
+def _check_lengths(valid_lens: Tensor | None, b: int, n_q: int) -> Tensor | None:
+    """``valid_lens`` as ``[b, n_q]`` int64 (or None)."""
+    if valid_lens is None:
+        return None
+    check.tensor("valid_lens", valid_lens)
+    if valid_lens.is_floating_point() or valid_lens.dtype == torch.bool:
+        raise TypeError(
+            f"valid_lens must be an integer tensor, got dtype {valid_lens.dtype}; "
+            f"pass valid_lens.long()"
+        )
+    if not (valid_lens.ndim == 1 and valid_lens.shape[0] == b) and tuple(valid_lens.shape) != (
+        b,
+        n_q,
+    ):
+        raise ValueError(
+            f"valid_lens must have shape [batch] = [{b}] or [batch, n_q] = [{b}, {n_q}], "
+            f"got shape {tuple(valid_lens.shape)}"
+        )
+    if check._can_inspect(valid_lens) and bool((valid_lens < 0).any()):
+        raise ValueError(
+            f"valid_lens must be >= 0 (the number of keys each query sees), got a minimum "
+            f"of {int(valid_lens.min())}; use 0 for a sequence with no key"
+        )
+    if valid_lens.ndim == 1:
+        return valid_lens.long()[:, None].expand(b, n_q)  # [b] -> [b, n_q]
+    return valid_lens.long()
+
+
+def _check_documents(document_ids: Tensor, b: int, n: int) -> Tensor:
+    check.tensor("document_ids", document_ids)
+    if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
+        raise TypeError(f"document_ids must be an integer tensor, got dtype {document_ids.dtype}")
+    if tuple(document_ids.shape) != (b, n):
+        raise ValueError(
+            f"document_ids must have shape [batch, n] = [{b}, {n}], got shape "
+            f"{tuple(document_ids.shape)}"
+        )
+    return document_ids
+
+
+def _default_query_positions(n_q: int, n_k: int, causal: bool, device: torch.device) -> Tensor:
+    """``arange(n_q)``, shifted by ``n_k - n_q`` when causal with fewer queries (decoding):
+    ``[1, n_q]``."""
+    start = n_k - n_q if causal and n_q < n_k else 0
+    return torch.arange(start, start + n_q, device=device)[None]  # [1, n_q]
+
+
+def _core(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    position: Any,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    key_padding: Tensor | None,
+    lengths: Tensor | None,
+    causal: bool,
+    documents: Tensor | None,
+    cache: KVCache | None,
+    backend: str,
+    dropout_p: float,
+    need_weights: bool,
+    scale: float | None,
+    explain_only: bool = False,
+) -> tuple[Any, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor | None] | None]:
+    """Rotate, append to the cache (not stored), mask and attend: ``(out [b, h, n_q, d] or an
+    Explanation, weights, the cache's new entries)``."""
+    rotate = getattr(position, "rotate", None)
+    if rotate is not None:
+        q, k = rotate(q, k, q_pos, k_pos)
+    entries = None
+    if cache is not None:  # stored by the caller once the step has succeeded
+        entries = cache.extended(k, v, k_pos, key_padding)
+        k, v, k_pos, key_padding = entries
+    mask = Mask(
+        q.shape[2],
+        k.shape[2],
+        key_padding=key_padding,
+        lengths=lengths,
+        causal=causal,
+        q_doc=documents,
+        k_doc=documents,
+    )
+    args = dict(scheme=position, q_pos=q_pos, k_pos=k_pos, mask=mask, backend=backend)
+    if explain_only:
+        return explain_call(q, k, v, dropout_p=dropout_p, scale=scale, **args), None, None
+    out, weights = attend(
+        q, k, v, dropout_p=dropout_p, need_weights=need_weights, scale=scale, **args
+    )
+    return out, weights, entries
+
+
+def _prepare(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    position: Any,
+    positions: Tensor | None,
+    key_positions: Tensor | None,
+    causal: object,
+    key_padding_mask: Tensor | None,
+    valid_lens: Tensor | None,
+    document_ids: Tensor | None,
+    scale: float | None,
+    dropout_p: float,
+    backend: object,
+) -> dict[str, Any]:
+    """The checks and defaults of :func:`attention`: the keyword arguments of :func:`_core`."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check.floating(name, x)
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have shape [batch, heads, seq, head_dim], got shape "
+                f"{tuple(x.shape)}; from [batch, seq, heads, head_dim] use {name}.transpose(1, 2)"
+            )
+        if x.dtype != q.dtype:
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but q has {q.dtype}; they must match: convert "
+                f"with {name}.to({q.dtype})"
+            )
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    if k.shape[:2] != (b, h) or v.shape[:2] != (b, h):
+        raise ValueError(
+            f"q, k and v must share batch and heads, got shapes {tuple(q.shape)}, "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.shape[3] != d:
+        raise ValueError(f"k must have head_dim {d} as q, got shape {tuple(k.shape)}")
+    if v.shape[2] != n_k:
+        raise ValueError(f"k and v must have the same length, got {n_k} and {v.shape[2]}")
+    check_scheme(position)
+    validate = getattr(position, "validate_attention", None)
+    if callable(validate):
+        validate(heads=h, head_dim=d)
+    causal = _check_causal(causal)
+    dropout_p = check.probability("dropout_p", dropout_p)
+    if scale is not None:
+        scale = check.positive_float("scale", scale)
+    documents = None
+    if document_ids is not None:
+        if n_q != n_k:
+            raise ValueError(
+                f"document_ids is for self-attention over packed sequences (n_q == n_k), got "
+                f"n_q={n_q}, n_k={n_k}"
+            )
+        documents = _check_documents(document_ids, b, n_q)
+        if positions is None:
+            positions = positions_from_documents(documents)
+    device = q.device
+    if positions is None:
+        q_pos = _default_query_positions(n_q, n_k, causal, device)
+    else:
+        q_pos = check.positions(positions, n=n_q, batch=b, device=device)
+    if key_positions is not None:
+        k_pos = check.positions(key_positions, n=n_k, batch=b, name="key_positions", device=device)
+    elif positions is not None and n_q == n_k:
+        k_pos = q_pos  # self-attention: the keys are the queries' tokens
+    elif positions is not None:
+        raise ValueError(
+            f"positions covers the {n_q} queries but there are {n_k} keys: pass "
+            f"key_positions [{n_k}] or [{b}, {n_k}] too"
+        )
+    else:
+        k_pos = torch.arange(n_k, device=device)[None]  # [1, n_k]
+    return dict(
+        position=position,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        key_padding=_check_padding(key_padding_mask, b, n_k),
+        lengths=_check_lengths(valid_lens, b, n_q),
+        causal=causal,
+        documents=documents,
+        cache=None,
+        backend=_check_backend(backend),
+        dropout_p=dropout_p,
+        scale=scale,
+    )
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    position: Any = None,
+    positions: Tensor | None = None,
+    key_positions: Tensor | None = None,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    valid_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> Tensor:
+    """Scaled dot-product attention with a positional scheme, on ``[b, h, n, d]`` tensors.
+
+    Called like :func:`torch.nn.functional.scaled_dot_product_attention`, and equal to it
+    with no scheme: it applies the scheme's rotation, its bias, term and value hooks and
+    the masks, on the fastest correct path (:func:`explain` says which).
+    A query with no key left to attend to gets a zero output, never NaN.
+
+    Args:
+        q: ``[b, h, n_q, d]`` queries.
+        k: ``[b, h, n_k, d]`` keys.
+        v: ``[b, h, n_k, d_v]`` values.
+        position: a positional scheme of places 2-5 (``Rotary``, ``ALiBi``, ``T5RelativeBias``,
+            ``RelativeQueryEmbedding``, ``ShawRelativePosition``, ... or your own object
+            with the hooks), or None.
+        positions: integer positions ``[n_q]`` or ``[b, n_q]`` of the queries, and of the
+            keys when ``n_q == n_k`` and no ``key_positions`` is given (self-attention).
+            Default ``arange(n_q)``, shifted by ``n_k - n_q`` when ``causal`` and
+            ``n_q < n_k`` (decoding).
+        key_positions: ``[n_k]`` or ``[b, n_k]`` positions of the keys (default
+            ``arange(n_k)``, or ``positions`` as above).
+        causal: query ``i`` sees keys ``j <= i + n_k - n_q`` (aligned at the end).
+        key_padding_mask: ``[b, n_k]`` bool, True = padding (PyTorch's convention).
+        valid_lens: ``[b]`` or ``[b, n_q]`` integer lengths: keys at index >= the length
+            are ignored.
+        document_ids: ``[b, n]`` integer document of each token (packed sequences,
+            ``n_q == n_k``): a token attends only within its document, and the default
+            positions restart at 0 at each document.
+        scale: the scores' scale (default ``1 / sqrt(d)``).
+        dropout_p: dropout on the attention weights; pass 0 in evaluation, as with SDPA.
+        backend: ``"auto"``, ``"math"`` (the readable reference), ``"sdpa"``, ``"lean"``
+            or ``"flex"`` (see :class:`MultiHeadAttention`).
+
+    Returns:
+        ``[b, h, n_q, d_v]``.
+
+    Raises:
+        ValueError: shapes that do not fit together, an unknown backend, a scheme built
+            for other heads (each message names the argument and the fix).
+        TypeError: non-float inputs or inputs of different dtypes, a scheme class instead
+            of an instance, a non-bool mask, float positions.
+    """
+    kwargs = _prepare(
+        q, k, v, position=position, positions=positions, key_positions=key_positions,
+        causal=causal, key_padding_mask=key_padding_mask, valid_lens=valid_lens,
+        document_ids=document_ids, scale=scale, dropout_p=dropout_p, backend=backend,
+    )  # fmt: skip
+    return _core(q, k, v, need_weights=False, **kwargs)[0]
+
+
+def explain(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    position: Any = None,
+    positions: Tensor | None = None,
+    key_positions: Tensor | None = None,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    valid_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> Explanation:
+    """Which path :func:`attention` takes for these arguments, and why not the others.
+
+    Takes the arguments of :func:`attention` and runs nothing but the paths' conditions
+    (as xformers' dispatcher reports ``not_supported_reasons``).
+
+    Returns:
+        an :class:`~posenc.engine.Explanation`: ``.path``, the name of the path taken
+        (``"sdpa"``, ``"math"``, ``"flex"``, ``"mask-blocks"``, ``"offset-term"``,
+        ``"grid-term"``, ``"grid-bias"``, ``"offset-bias"``, ``"lean-fused"`` or
+        ``"lean"``), and ``.reasons``, for each path tried before it, why it was not
+        taken. ``print()`` shows both.
+
+    Raises:
+        As :func:`attention`.
+    """
+    kwargs = _prepare(
+        q, k, v, position=position, positions=positions, key_positions=key_positions,
+        causal=causal, key_padding_mask=key_padding_mask, valid_lens=valid_lens,
+        document_ids=document_ids, scale=scale, dropout_p=dropout_p, backend=backend,
+    )  # fmt: skip
+    return _core(q, k, v, need_weights=False, explain_only=True, **kwargs)[0]
 
 
 class MultiHeadAttention(nn.Module):
@@ -99,7 +402,7 @@ class MultiHeadAttention(nn.Module):
         dropout: dropout probability on the attention weights (training only).
         bias: whether the four projections have a bias.
         backend: ``"auto"`` (the fastest correct path for the scheme, see
-            :func:`posenc.kernels.choose_backend`), ``"math"`` (the readable reference),
+            :func:`explain`), ``"math"`` (the readable reference),
             ``"sdpa"`` (PyTorch's fused kernel, positional terms in its ``attn_mask``),
             ``"lean"`` (blocks of queries, linear memory, no attention dropout) or
             ``"flex"`` (FlexAttention, biases and rotary only; inference only on CPU).
@@ -129,28 +432,15 @@ class MultiHeadAttention(nn.Module):
                 f"dim must be divisible by heads, got dim={dim}, heads={heads}; pick heads "
                 f"from {divisors} or change dim to a multiple of {heads}"
             )
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = _check_backend(backend)
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.dropout = check.probability("dropout", dropout)
-        self.backend = backend
         self.q_proj = nn.Linear(dim, dim, bias=bias)
         self.k_proj = nn.Linear(dim, dim, bias=bias)
         self.v_proj = nn.Linear(dim, dim, bias=bias)
         self.out_proj = nn.Linear(dim, dim, bias=bias)
-        if isinstance(position, type):
-            raise TypeError(
-                f"position={position.__name__} is a class, not a scheme object; pass an "
-                f"instance, e.g. position={position.__name__}(...) with the arguments its "
-                f"constructor takes"
-            )
+        check_scheme(position)
         if position is not None:
-            if not any(callable(getattr(position, name, None)) for name in HOOK_NAMES):
-                raise TypeError(
-                    f"position={type(position).__name__} defines none of the attention hooks "
-                    f"{HOOK_NAMES}; an input encoding (place 1, e.g. SinusoidalEncoding) is "
-                    f"added to the input before attention, not passed as position="
-                )
             validate = getattr(position, "validate_attention", None)
             if callable(validate):
                 validate(heads=heads, head_dim=self.head_dim)
@@ -207,56 +497,33 @@ class MultiHeadAttention(nn.Module):
             TypeError: a non-float input, a non-bool padding mask, float positions.
         """
         query, key, value = self._check_inputs(query, key, value)
-        if not isinstance(causal, bool):
-            raise TypeError(
-                f"causal must be True or False, got {causal!r} ({type(causal).__name__})"
-            )
+        causal = _check_causal(causal)
         b, n_q, _ = query.shape
+        self_attention = key is query
         if cache is not None or document_ids is not None:
-            self._check_cache_and_documents(cache, document_ids, key is query, b, n_q)
+            self._check_cache_and_documents(cache, document_ids, self_attention, b, n_q)
         if document_ids is not None and positions is None:
             positions = positions_from_documents(document_ids)
         if cache is not None and positions is None and len(cache):
             positions = cache.next_position + torch.arange(n_q, device=query.device)
         n_k = key.shape[1]
         q_pos, k_pos = self._positions(positions, key_positions, b, n_q, n_k, causal, query, key)
-        key_padding = self._check_padding(key_padding_mask, b, n_k)
+        key_padding = _check_padding(key_padding_mask, b, n_k)
         q = self.q_proj(query).view(b, n_q, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key).view(b, n_k, self.heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(value).view(b, n_k, self.heads, self.head_dim).transpose(1, 2)
         # [b, n, dim] -> [b, n, h, d] -> [b, h, n, d]
-        rotate = getattr(self.position, "rotate", None)
-        if rotate is not None:
-            q, k = rotate(q, k, q_pos, k_pos)
-        if cache is not None:  # stored only once the step has succeeded (all or nothing)
-            entries = cache.extended(k, v, k_pos, key_padding)
-            k, v, k_pos, key_padding = entries
-            n_k = k.shape[2]
-        mask = Mask(
-            n_q,
-            n_k,
-            key_padding=key_padding,
-            lengths=self._check_lengths(valid_lens, b, n_q),
-            causal=bool(causal),
-            q_doc=document_ids,
-            k_doc=document_ids,
-        )
-        out, weights = attend(
-            q,
-            k,
-            v,
-            scheme=self.position,
-            q_pos=q_pos,
-            k_pos=k_pos,
-            mask=mask,
-            backend=self.backend,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-        )
+        out, weights, entries = _core(
+            q, k, v, position=self.position, q_pos=q_pos, k_pos=k_pos, key_padding=key_padding,
+            lengths=_check_lengths(valid_lens, b, n_q), causal=causal, documents=document_ids,
+            cache=cache, backend=self.backend,
+            dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
+            scale=None,
+        )  # fmt: skip
         out = self.out_proj(out.transpose(1, 2).reshape(b, n_q, self.dim))
         # [b, h, n_q, d] -> [b, n_q, h, d] -> [b, n_q, dim]
-        if cache is not None:
-            cache.store(*entries)
+        if cache is not None and entries is not None:
+            cache.store(*entries)  # all or nothing: only once the step has succeeded
         return (out, weights) if need_weights else out
 
     # ----- input checks --------------------------------------------------------------------
@@ -335,61 +602,7 @@ class MultiHeadAttention(nn.Module):
         if document_ids is not None:
             if not self_attention:
                 raise ValueError("document_ids is for self-attention over packed sequences")
-            check.tensor("document_ids", document_ids)
-            if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
-                raise TypeError(
-                    f"document_ids must be an integer tensor, got dtype {document_ids.dtype}"
-                )
-            if tuple(document_ids.shape) != (b, n):
-                raise ValueError(
-                    f"document_ids must have shape [batch, n] = [{b}, {n}], got shape "
-                    f"{tuple(document_ids.shape)}"
-                )
-
-    @staticmethod
-    def _check_padding(mask: Tensor | None, b: int, n_k: int) -> Tensor | None:
-        if mask is None:
-            return None
-        check.tensor("key_padding_mask", mask)
-        if mask.dtype != torch.bool:
-            raise TypeError(
-                f"key_padding_mask must be a bool tensor (True = padding), got dtype "
-                f"{mask.dtype}; convert with key_padding_mask.bool() (or == 0 if 1 marks "
-                f"real tokens)"
-            )
-        if tuple(mask.shape) != (b, n_k):
-            raise ValueError(
-                f"key_padding_mask must have shape [batch, n_k] = [{b}, {n_k}], got shape "
-                f"{tuple(mask.shape)}"
-            )
-        return mask
-
-    @staticmethod
-    def _check_lengths(valid_lens: Tensor | None, b: int, n_q: int) -> Tensor | None:
-        if valid_lens is None:
-            return None
-        check.tensor("valid_lens", valid_lens)
-        if valid_lens.is_floating_point() or valid_lens.dtype == torch.bool:
-            raise TypeError(
-                f"valid_lens must be an integer tensor, got dtype {valid_lens.dtype}; "
-                f"pass valid_lens.long()"
-            )
-        if not (valid_lens.ndim == 1 and valid_lens.shape[0] == b) and tuple(valid_lens.shape) != (
-            b,
-            n_q,
-        ):
-            raise ValueError(
-                f"valid_lens must have shape [batch] = [{b}] or [batch, n_q] = [{b}, {n_q}], "
-                f"got shape {tuple(valid_lens.shape)}"
-            )
-        if check._can_inspect(valid_lens) and bool((valid_lens < 0).any()):
-            raise ValueError(
-                f"valid_lens must be >= 0 (the number of keys each query sees), got a minimum "
-                f"of {int(valid_lens.min())}; use 0 for a sequence with no key"
-            )
-        if valid_lens.ndim == 1:
-            return valid_lens.long()[:, None].expand(b, n_q)  # [b] -> [b, n_q]
-        return valid_lens.long()
+            _check_documents(document_ids, b, n)
 
     def _positions(
         self,
@@ -405,8 +618,7 @@ class MultiHeadAttention(nn.Module):
         device = query.device
         self_attention = key is query
         if positions is None:
-            start = n_k - n_q if causal and n_q < n_k else 0
-            q_pos = torch.arange(start, start + n_q, device=device)[None]  # [1, n_q]
+            q_pos = _default_query_positions(n_q, n_k, causal, device)
         else:
             q_pos = check.positions(positions, n=n_q, batch=b, device=device)
         if key_positions is not None:

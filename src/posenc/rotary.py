@@ -352,7 +352,10 @@ class Rotary(nn.Module):
         """The rotation of :meth:`rotate` and :meth:`forward`, for either ``layout``."""
         length = None
         if self.scaling is not None and self.scaling.dynamic:
-            length = torch.maximum(q_pos.amax(-1, keepdim=True), k_pos.amax(-1, keepdim=True)) + 1
+            # the longest position seen (an empty side, n = 0, has none)
+            ends = [p.amax(-1, keepdim=True) for p in (q_pos, k_pos) if p.shape[-1]]
+            if ends:
+                length = (torch.maximum(*ends) if len(ends) == 2 else ends[0]) + 1  # [B', 1]
         cos_q, sin_q = self.cos_sin(q_pos, length=length)  # [B', n_q, r/2]
         cos_k, sin_k = self.cos_sin(k_pos, length=length)  # [B', n_k, r/2]
         if layout == "bnhd":  # [B', n, r/2] -> [B', n, 1, r/2], the heads after the sequence

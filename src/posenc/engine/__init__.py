@@ -1,0 +1,22 @@
+"""The attention engine: every path (reference, SDPA, FlexAttention, the lean engine and its
+fused CPU paths), behind one signature, and the dispatcher that picks one.
+
+Every path computes, for queries ``q`` and keys ``k`` already rotated by the scheme,
+
+    s = (q k^T + score_term) * scale + score_bias        (masked keys removed)
+    w = softmax(s)                                        (a query with no key: w = 0)
+    out = dropout(w) v + value_term(dropout(w))
+
+and returns ``out [b, h, n_q, d]``. One module per path; :mod:`.dispatch` walks them in
+order (:data:`~posenc.engine.dispatch.PATHS`), each answering "I can run this" or "no,
+because ...". A new fast path is one module and one entry there. The engine sees a
+scheme's hooks (:mod:`posenc.hooks`), never its class.
+
+Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim;
+positions ``q_pos [B', n_q]``, ``k_pos [B', n_k]`` with ``B'`` 1 (shared) or ``b``.
+"""
+
+from .dispatch import BACKENDS, PATHS, Explanation, attend, explain_call
+from .mask import Mask
+
+__all__ = ["BACKENDS", "PATHS", "Explanation", "Mask", "attend", "explain_call"]

@@ -1,0 +1,575 @@
+"""The dispatcher: which path runs a call, and why the others do not.
+
+``backend="auto"`` walks an ordered list of paths; each answers "I can run this" or
+"no, because ...", and the first that can runs. :func:`explain` returns the answers.
+
+Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim;
+positions ``[B', n]`` with ``B'`` 1 or ``b``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..hooks import Hooks, checked_hooks, hooks_of
+from . import common, tuning
+from .blocks import _by_blocks, _mask_blocks
+from .common import _bias_span, _dense_last, _scheme_parameters
+from .flex import _flex
+from .grid import _grid_kernel_values, _GridFusedAttention, _GridTermAttention
+from .lean import _LeanAttention, _LeanFusedAttention
+from .mask import Mask
+from .offset_bias import _offset_kernel_values, _OffsetFusedAttention
+from .offset_term import _expand_rows, _offset_rows, _OffsetTermAttention, _same_index
+from .reference import _math
+from .sdpa import _sdpa
+
+BACKENDS = ("auto", "math", "sdpa", "flex", "lean")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call as the paths see it (``q, k`` already rotated)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    hooks: Hooks
+    q_pos: Tensor
+    k_pos: Tensor
+    mask: Mask
+    scale: float
+    dropout_p: float
+    scheme: Any
+
+
+#: a path's answer: a function that runs the call, or why it cannot
+Plan = Callable[[], Tensor] | str
+
+
+@dataclass(frozen=True)
+class Path:
+    """A way to run attention: ``plan(call)`` is a function that runs it, or the reason it
+    cannot."""
+
+    name: str
+    plan: Callable[[Call], Plan]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What :func:`posenc.explain` reports: the path taken and, for each path before it in
+    the order ``backend`` walks, why it was not."""
+
+    path: str
+    reasons: dict[str, str]
+
+    def __str__(self) -> str:
+        lines = [f"path: {self.path}"]
+        lines += [f"  not {name}: {why}" for name, why in self.reasons.items()]
+        return "\n".join(lines)
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scheme: Any = None,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    backend: str = "auto",
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Scaled dot-product attention with a positional scheme's hooks.
+
+    Args:
+        q: ``[b, h, n_q, d]`` queries (already rotated when the scheme rotates).
+        k: ``[b, h, n_k, d]`` keys (already rotated).
+        v: ``[b, h, n_k, d]`` values.
+        scheme: an object with any of the hooks ``score_bias``, ``score_term``,
+            ``value_term`` (see :mod:`posenc.hooks`), or None.
+        q_pos: ``[B', n_q]`` int64 query positions.
+        k_pos: ``[B', n_k]`` int64 key positions.
+        mask: which keys each query may see.
+        backend: ``"auto"``, ``"math"``, ``"sdpa"``, ``"flex"`` or ``"lean"`` (the order
+            each walks: :data:`PATHS`).
+        dropout_p: dropout on the attention weights (pass 0 in eval).
+        need_weights: also return the weights ``[b, h, n_q, n_k]`` (before dropout),
+            computed with the math path.
+        scale: the scores' scale (default ``1 / sqrt(d)``).
+
+    Returns:
+        ``(out [b, h, n_q, d], weights or None)``. A query with no visible key gets 0.
+    """
+    hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
+    if mask.empty or (not torch.compiler.is_compiling() and _finite(q, k, v)):
+        return _attend(
+            q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale
+        )
+    # NaN or inf somewhere: a masked key or value must not reach any query, not even as
+    # 0 x NaN, nor a query's NaN the gradients of the keys it sees through a zero gradient;
+    # each such token is replaced by zeros, and the queries it touches made NaN after
+    bad = ~torch.isfinite(k).all(dim=-1) | ~torch.isfinite(v).all(dim=-1)  # [b, h, n_k]
+    bad_q = ~torch.isfinite(q).all(dim=-1, keepdim=True)  # [b, h, n_q, 1]
+    k = k.masked_fill(bad[..., None], 0.0)
+    v = v.masked_fill(bad[..., None], 0.0)
+    q = q.masked_fill(bad_q, 0.0)
+    out, weights = _attend(
+        q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale
+    )
+    sees = _sees_any(mask, bad, q.device) | bad_q  # [b, h, n_q, 1]
+    out = out.masked_fill(sees, float("nan"))
+    return out, None if weights is None else weights.masked_fill(sees, float("nan"))
+
+
+def _finite(*xs: Tensor) -> bool:
+    """Whether every element of every tensor is finite (one sync with the device)."""
+    return bool(torch.stack([torch.isfinite(x).all() for x in xs]).all())
+
+
+def _sees_any(mask: Mask, keys: Tensor, device: torch.device) -> Tensor:
+    """``[b, h, n_q, 1]`` bool: whether query ``i`` sees any of the ``keys [b, h, n_k]`` (bool)
+    that the mask leaves visible to it; in blocks of rows (no ``[n_q, n_k]`` mask at once)."""
+    b, h, n_k = keys.shape
+    picked = keys.to(torch.float32)[..., None]  # [b, h, n_k, 1]
+
+    def seen(rows: slice | None) -> Tensor:
+        keep = mask.keep(rows, device=device)  # [b|1, 1, rows, n_k]
+        count = picked.sum(dim=2, keepdim=True) if keep is None else keep.float() @ picked
+        return count > 0  # [b, h, rows | 1, 1]
+
+    if torch.compiler.is_compiling():  # one graph for any length: the whole mask at once
+        return seen(None).expand(b, h, mask.n_q, 1)
+    rows = common.lean_block_rows(b, 1, mask.n_q, n_k)
+    parts = [
+        seen(slice(start, min(start + rows, mask.n_q))).expand(b, h, -1, 1)
+        for start in range(0, mask.n_q, rows)
+    ]
+    return torch.cat(parts, dim=2) if parts else keys.new_zeros(b, h, 0, 1, dtype=torch.bool)
+
+
+def _attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    hooks: Hooks,
+    scheme: Any,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    backend: str,
+    dropout_p: float,
+    need_weights: bool,
+    scale: float | None,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`attend` for inputs whose masked keys and values are finite."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if need_weights or backend == "math":
+        out, weights = _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)
+        return out, (weights if need_weights else None)
+    fast = functools.partial(
+        _fast, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale,
+        dropout_p=dropout_p, backend=backend, scheme=scheme,
+    )  # fmt: skip
+    params = _scheme_parameters(scheme)
+    if (
+        torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and any(x.requires_grad for x in (q, k, v, *params))
+    ):
+        # the fast paths' backwards are not differentiable: a gradient asked for with
+        # create_graph=True is taken through the math reference instead
+        reference = functools.partial(
+            _math, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale, dropout_p=0.0
+        )
+        return _TwiceDifferentiable.apply(fast, reference, dropout_p, q, k, v, *params), None
+    return fast(q, k, v), None
+
+
+class _TwiceDifferentiable(torch.autograd.Function):
+    """A fast path whose gradient is itself differentiable.
+
+    The forward runs ``fast`` and keeps its graph. A first-order backward is that graph's
+    (the fast path's own backward). A backward with ``create_graph=True`` (gradient
+    penalties, Hessian-vector products, MAML) recomputes the output with the math reference
+    on the saved inputs and differentiates it with a graph, so that the second derivative
+    is the definition's: exact, with the reference's ``[b, h, n_q, n_k]`` memory.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        fast: Callable[..., Tensor],
+        reference: Callable[..., tuple[Tensor, Tensor]],
+        dropout_p: float,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *params: Tensor,
+    ) -> Tensor:
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(x.requires_grad) for x in (q, k, v)]
+            out = fast(*leaves)
+        ctx.graph = (out, leaves, params)
+        ctx.reference, ctx.dropout_p = reference, dropout_p
+        ctx.save_for_backward(q, k, v)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        out, leaves, params = ctx.graph
+        if not out.requires_grad:  # nothing the output depends on asks for a gradient
+            return (None,) * (6 + len(params))
+        if torch.is_grad_enabled():  # create_graph=True: the gradient needs a graph
+            if ctx.dropout_p > 0:
+                raise RuntimeError(
+                    "a gradient with create_graph=True through attention dropout needs the "
+                    "same dropout mask twice; use backend='math' (its dropout is part of the "
+                    "graph) or set dropout=0"
+                )
+            inputs = [*ctx.saved_tensors, *params]
+            wrt = [x for x in inputs if x.requires_grad]
+            ref = ctx.reference(*ctx.saved_tensors)[0]
+            grads = iter(
+                torch.autograd.grad(ref, wrt, grad_out, create_graph=True, allow_unused=True)
+            )
+        else:
+            inputs = [*leaves, *params]
+            wrt = [x for x in inputs if x.requires_grad]
+            grads = iter(
+                torch.autograd.grad(out, wrt, grad_out, retain_graph=True, allow_unused=True)
+            )
+        return None, None, None, *(next(grads) if x.requires_grad else None for x in inputs)
+
+
+def _positional(hooks: Hooks) -> bool:
+    return any(fn is not None for fn in (hooks.score_bias, hooks.score_term, hooks.value_term))
+
+
+def _plan_sdpa(call: Call) -> Plan:
+    if call.hooks.value_term is not None:
+        return "cannot add a value term (Shaw's a^V needs the attention weights)"
+    return lambda: _sdpa(
+        call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.mask, call.scale,
+        call.dropout_p,
+    )  # fmt: skip
+
+
+def _plan_math(call: Call) -> Plan:
+    return lambda: _math(
+        call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.mask, call.scale,
+        call.dropout_p,
+    )[0]  # fmt: skip
+
+
+def _plan_flex(call: Call) -> Plan:
+    return lambda: _flex(
+        call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.mask, call.scale,
+        call.dropout_p,
+    )  # fmt: skip
+
+
+def _auto_sdpa(call: Call) -> Plan:
+    """SDPA when nothing positional enters the scores (no scheme, rotary, a key shift), or
+    where the lean engine cannot run: attention dropout, ``torch.compile``."""
+    if _positional(call.hooks):
+        if call.dropout_p > 0:
+            return _plan_sdpa(call)
+        if torch.compiler.is_compiling():
+            return _plan_sdpa(call)
+        return "the scheme adds a bias, term or value term: SDPA would write [b, h, n_q, n_k]"
+    return _plan_sdpa(call)
+
+
+def _auto_math(call: Call) -> Plan:
+    """The reference for what no fused path runs: a value term with attention dropout or
+    inside ``torch.compile`` (the lean engine's backward calls ``torch.autograd.grad``,
+    which Dynamo does not trace), and calls with nothing to attend."""
+    if call.q.numel() == 0 or call.k.shape[-2] == 0:
+        return _plan_math(call)  # empty: the lean engine's blocks assume a row and a key
+    if call.dropout_p > 0 or torch.compiler.is_compiling():
+        return _plan_math(call)
+    return "the lean engine can run it (no dropout, not compiling, something to attend)"
+
+
+def _lean_dropout(call: Call) -> Plan:
+    if call.dropout_p > 0:
+        raise ValueError(
+            "backend='lean' has no attention dropout; set dropout=0, or use backend='auto' "
+            "(which takes the math or sdpa path when dropout is on)"
+        )
+    return "no dropout"
+
+
+def _plan_mask_blocks(call: Call) -> Plan:
+    blocks = _mask_blocks(call.mask, call.q)
+    if blocks is None:
+        return (
+            "no key padding, lengths or documents that leave one run of keys per "
+            "document (or too many small calls: MASK_BLOCK_PAIRS)"
+        )
+    return lambda: _by_blocks(
+        call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.scale, blocks,
+        functools.partial(_lean_blocks, scheme=call.scheme),
+    )  # fmt: skip
+
+
+def _lean_blocks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    hooks: Hooks,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    scale: float,
+    dropout_p: float,
+    *,
+    scheme: Any = None,
+) -> Tensor:
+    """One block of :func:`_plan_mask_blocks`: the lean paths, blocks excepted."""
+    call = Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme)
+    return _walk(LEAN_PATHS[1:], call)[1]()
+
+
+def _causal_only(call: Call) -> bool:
+    """A causal mask alone (aligned at the end, ``n_q <= n_k``) or none: the per-offset
+    paths take it as hidden offsets."""
+    n_q, n_k = call.q.shape[2], call.k.shape[2]
+    mask = call.mask
+    return replace(mask, causal=False).empty and (not mask.causal or n_q <= n_k)
+
+
+def _plan_offset_term(call: Call) -> Plan:
+    hooks = call.hooks
+    if hooks.offset_term is None:
+        return "the scheme has no offset_term (a query term per offset j - i)"
+    if hooks.score_bias is not None:
+        return "the scheme adds a bias beside its term"
+    if not common._fused_cpu_available(call.q, replace(hooks, value_term=None)):
+        return "the fused CPU kernels do not run here (device, dtype)"
+    if not _causal_only(call):
+        return "a mask other than causal"
+    if hooks.value_term is not None and hooks.offset_value is None:
+        return "a value term with no offset_value"
+    term = _offset_rows(hooks.offset_term(call.q_pos, call.k_pos))
+    value = None
+    if hooks.value_term is not None:
+        value = _offset_rows(hooks.offset_value(call.q_pos, call.k_pos))
+    if term is None or (hooks.value_term is not None and value is None):
+        return "positions that are not one consecutive run"
+    q, k, v = _dense_last(call.q, call.k, call.v)
+    (table, index), value_table = term, None
+    if value is not None:
+        value_table, value_index = value
+        if not _same_index(index, value_index):  # use the rows themselves
+            table, value_table = _expand_rows(table, index), _expand_rows(*value)
+            index = None
+    table = table.to(q.dtype)  # [(h,) R | n_q + n_k - 1, d]
+    value_table = None if value_table is None else value_table.to(q.dtype)
+    rows = _block_rows(call)
+    return lambda: _OffsetTermAttention.apply(
+        q, k, v, table, value_table, index, call.scale, rows, call.mask.causal
+    )
+
+
+def _plan_grid_term(call: Call) -> Plan:
+    hooks = call.hooks
+    if hooks.grid_term is None:
+        return "the scheme has no grid_term (a 2-D query term)"
+    if hooks.score_bias is not None:
+        return "the scheme adds a bias beside its term"
+    if not common._fused_cpu_available(call.q, hooks):
+        return "the fused CPU kernels do not run here (device, dtype, value term)"
+    if not call.mask.empty:
+        return "a mask"
+    tables = hooks.grid_term(call.q_pos, call.k_pos)
+    if tables is None:
+        return "queries and keys that are not one whole map in order"
+    q, k, v = _dense_last(call.q, call.k, call.v)
+    height, width = (t.to(q.dtype) for t in tables)
+    return lambda: _GridTermAttention.apply(q, k, v, height, width, call.scale)
+
+
+def _plan_grid_bias(call: Call) -> Plan:
+    hooks = call.hooks
+    if hooks.grid_bias is None:
+        return "the scheme has no grid_bias (a 2-D bias per offset)"
+    if hooks.score_term is not None:
+        return "the scheme adds a term beside its bias"
+    if not common._fused_cpu_available(call.q, hooks):
+        return "the fused CPU kernels do not run here (device, dtype, value term)"
+    if not call.mask.empty:
+        return "a mask"
+    if call.q.shape[2] * call.k.shape[2] < tuning.GRID_BIAS_PAIRS:
+        return f"fewer than GRID_BIAS_PAIRS = {tuning.GRID_BIAS_PAIRS} query-key pairs"
+    grid = hooks.grid_bias(call.q_pos, call.k_pos)
+    if grid is None:
+        return "queries and keys that are not one whole map in order"
+    grid = grid.to(call.q.dtype)  # [h, 2H-1, 2W-1]
+    kernel_grid = _grid_kernel_values(grid, _bias_span(call.q, call.k, call.scale))
+    if kernel_grid is None:
+        return "a bias spanning more than its span whose best is not at offset (0, 0)"
+    q, k, v = _dense_last(call.q, call.k, call.v)
+    return lambda: _GridFusedAttention.apply(q, k, v, grid, kernel_grid, call.scale)
+
+
+def _plan_offset_bias(call: Call) -> Plan:
+    hooks = call.hooks
+    if hooks.offset_bias is None:
+        return "the scheme has no offset_bias (a bias per offset j - i)"
+    if hooks.score_term is not None:
+        return "the scheme adds a term beside its bias"
+    if not common._fused_cpu_available(call.q, hooks):
+        return "the fused CPU kernels do not run here (device, dtype, value term)"
+    if not _causal_only(call):
+        return "a mask other than causal"
+    values = hooks.offset_bias(call.q_pos, call.k_pos)
+    if values is None:
+        return "positions that are not one consecutive run"
+    values = values.to(call.q.dtype)  # [h|1, n_q + n_k - 1]
+    n_q, n_k = call.q.shape[2], call.k.shape[2]
+    span = _bias_span(call.q, call.k, call.scale)
+    kernel_values = _offset_kernel_values(values, n_q, n_k, span, causal=call.mask.causal)
+    if kernel_values is None:
+        return "a bias spanning more than its span where some query misses its best offset"
+    q, k, v = _dense_last(call.q, call.k, call.v)
+    return lambda: _OffsetFusedAttention.apply(
+        q, k, v, values, kernel_values, call.scale, call.mask.causal
+    )
+
+
+def _block_rows(call: Call) -> int:
+    """Query rows per block: the hooks' term ``[B', h, rows, n_k]`` has ``B' = 1`` for a bias
+    shared by the batch."""
+    b, h, n_q, _ = call.q.shape
+    per_batch = call.hooks.score_term is not None or call.hooks.value_term is not None
+    return common.lean_block_rows(b if per_batch else call.q_pos.shape[0], h, n_q, call.k.shape[2])
+
+
+def _plan_lean_fused(call: Call) -> Plan:
+    hooks = call.hooks
+    if not common._fused_cpu_available(call.q, hooks):
+        return "the fused CPU kernels do not run here (device, dtype, value term)"
+    q, k, v = _dense_last(call.q, call.k, call.v)
+    span = math.inf if hooks.score_term is not None else _bias_span(q, k, call.scale)
+    params = _scheme_parameters(call.scheme)
+    rows = _block_rows(call)
+    return lambda: _LeanFusedAttention.apply(
+        q, k, v, hooks, call.q_pos, call.k_pos, call.mask, call.scale, rows, span, *params
+    )
+
+
+def _plan_lean(call: Call) -> Plan:
+    params = _scheme_parameters(call.scheme)
+    rows = _block_rows(call)
+    return lambda: _LeanAttention.apply(
+        call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.mask, call.scale,
+        rows, math.inf, *params,
+    )  # fmt: skip
+
+
+#: the lean engine's paths, most specialised first
+LEAN_PATHS = (
+    Path("mask-blocks", _plan_mask_blocks),
+    Path("offset-term", _plan_offset_term),
+    Path("grid-term", _plan_grid_term),
+    Path("grid-bias", _plan_grid_bias),
+    Path("offset-bias", _plan_offset_bias),
+    Path("lean-fused", _plan_lean_fused),
+    Path("lean", _plan_lean),
+)
+
+#: the order ``backend`` walks: ``auto`` tries the fused and lean paths after SDPA
+PATHS = {
+    "auto": (Path("sdpa", _auto_sdpa), Path("math", _auto_math), *LEAN_PATHS),
+    "lean": (Path("dropout", _lean_dropout), Path("math", _auto_math), *LEAN_PATHS),
+    "sdpa": (Path("sdpa", _plan_sdpa),),
+    "flex": (Path("flex", _plan_flex),),
+    "math": (Path("math", _plan_math),),
+}
+
+
+def _walk(
+    paths: tuple[Path, ...], call: Call, backend: str = "lean"
+) -> tuple[str, Callable[[], Tensor], dict[str, str]]:
+    """``(name, run, reasons)``: the first path that can run the call, and why each before it
+    could not.
+
+    Raises:
+        ValueError: no path can (only a backend of one path, e.g. ``"sdpa"`` with a value
+            term: ``auto`` and ``lean`` end with a path that runs anything).
+    """
+    reasons: dict[str, str] = {}
+    for path in paths:
+        plan = path.plan(call)
+        if not isinstance(plan, str):
+            return path.name, plan, reasons
+        reasons[path.name] = plan
+    why = "; ".join(reasons.values())
+    raise ValueError(f"backend={backend!r} {why}; use backend='auto' or 'math'")
+
+
+def _prepared(call: Call, backend: str) -> Call:
+    """The call as the fast paths take it: a score term of the key alone folded into the
+    keys, ``q_i . (k_j + e_j) = q_i . k_j + q_i . e_j``, so that every kernel computes it with
+    no ``[n_q, n_k]`` term (the math path keeps the literal form)."""
+    hooks = call.hooks
+    if hooks.key_shift is not None and hooks.score_term is not None and backend != "flex":
+        shift = hooks.key_shift(call.q, call.q_pos, call.k_pos).to(call.k.dtype)  # [b, h, n_k, d]
+        hooks = replace(hooks, score_term=None, key_shift=None)
+        return replace(call, k=call.k + shift, hooks=hooks)
+    return call
+
+
+def _fast(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    hooks: Hooks,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    scale: float,
+    dropout_p: float,
+    backend: str,
+    scheme: Any,
+) -> Tensor:
+    """Every path but the math reference (``backend`` ``"auto"``, ``"sdpa"``, ``"flex"`` or
+    ``"lean"``): ``[b, h, n_q, d]``."""
+    call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme), backend)
+    return _walk(PATHS[backend], call, backend)[1]()
+
+
+def explain_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scheme: Any = None,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    backend: str = "auto",
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> Explanation:
+    """The path :func:`attend` takes for these arguments, and why each path before it in
+    ``PATHS[backend]`` does not (nothing is computed but what the paths' conditions read)."""
+    hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    call = Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme)
+    name, _, reasons = _walk(PATHS[backend], _prepared(call, backend), backend)
+    return Explanation(name, reasons)

@@ -1,0 +1,88 @@
+"""The FlexAttention path: a scheme's ``flex_score_mod`` and a ``BlockMask`` for the masks.
+Content-free biases and rotary only; no backward on CPU in torch 2.13.
+
+Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..hooks import Hooks
+from .mask import Mask
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+class _NoBackward(torch.autograd.Function):
+    """Identity whose backward raises: FlexAttention has no CPU backward in torch 2.13."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise RuntimeError(
+            "backend='flex' has no backward on CPU (FlexAttention in this torch version "
+            "serves inference only there); train with backend='auto' (or 'sdpa'/'math') "
+            "and switch to 'flex' for inference"
+        )
+
+
+def _flex(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    hooks: Hooks,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    scale: float,
+    dropout_p: float,
+) -> Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if hooks.score_term is not None or hooks.value_term is not None:
+        raise ValueError(
+            "backend='flex' supports rotary embeddings and content-free biases (places 2-3); "
+            "this scheme adds a content-dependent term: use backend='auto'"
+        )
+    if hooks.score_bias is not None and hooks.flex_score_mod is None:
+        raise ValueError(
+            "backend='flex' needs the scheme to define flex_score_mod(q_pos, k_pos); "
+            "use backend='auto' for this scheme"
+        )
+    if dropout_p > 0:
+        raise ValueError("backend='flex' has no attention dropout; set dropout=0 or use 'auto'")
+    b = q.shape[0]
+    score_mod = None
+    if hooks.score_bias is not None and q_pos.shape[-1] and k_pos.shape[-1]:
+        hooks.score_bias(q_pos[:, :1], k_pos[:, :1])  # its shape checked: heads 1 or h
+    if hooks.flex_score_mod is not None:
+        score_mod = hooks.flex_score_mod(q_pos.expand(b, -1), k_pos.expand(b, -1))
+    block_mask = None
+    has_key: Tensor | None = None
+    if not mask.empty:
+        block_mask = create_block_mask(
+            mask.flex_mask_mod(), b, None, mask.n_q, mask.n_k, device=q.device
+        )
+        keep = mask.keep(device=q.device)
+        if keep is not None:
+            has_key = keep.any(dim=-1, keepdim=True)
+    out = _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    if has_key is not None:
+        out = out * has_key
+    if q.device.type == "cpu" and torch.is_grad_enabled() and out.requires_grad:
+        out = _NoBackward.apply(out)
+    return out

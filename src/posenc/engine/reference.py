@@ -1,0 +1,67 @@
+"""The readable reference path (``backend="math"``): the attention formula, literally.
+
+Every other path is tested against it. Shape legend: ``b`` batch, ``h`` heads, ``n_q``
+queries, ``n_k`` keys, ``d`` head dim; positions ``[B', n]`` with ``B'`` 1 or ``b``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..hooks import Hooks
+from .mask import Mask
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype for softmax and accumulation: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _fold_scores(
+    hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float, *, reference: bool
+) -> Tensor | None:
+    """``score_term * scale + score_bias`` (None when the scheme adds neither)."""
+    extra: Tensor | None = None
+    term = (hooks.reference_score_term if reference else None) or hooks.score_term
+    if term is not None:
+        extra = term(q, q_pos, k_pos) * scale  # [b, h, n_q, n_k]
+    if hooks.score_bias is not None:
+        bias = hooks.score_bias(q_pos, k_pos)  # [B', h or 1, n_q, n_k]
+        extra = bias if extra is None else extra + bias
+    return extra
+
+
+def _math(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    hooks: Hooks,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    scale: float,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor]:
+    scores = q @ k.transpose(-2, -1)  # [b, h, n_q, n_k]
+    term = hooks.reference_score_term or hooks.score_term
+    if term is not None:
+        scores = scores + term(q, q_pos, k_pos)
+    scores = scores * scale
+    if hooks.score_bias is not None:
+        scores = scores + hooks.score_bias(q_pos, k_pos)
+    keep = mask.keep(device=q.device)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+    weights = scores.to(_wide(scores.dtype)).softmax(dim=-1)  # softmax in float32 at least
+    if keep is not None:
+        # a query with no visible key: its row was uniform over masked keys; make it 0
+        weights = weights * keep.any(dim=-1, keepdim=True)
+    weights = weights.to(v.dtype)
+    dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
+    out = dropped @ v  # [b, h, n_q, d]
+    value_term = hooks.reference_value_term or hooks.value_term
+    if value_term is not None:
+        out = out + value_term(dropped, q_pos, k_pos)
+    return out, weights

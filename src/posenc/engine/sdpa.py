@@ -1,0 +1,64 @@
+"""The SDPA path: :func:`torch.nn.functional.scaled_dot_product_attention` with the score
+term and the bias folded into its ``attn_mask``.
+
+Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..hooks import Hooks
+from .blocks import _by_blocks, _mask_blocks
+from .mask import Mask
+from .reference import _fold_scores
+
+
+def _sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    hooks: Hooks,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    scale: float,
+    dropout_p: float,
+) -> Tensor:
+    if hooks.value_term is not None:
+        raise ValueError(
+            "backend='sdpa' cannot add a value term (Shaw's a^V needs the attention weights); "
+            "use backend='auto' or 'math'"
+        )
+    extra = _fold_scores(hooks, q, q_pos, k_pos, scale, reference=False)
+    if extra is None and dropout_p == 0:
+        blocks = _mask_blocks(mask, q, cut=False)
+        if blocks is not None:  # padding at the ends, packed documents: no [n_q, n_k] mask
+            return _by_blocks(q, k, v, hooks, q_pos, k_pos, scale, blocks, _sdpa)
+    keep = mask.keep(device=q.device)
+    has_key: Tensor | None = None
+    is_causal = False
+    if (
+        keep is not None
+        and extra is None
+        and mask.causal
+        and mask.n_q == mask.n_k
+        and (mask.key_padding is None and mask.lengths is None and mask.q_doc is None)
+    ):
+        keep, is_causal = None, True  # SDPA's own causal flag: its fastest path
+    if keep is not None:
+        has_key = keep.any(dim=-1, keepdim=True)  # [b|1, 1, n_q, 1]
+        keep = keep | ~has_key  # rows with no key attend to all keys, and are zeroed below
+    if extra is None:
+        attn_mask = keep
+    else:
+        attn_mask = extra.to(q.dtype)
+        if keep is not None:
+            attn_mask = attn_mask.masked_fill(~keep, float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+    )
+    if has_key is not None:
+        out = out * has_key
+    return out

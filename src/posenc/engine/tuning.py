@@ -1,0 +1,31 @@
+"""The engine's tuning constants, one line each.
+
+What each was measured at, and with which command, is the "tuning constants" table of
+docs/performance.md. Code reads them as ``tuning.NAME`` at call time, so that a test or
+an experiment can change one.
+"""
+
+from __future__ import annotations
+
+#: a probability ``exp(x - lse)`` below ``exp(-EXP_FLOOR)`` is exactly 0 (no denormals)
+EXP_FLOOR = 80.0
+#: least span below its row's best bias at which a far bias is raised (see ``_bias_span``)
+BIAS_SPAN = 60.0
+#: scores ``[b, h, rows, n_k]`` per block of the general lean engine
+LEAN_BLOCK_ELEMENTS = 1 << 22
+#: scores ``[b, g, rows, n_k]`` per block of a written-out backward (1-D paths)
+WRITTEN_BLOCK_ELEMENTS = 1 << 19
+#: query rows per kernel call on the per-offset bias path under a causal mask
+CAUSAL_ROWS = 256
+#: scores per block of the 2-D term's written-out backward
+GRID_TERM_WRITTEN_ELEMENTS = 1 << 21
+#: query-key pairs per head from which a clipped table's far pairs take the fused kernels
+FAR_PAIRS = 1 << 21
+#: query rows per fused-kernel call on the grid paths (whole map rows, at least one)
+GRID_KERNEL_ROWS = 256
+#: query-key pairs per head from which a 2-D bias over a whole map takes its grid path
+GRID_BIAS_PAIRS = 1 << 18
+#: elements of one 2-D bias buffer or 2-D term block (below glibc's 32 MiB mmap threshold)
+GRID_BUFFER_ELEMENTS = 1 << 22
+#: query-key pairs of the masked call per call, at least, for a mask to run in blocks
+MASK_BLOCK_PAIRS = 1 << 15

@@ -1,0 +1,277 @@
+"""The hook protocol: how a positional scheme enters attention.
+
+A scheme is any object (usually an ``nn.Module``, so that its tables are trained and saved
+with the model) that defines only the hooks it needs; the engine (:mod:`posenc.engine`)
+sees the hooks, never the scheme's class. Each hook is described by a ``Protocol`` below,
+with its shapes.
+
+Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim;
+positions ``q_pos [B', n_q]`` and ``k_pos [B', n_k]`` have ``B'`` 1 (shared by the batch)
+or ``b``; ``W = n_q + n_k - 1`` offsets; ``R`` the rows of a clipped table.
+
+=========================================  =====  =============================================
+hook                                       place  what it does
+=========================================  =====  =============================================
+``rotate(q, k, q_pos, k_pos) -> (q, k)``   2      rotate queries and keys (RoPE)
+``score_term(q, q_pos, k_pos)``            4, 5   ``[b, h, n_q, n_k]`` added to ``q k^T``,
+                                                  scaled with it by ``1/sqrt(d)``
+``score_bias(q_pos, k_pos)``               3      ``[B', h or 1, n_q, n_k]`` added after
+                                                  the scaling (Swin, T5, ALiBi)
+``value_term(weights, q_pos, k_pos)``      5      ``[b, h, n_q, d]`` added to
+                                                  ``weights @ v`` (Shaw's ``a^V``)
+=========================================  =====  =============================================
+
+so that attention computes ``softmax((q k^T + score_term) / sqrt(d) + score_bias) v +
+value_term``. Optional extras, each another form of one of the hooks above (the engine's
+fast paths use them):
+
+- ``reference_score_term`` / ``reference_value_term``: a literal form that
+  ``backend="math"`` prefers;
+- ``flex_score_mod(q_pos, k_pos)``: the bias as a FlexAttention ``score_mod``;
+- ``offset_bias(q_pos, k_pos)``: a relative bias as one value per offset, ``[h|1, W]``,
+  when the positions are one consecutive run (None otherwise);
+- ``offset_term(q_pos, k_pos)`` / ``offset_value``: the same for a query term
+  ``q_i . r_(j-i)`` and Shaw's ``a^V``, as rows ``r [(h,) W, d]`` or ``(table, index)``;
+- ``grid_bias(q_pos, k_pos)`` / ``grid_term(q_pos, k_pos)``: the 2-D counterparts, for
+  queries and keys that are a whole ``H x W`` map in order;
+- ``key_shift(q, q_pos, k_pos)``: a score term of the key alone, ``q_i . e_j``, as the
+  vector ``e [B', 1, n_k, d]`` added to the keys;
+- ``validate_attention(heads, head_dim)``: called once at construction, to reject a
+  scheme built for another shape.
+
+An extra counts only where the hook it stands for is defined in the same class or above
+(:data:`DERIVED_HOOKS`): a subclass that overrides ``score_bias`` alone runs on its
+``score_bias``, not on the parent's ``offset_bias``. Hooks must accept any positions (a
+block of queries against all keys, shifted, per-batch), never assume ``n_q == n_k``.
+Masks are the attention's job, never a hook's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@runtime_checkable
+class Rotate(Protocol):
+    """Place 2: ``rotate(q [b, h, n_q, d], k [b, h, n_k, d], q_pos [B', n_q], k_pos [B', n_k])
+    -> (q, k)`` of the same shapes (RoPE)."""
+
+    def rotate(
+        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+@runtime_checkable
+class ScoreBias(Protocol):
+    """Place 3: ``score_bias(q_pos [B', n_q], k_pos [B', n_k]) -> [B', h|1, n_q, n_k]``, added
+    to the scores after the scaling (Swin, T5, ALiBi)."""
+
+    def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class ScoreTerm(Protocol):
+    """Places 4-5: ``score_term(q [b, h, n_q, d], q_pos, k_pos) -> [b|1, h|1, n_q, n_k]``, added
+    to ``q k^T`` and scaled with it (relative embeddings, Shaw's ``a^K``)."""
+
+    def score_term(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class ValueTerm(Protocol):
+    """Place 5: ``value_term(weights [b, h, n_q, n_k], q_pos, k_pos) -> [b, h, n_q, d_v]``,
+    added to ``weights @ v`` (Shaw's ``a^V``)."""
+
+    def value_term(self, weights: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class OffsetBias(Protocol):
+    """The per-offset form of :class:`ScoreBias`: ``offset_bias(q_pos, k_pos) -> [h|1, W]``,
+    the bias of offsets ``-(n_q - 1) .. n_k - 1``, or None when the positions are not one
+    consecutive run."""
+
+    def offset_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None: ...
+
+
+@runtime_checkable
+class OffsetTerm(Protocol):
+    """The per-offset form of :class:`ScoreTerm`: ``offset_term(q_pos, k_pos)`` the rows
+    ``r [(h,) W, d]`` with ``term_ij = q_i . r[j - i + n_q - 1]``, or ``(table [(h,) R, d],
+    index [W])`` with ``r = table[index]``, or None."""
+
+    def offset_term(
+        self, q_pos: Tensor, k_pos: Tensor
+    ) -> Tensor | tuple[Tensor, Tensor] | None: ...
+
+
+@runtime_checkable
+class GridBias(Protocol):
+    """The 2-D per-offset form of :class:`ScoreBias` over one whole ``H x W`` map in order:
+    ``grid_bias(q_pos, k_pos) -> [h, 2H-1, 2W-1]`` (offset ``(dy, dx)`` at ``(dy + H - 1,
+    dx + W - 1)``), or None."""
+
+    def grid_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None: ...
+
+
+@runtime_checkable
+class GridTerm(Protocol):
+    """The 2-D per-offset form of :class:`ScoreTerm` over one whole map: ``grid_term(q_pos,
+    k_pos) -> (height [(h,) 2H-1, d], width [(h,) 2W-1, d])``, or None."""
+
+    def grid_term(self, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor] | None: ...
+
+
+@runtime_checkable
+class FlexScoreMod(Protocol):
+    """:class:`ScoreBias` as a FlexAttention ``score_mod``: ``flex_score_mod(q_pos [B', n_q],
+    k_pos [B', n_k]) -> score_mod(score, b, h, q_idx, kv_idx)``, for shared (``B' = 1``) or
+    per-sequence positions."""
+
+    def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> Callable[..., Tensor]: ...
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The hooks a scheme defines (None where it defines none)."""
+
+    rotate: Callable[..., tuple[Tensor, Tensor]] | None = None
+    score_bias: Callable[..., Tensor] | None = None
+    score_term: Callable[..., Tensor] | None = None
+    value_term: Callable[..., Tensor] | None = None
+    offset_bias: Callable[..., Tensor | None] | None = None
+    key_shift: Callable[..., Tensor] | None = None
+    offset_term: Callable[..., Tensor | None] | None = None
+    grid_bias: Callable[..., Tensor | None] | None = None
+    grid_term: Callable[..., tuple[Tensor, Tensor] | None] | None = None
+    offset_value: Callable[..., Tensor | None] | None = None
+    reference_score_term: Callable[..., Tensor] | None = None
+    reference_value_term: Callable[..., Tensor] | None = None
+    flex_score_mod: Callable[..., Callable[..., Tensor]] | None = None
+
+
+HOOK_NAMES = ("rotate", "score_bias", "score_term", "value_term")
+
+
+#: each optional extra and the hook it is another form of: an extra inherited from a class
+#: above the one that (re)defines its hook would compute the parent's term, so it is dropped
+DERIVED_HOOKS = {
+    "offset_bias": "score_bias",
+    "grid_bias": "score_bias",
+    "flex_score_mod": "score_bias",
+    "offset_term": "score_term",
+    "grid_term": "score_term",
+    "key_shift": "score_term",
+    "reference_score_term": "score_term",
+    "offset_value": "value_term",
+    "reference_value_term": "value_term",
+}
+
+
+def _defined_by(scheme: Any, name: str) -> type | None:
+    """The class in ``scheme``'s MRO that defines ``name`` (None: the instance itself)."""
+    if name in getattr(scheme, "__dict__", {}):
+        return None
+    for cls in type(scheme).__mro__:
+        if name in cls.__dict__:
+            return cls
+    return None
+
+
+def hooks_of(scheme: Any) -> Hooks:
+    """Collect the hooks that ``scheme`` defines (``getattr`` that is not None).
+
+    An optional extra (see :data:`DERIVED_HOOKS`) is kept only when the hook it stands for
+    is defined in the same class or above: a subclass that overrides ``score_bias`` (say a
+    steeper ALiBi) is not silently computed with its parent's ``offset_bias``.
+    """
+    if scheme is None:
+        return Hooks()
+    found = {name: getattr(scheme, name, None) for name in Hooks.__dataclass_fields__}
+    hooks = {name: fn for name, fn in found.items() if callable(fn)}
+    for extra, base in DERIVED_HOOKS.items():
+        if extra in hooks and base in hooks:
+            extra_cls, base_cls = _defined_by(scheme, extra), _defined_by(scheme, base)
+            if extra_cls is None:  # set on the instance with its hook: trust the pair
+                continue
+            # the hook set on the instance, or redefined in a subclass of the extra's class
+            if base_cls is None or (base_cls is not extra_cls and issubclass(base_cls, extra_cls)):
+                del hooks[extra]
+    return Hooks(**hooks)
+
+
+def _shape_check(
+    scheme: Any,
+    name: str,
+    fn: Callable[..., Any],
+    expect: Callable[..., tuple[Any, ...]],
+    heads: int,
+) -> Callable[..., Any]:
+    """``fn`` with its result's shape checked against ``expect(*args)``: per dimension an int,
+    a set of allowed ints, or None (any). ``None`` results (an extra declining) pass."""
+
+    def checked(*args: Any) -> Any:
+        out = fn(*args)
+        if out is None or not isinstance(out, Tensor):
+            return out
+        allowed = expect(*args)
+        shape = tuple(out.shape)
+        if len(shape) != len(allowed) or any(
+            a is not None and (s not in a if isinstance(a, set) else s != a)
+            for s, a in zip(shape, allowed, strict=False)
+        ):
+
+            def said(a: Any) -> str:
+                return (
+                    "any"
+                    if a is None
+                    else " or ".join(map(str, sorted(a)))
+                    if isinstance(a, set)
+                    else str(a)
+                )
+
+            raise ValueError(
+                f"position={type(scheme).__name__}: its {name} hook returned shape {shape}, "
+                f"expected [{', '.join(map(said, allowed))}] for the positions it was given "
+                f"(heads: 1, shared, or this attention's {heads}); build the scheme for "
+                f"heads={heads}"
+            )
+        return out
+
+    return checked
+
+
+def checked_hooks(hooks: Hooks, scheme: Any, b: int, h: int, d_v: int) -> Hooks:
+    """The hooks with the shapes of their results checked (``ValueError`` naming the hook,
+    the shape it returned and the shape expected), for an attention of ``b`` sequences,
+    ``h`` heads and value head dim ``d_v``: every backend then fails the same way on a
+    scheme built for another attention, instead of broadcasting it or reading part of it.
+    Not inside ``torch.compile``/``torch.export``, where comparing symbolic sizes would
+    specialise them (an eager call checks the same scheme first).
+    """
+    if torch.compiler.is_compiling():
+        return hooks
+    heads = {1, h}
+
+    def batch_of(pos: Tensor) -> set[int]:
+        return {1, pos.shape[0], b}
+
+    expect: dict[str, Callable[..., tuple[Any, ...]]] = {
+        "score_bias": lambda qp, kp: (batch_of(qp), heads, qp.shape[-1], kp.shape[-1]),
+        "score_term": lambda q, qp, kp: ({1, q.shape[0]}, heads, q.shape[2], kp.shape[-1]),
+        "value_term": lambda w, qp, kp: ({1, w.shape[0]}, heads, w.shape[2], d_v),
+        "offset_bias": lambda qp, kp: (heads, qp.shape[-1] + kp.shape[-1] - 1),
+    }
+    expect["reference_score_term"] = expect["score_term"]
+    expect["reference_value_term"] = expect["value_term"]
+    found = {
+        name: _shape_check(scheme, name, fn, expect[name], h)
+        for name, fn in vars(hooks).items()
+        if fn is not None and name in expect
+    }
+    return replace(hooks, **found) if found else hooks

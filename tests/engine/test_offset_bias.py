@@ -1,0 +1,141 @@
+"""The per-offset bias path (engine/offset_bias.py) against the math reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import (
+    SharedOffsetBias,
+    _offset_scheme,
+    assert_lean_matches_math,
+    assert_results_close,
+    lean_and_math,
+    offset_rows,
+    run,
+    spy_on,
+)
+
+from posenc.engine import Mask, common, offset_bias, tuning
+from tolerances import logit_size
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5", "relative"])
+@pytest.mark.parametrize(
+    ("q_range", "k_range", "offset_path"),
+    [
+        ((0, 37), (0, 37), True),  # self-attention
+        ((24, 37), (0, 37), True),  # decoding: the last queries against a cache
+        ((0, 300), (0, 300), True),  # ALiBi spans > BIAS_SPAN: raised per offset
+        ((400, 410), (0, 300), None),  # ALiBi: no row meets the best offset -> general path
+        ((0, 30), (5, 17), True),  # more queries than keys
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_offset_bias_path_equals_math(
+    head_groups, monkeypatch, name, q_range, k_range, offset_path, dtype, causal
+):
+    """Consecutive positions, no mask or a causal one: the per-offset engine, outputs and
+    every gradient."""
+    calls = spy_on(monkeypatch, offset_bias._OffsetFusedAttention)
+    b, h, d = 2, 3, 8
+    n_q, n_k = q_range[1] - q_range[0], k_range[1] - k_range[0]
+    offset_rows(monkeypatch, 7, b, n_q, n_k)
+    scheme = _offset_scheme(name, h).to(dtype)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for n in (n_q, n_k, n_k))
+    q_pos, k_pos = torch.arange(*q_range)[None], torch.arange(*k_range)[None]
+    mask = Mask(n_q, n_k, causal=causal)
+    grads = lean_and_math(scheme, q, k, v, q_pos, k_pos, mask)
+    # learned tables here span < 60; a causal mask hides the last case's offsets above
+    # -110, and -110, ALiBi's best visible one, is met by every row
+    expected_path = offset_path or name != "alibi" or causal
+    expected_path = expected_path and not (causal and n_q > n_k)  # rows with no key: general
+    assert bool(calls) == expected_path
+    assert_results_close(grads, dtype, logit_size(q, k, scheme, q_pos, k_pos), n_k)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("learn", [True, False])
+def test_offset_bias_path_with_a_bias_shared_by_the_heads(head_groups, monkeypatch, causal, learn):
+    """``[1, W]`` values, learned (``dS`` summed over heads too, every block) or frozen (the
+    fused backward reads one row for every head)."""
+    calls = spy_on(monkeypatch, offset_bias._OffsetFusedAttention)
+    offset_rows(monkeypatch, 5, 2, 20, 20)
+    torch.manual_seed(0)
+    scheme = SharedOffsetBias(20).double().requires_grad_(learn)
+    assert_lean_matches_math(scheme, 2, 3, 20, 8, Mask(20, 20, causal=causal))
+    assert calls
+
+
+def test_offset_bias_kernel_calls_stop_at_the_last_key_seen(monkeypatch):
+    """Without a mask one kernel call takes every query and head; under a causal mask a block
+    of queries takes only the keys its last query sees (reversed: the last ones)."""
+    from posenc import ALiBi
+
+    shapes = []
+    forward = common._flash_cpu
+    monkeypatch.setattr(
+        common,
+        "_flash_cpu",
+        lambda q, k, *a, **kw: (
+            shapes.append((q.shape[1], q.shape[2], k.shape[2])) or forward(q, k, *a, **kw)
+        ),
+    )
+    monkeypatch.setattr(tuning, "CAUSAL_ROWS", 5)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 20, 8) for _ in range(3))
+    pos = torch.arange(20)[None]
+    run("lean", ALiBi(3), q, k, v, pos, pos, Mask(20, 20))
+    assert shapes == [(3, 20, 20)]
+    shapes.clear()
+    run("lean", ALiBi(3), q, k, v, pos, pos, Mask(20, 20, causal=True))
+    assert shapes == [(3, 5, 5), (3, 5, 10), (3, 5, 15), (3, 5, 20)]
+
+
+@pytest.mark.parametrize("name", ["t5", "relative"])
+def test_offset_bias_path_with_frozen_tables(monkeypatch, name):
+    """No table gradient wanted: the fused backward, q/k/v gradients still exact."""
+    calls = spy_on(monkeypatch, offset_bias._OffsetFusedAttention)
+    fused_backward = []
+    backward = common._flash_cpu_backward
+    monkeypatch.setattr(
+        common,
+        "_flash_cpu_backward",
+        lambda *a, **kw: fused_backward.append(1) or backward(*a, **kw),
+    )
+    offset_rows(monkeypatch, 5, 2, 20, 20)
+    scheme = _offset_scheme(name, 3).double().requires_grad_(False)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 20, 8, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(20)[None]
+    results = {}
+    for backend in ("math", "lean"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = run(backend, scheme, *leaves, pos, pos, Mask(20, 20))
+        out.square().sum().backward()
+        results[backend] = [out, *(t.grad for t in leaves)]
+    assert calls and fused_backward
+    for got, expected in zip(results["lean"], results["math"], strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_skewed_bias_blocks_are_the_toeplitz_rows():
+    from posenc.indices import toeplitz
+
+    values = torch.randn(3, 11 + 6 - 1)
+    full = toeplitz(values, 11, 6)  # [h, n_q, n_k]
+    groups = [slice(0, 2), slice(2, 3)]
+    for shared in (False, True):
+        vals = values[:1] if shared else values
+        seen = []
+        for heads, skewed in offset_bias._SkewedBias.per_group(vals, groups, 11, 6, rows=4):
+            seen.append(heads)
+            for start in (0, 4, 8):
+                count = min(4, 11 - start)
+                block = skewed.block(start, count)  # [1, g|1, count, n_k]
+                want = full[:1] if shared else full[heads]
+                torch.testing.assert_close(block[0], want[:, start : start + count], rtol=0, atol=0)
+                first = skewed.block(start, count, keys=3)  # the first 3 keys
+                torch.testing.assert_close(first, block[..., :3], rtol=0, atol=0)
+        assert seen == groups
