@@ -351,16 +351,32 @@ def _causal_only(call: Call) -> bool:
     return replace(mask, causal=False).empty and (not mask.causal or n_q <= n_k)
 
 
-def _plan_offset_term(call: Call) -> Plan:
+def _refusal(call: Call, extra: str, what: str, beside: str, *, causal_ok: bool) -> str | None:
+    """Why a per-offset or grid path cannot take the call before its hook is asked: the
+    scheme lacks the ``extra`` hook (``what`` it is), adds the ``beside`` hook too, the fused
+    CPU kernels do not run, or a mask other than a causal one (``causal_ok``) or any."""
     hooks = call.hooks
-    if hooks.offset_term is None:
-        return "the scheme has no offset_term (a query term per offset j - i)"
-    if hooks.score_bias is not None:
-        return "the scheme adds a bias beside its term"
+    if getattr(hooks, extra) is None:
+        return f"the scheme has no {extra} ({what})"
+    if getattr(hooks, beside) is not None:
+        other = "bias" if beside == "score_bias" else "term"
+        return f"the scheme adds a {other} beside its {'term' if other == 'bias' else 'bias'}"
     if not common._fused_cpu_available(call.q, replace(hooks, value_term=None)):
         return "the fused CPU kernels do not run here (device, dtype)"
-    if not _causal_only(call):
+    if causal_ok and not _causal_only(call):
         return "a mask other than causal"
+    if not causal_ok and not call.mask.empty:
+        return "a mask"
+    return None
+
+
+def _plan_offset_term(call: Call) -> Plan:
+    hooks = call.hooks
+    why = _refusal(
+        call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True
+    )
+    if why is not None:
+        return why
     if hooks.value_term is not None and hooks.offset_value is None:
         return "a value term with no offset_value"
     term = _offset_rows(hooks.offset_term(call.q_pos, call.k_pos))
@@ -386,14 +402,11 @@ def _plan_offset_term(call: Call) -> Plan:
 
 def _plan_grid_term(call: Call) -> Plan:
     hooks = call.hooks
-    if hooks.grid_term is None:
-        return "the scheme has no grid_term (a 2-D query term)"
-    if hooks.score_bias is not None:
-        return "the scheme adds a bias beside its term"
-    if not common._fused_cpu_available(call.q, hooks):
-        return "the fused CPU kernels do not run here (device, dtype, value term)"
-    if not call.mask.empty:
-        return "a mask"
+    why = _refusal(call, "grid_term", "a 2-D query term", "score_bias", causal_ok=False)
+    if why is not None:
+        return why
+    if hooks.value_term is not None:
+        return "a value term"
     tables = hooks.grid_term(call.q_pos, call.k_pos)
     if tables is None:
         return "queries and keys that are not one whole map in order"
@@ -404,14 +417,11 @@ def _plan_grid_term(call: Call) -> Plan:
 
 def _plan_grid_bias(call: Call) -> Plan:
     hooks = call.hooks
-    if hooks.grid_bias is None:
-        return "the scheme has no grid_bias (a 2-D bias per offset)"
-    if hooks.score_term is not None:
-        return "the scheme adds a term beside its bias"
-    if not common._fused_cpu_available(call.q, hooks):
-        return "the fused CPU kernels do not run here (device, dtype, value term)"
-    if not call.mask.empty:
-        return "a mask"
+    why = _refusal(call, "grid_bias", "a 2-D bias per offset", "score_term", causal_ok=False)
+    if why is not None:
+        return why
+    if hooks.value_term is not None:
+        return "a value term"
     if call.q.shape[2] * call.k.shape[2] < tuning.GRID_BIAS_PAIRS:
         return f"fewer than GRID_BIAS_PAIRS = {tuning.GRID_BIAS_PAIRS} query-key pairs"
     grid = hooks.grid_bias(call.q_pos, call.k_pos)
@@ -427,14 +437,11 @@ def _plan_grid_bias(call: Call) -> Plan:
 
 def _plan_offset_bias(call: Call) -> Plan:
     hooks = call.hooks
-    if hooks.offset_bias is None:
-        return "the scheme has no offset_bias (a bias per offset j - i)"
-    if hooks.score_term is not None:
-        return "the scheme adds a term beside its bias"
-    if not common._fused_cpu_available(call.q, hooks):
-        return "the fused CPU kernels do not run here (device, dtype, value term)"
-    if not _causal_only(call):
-        return "a mask other than causal"
+    why = _refusal(call, "offset_bias", "a bias per offset j - i", "score_term", causal_ok=True)
+    if why is not None:
+        return why
+    if hooks.value_term is not None:
+        return "a value term"
     values = hooks.offset_bias(call.q_pos, call.k_pos)
     if values is None:
         return "positions that are not one consecutive run"
