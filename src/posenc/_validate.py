@@ -151,3 +151,77 @@ def positions(
     if device is not None:
         p = p.to(device)
     return p
+
+
+# ----- attention arguments --------------------------------------------------------------------
+
+
+def backend(value: object, allowed: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of the ``allowed`` backend names, else raise."""
+    if value not in allowed:
+        raise ValueError(f"backend must be one of {allowed}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def causal_flag(causal: object) -> bool:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__})")
+    return causal
+
+
+def key_padding_mask(mask: Tensor | None, b: int, n_k: int) -> Tensor | None:
+    if mask is None:
+        return None
+    tensor("key_padding_mask", mask)
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"key_padding_mask must be a bool tensor (True = padding), got dtype "
+            f"{mask.dtype}; convert with key_padding_mask.bool() (or == 0 if 1 marks "
+            f"real tokens)"
+        )
+    if tuple(mask.shape) != (b, n_k):
+        raise ValueError(
+            f"key_padding_mask must have shape [batch, n_k] = [{b}, {n_k}], got shape "
+            f"{tuple(mask.shape)}"
+        )
+    return mask
+
+
+def valid_lens(valid_lens: Tensor | None, b: int, n_q: int) -> Tensor | None:
+    """``valid_lens`` as ``[b, n_q]`` int64 (or None)."""
+    if valid_lens is None:
+        return None
+    tensor("valid_lens", valid_lens)
+    if valid_lens.is_floating_point() or valid_lens.dtype == torch.bool:
+        raise TypeError(
+            f"valid_lens must be an integer tensor, got dtype {valid_lens.dtype}; "
+            f"pass valid_lens.long()"
+        )
+    if not (valid_lens.ndim == 1 and valid_lens.shape[0] == b) and tuple(valid_lens.shape) != (
+        b,
+        n_q,
+    ):
+        raise ValueError(
+            f"valid_lens must have shape [batch] = [{b}] or [batch, n_q] = [{b}, {n_q}], "
+            f"got shape {tuple(valid_lens.shape)}"
+        )
+    if _can_inspect(valid_lens) and bool((valid_lens < 0).any()):
+        raise ValueError(
+            f"valid_lens must be >= 0 (the number of keys each query sees), got a minimum "
+            f"of {int(valid_lens.min())}; use 0 for a sequence with no key"
+        )
+    if valid_lens.ndim == 1:
+        return valid_lens.long()[:, None].expand(b, n_q)  # [b] -> [b, n_q]
+    return valid_lens.long()
+
+
+def document_ids(document_ids: Tensor, b: int, n: int) -> Tensor:
+    tensor("document_ids", document_ids)
+    if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
+        raise TypeError(f"document_ids must be an integer tensor, got dtype {document_ids.dtype}")
+    if tuple(document_ids.shape) != (b, n):
+        raise ValueError(
+            f"document_ids must have shape [batch, n] = [{b}, {n}], got shape "
+            f"{tuple(document_ids.shape)}"
+        )
+    return document_ids

@@ -69,76 +69,6 @@ def check_scheme(position: Any) -> None:
         )
 
 
-def _check_backend(backend: object) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend  # type: ignore[return-value]
-
-
-def _check_causal(causal: object) -> bool:
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__})")
-    return causal
-
-
-def _check_padding(mask: Tensor | None, b: int, n_k: int) -> Tensor | None:
-    if mask is None:
-        return None
-    check.tensor("key_padding_mask", mask)
-    if mask.dtype != torch.bool:
-        raise TypeError(
-            f"key_padding_mask must be a bool tensor (True = padding), got dtype "
-            f"{mask.dtype}; convert with key_padding_mask.bool() (or == 0 if 1 marks "
-            f"real tokens)"
-        )
-    if tuple(mask.shape) != (b, n_k):
-        raise ValueError(
-            f"key_padding_mask must have shape [batch, n_k] = [{b}, {n_k}], got shape "
-            f"{tuple(mask.shape)}"
-        )
-    return mask
-
-
-def _check_lengths(valid_lens: Tensor | None, b: int, n_q: int) -> Tensor | None:
-    """``valid_lens`` as ``[b, n_q]`` int64 (or None)."""
-    if valid_lens is None:
-        return None
-    check.tensor("valid_lens", valid_lens)
-    if valid_lens.is_floating_point() or valid_lens.dtype == torch.bool:
-        raise TypeError(
-            f"valid_lens must be an integer tensor, got dtype {valid_lens.dtype}; "
-            f"pass valid_lens.long()"
-        )
-    if not (valid_lens.ndim == 1 and valid_lens.shape[0] == b) and tuple(valid_lens.shape) != (
-        b,
-        n_q,
-    ):
-        raise ValueError(
-            f"valid_lens must have shape [batch] = [{b}] or [batch, n_q] = [{b}, {n_q}], "
-            f"got shape {tuple(valid_lens.shape)}"
-        )
-    if check._can_inspect(valid_lens) and bool((valid_lens < 0).any()):
-        raise ValueError(
-            f"valid_lens must be >= 0 (the number of keys each query sees), got a minimum "
-            f"of {int(valid_lens.min())}; use 0 for a sequence with no key"
-        )
-    if valid_lens.ndim == 1:
-        return valid_lens.long()[:, None].expand(b, n_q)  # [b] -> [b, n_q]
-    return valid_lens.long()
-
-
-def _check_documents(document_ids: Tensor, b: int, n: int) -> Tensor:
-    check.tensor("document_ids", document_ids)
-    if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
-        raise TypeError(f"document_ids must be an integer tensor, got dtype {document_ids.dtype}")
-    if tuple(document_ids.shape) != (b, n):
-        raise ValueError(
-            f"document_ids must have shape [batch, n] = [{b}, {n}], got shape "
-            f"{tuple(document_ids.shape)}"
-        )
-    return document_ids
-
-
 def _default_query_positions(n_q: int, n_k: int, causal: bool, device: torch.device) -> Tensor:
     """``arange(n_q)``, shifted by ``n_k - n_q`` when causal with fewer queries (decoding):
     ``[1, n_q]``."""
@@ -236,7 +166,7 @@ def _prepare(
     validate = getattr(position, "validate_attention", None)
     if callable(validate):
         validate(heads=h, head_dim=d)
-    causal = _check_causal(causal)
+    causal = check.causal_flag(causal)
     dropout_p = check.probability("dropout_p", dropout_p)
     if scale is not None:
         scale = check.positive_float("scale", scale)
@@ -247,7 +177,7 @@ def _prepare(
                 f"document_ids is for self-attention over packed sequences (n_q == n_k), got "
                 f"n_q={n_q}, n_k={n_k}"
             )
-        documents = _check_documents(document_ids, b, n_q)
+        documents = check.document_ids(document_ids, b, n_q)
         if positions is None:
             positions = positions_from_documents(documents)
     device = q.device
@@ -270,12 +200,12 @@ def _prepare(
         position=position,
         q_pos=q_pos,
         k_pos=k_pos,
-        key_padding=_check_padding(key_padding_mask, b, n_k),
-        lengths=_check_lengths(valid_lens, b, n_q),
+        key_padding=check.key_padding_mask(key_padding_mask, b, n_k),
+        lengths=check.valid_lens(valid_lens, b, n_q),
         causal=causal,
         documents=documents,
         cache=None,
-        backend=_check_backend(backend),
+        backend=check.backend(backend, BACKENDS),
         dropout_p=dropout_p,
         scale=scale,
     )
@@ -432,7 +362,7 @@ class MultiHeadAttention(nn.Module):
                 f"dim must be divisible by heads, got dim={dim}, heads={heads}; pick heads "
                 f"from {divisors} or change dim to a multiple of {heads}"
             )
-        self.backend = _check_backend(backend)
+        self.backend = check.backend(backend, BACKENDS)
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.dropout = check.probability("dropout", dropout)
         self.q_proj = nn.Linear(dim, dim, bias=bias)
@@ -497,7 +427,7 @@ class MultiHeadAttention(nn.Module):
             TypeError: a non-float input, a non-bool padding mask, float positions.
         """
         query, key, value = self._check_inputs(query, key, value)
-        causal = _check_causal(causal)
+        causal = check.causal_flag(causal)
         b, n_q, _ = query.shape
         self_attention = key is query
         if cache is not None or document_ids is not None:
@@ -508,14 +438,14 @@ class MultiHeadAttention(nn.Module):
             positions = cache.next_position + torch.arange(n_q, device=query.device)
         n_k = key.shape[1]
         q_pos, k_pos = self._positions(positions, key_positions, b, n_q, n_k, causal, query, key)
-        key_padding = _check_padding(key_padding_mask, b, n_k)
+        key_padding = check.key_padding_mask(key_padding_mask, b, n_k)
         q = self.q_proj(query).view(b, n_q, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key).view(b, n_k, self.heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(value).view(b, n_k, self.heads, self.head_dim).transpose(1, 2)
         # [b, n, dim] -> [b, n, h, d] -> [b, h, n, d]
         out, weights, entries = _core(
             q, k, v, position=self.position, q_pos=q_pos, k_pos=k_pos, key_padding=key_padding,
-            lengths=_check_lengths(valid_lens, b, n_q), causal=causal, documents=document_ids,
+            lengths=check.valid_lens(valid_lens, b, n_q), causal=causal, documents=document_ids,
             cache=cache, backend=self.backend,
             dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
             scale=None,
@@ -602,7 +532,7 @@ class MultiHeadAttention(nn.Module):
         if document_ids is not None:
             if not self_attention:
                 raise ValueError("document_ids is for self-attention over packed sequences")
-            _check_documents(document_ids, b, n)
+            check.document_ids(document_ids, b, n)
 
     def _positions(
         self,
