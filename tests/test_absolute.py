@@ -17,6 +17,7 @@ from posenc import (
     sinusoidal_shift,
 )
 from posenc.absolute import inverse_frequencies
+from tolerances import assert_close
 
 
 def reference_table(positions: np.ndarray, dim: int, base: float = 10000.0) -> np.ndarray:
@@ -36,7 +37,7 @@ def reference_table(positions: np.ndarray, dim: int, base: float = 10000.0) -> n
 def test_published_values_dim4():
     table = sinusoidal(torch.arange(3), 4)
     expected = [0.84147098, 0.54030231, 0.00999983, 0.99995]
-    np.testing.assert_allclose(table[1].numpy(), expected, atol=1e-7)
+    assert_close(table[1], torch.tensor(expected, dtype=torch.float64))
     np.testing.assert_allclose(table[0].numpy(), [0, 1, 0, 1], atol=0)
 
 
@@ -46,24 +47,24 @@ def test_matches_reference(dim, base):
     positions = np.arange(50)
     got = sinusoidal(torch.from_numpy(positions), dim, base=base)
     assert got.dtype == torch.float32 and got.shape == (50, dim)
-    np.testing.assert_allclose(got.numpy(), reference_table(positions, dim, base), atol=2e-7)
+    assert_close(got, torch.from_numpy(reference_table(positions, dim, base)))
 
 
 def test_batched_and_float_positions():
     positions = np.array([[0, 3, 7], [5, 5, 100]])
     got = sinusoidal(torch.from_numpy(positions), 8)
     assert got.shape == (2, 3, 8)
-    np.testing.assert_allclose(got.numpy(), reference_table(positions, 8), atol=2e-7)
+    assert_close(got, torch.from_numpy(reference_table(positions, 8)))
     halves = np.array([0.5, 2.25])
     got = sinusoidal(torch.tensor(halves), 6)
-    np.testing.assert_allclose(got.numpy(), reference_table(halves, 6), atol=2e-7)
+    assert_close(got, torch.from_numpy(reference_table(halves, 6)))
 
 
 @pytest.mark.parametrize("position", [100_000, 1_000_000])
 def test_large_positions_stay_precise(position):
     positions = np.array([position, position + 1])
-    got = sinusoidal(torch.from_numpy(positions), 64).numpy()
-    np.testing.assert_allclose(got, reference_table(positions, 64), atol=1e-6)
+    got = sinusoidal(torch.from_numpy(positions), 64)
+    assert_close(got, torch.from_numpy(reference_table(positions, 64)))
     # what float32 angles would have given: off by far more than the 1e-4 target
     angles32 = (
         torch.tensor(positions, dtype=torch.float32)[:, None] * inverse_frequencies(64).float()
@@ -93,20 +94,20 @@ def test_shift_moves_the_table(offset):
     shift = sinusoidal_shift(offset, dim).double()
     moved = sinusoidal(positions + offset, dim).double()
     predicted = sinusoidal(positions, dim).double() @ shift.T  # M @ P[p], row-wise
-    torch.testing.assert_close(predicted, moved, atol=1e-6, rtol=0)
+    assert_close(predicted, moved, dtype=torch.float32, terms=2)
 
 
 def test_shift_is_block_diagonal_rotation_and_negative_is_transpose():
     m = sinusoidal_shift(5, 8).double()
-    torch.testing.assert_close(sinusoidal_shift(-5, 8).double(), m.T, atol=1e-7, rtol=0)
-    torch.testing.assert_close(m @ m.T, torch.eye(8, dtype=torch.float64), atol=1e-6, rtol=0)
+    assert_close(sinusoidal_shift(-5, 8).double(), m.T, dtype=torch.float32)
+    assert_close(m @ m.T, torch.eye(8, dtype=torch.float64), dtype=torch.float32, terms=8)
     off_block = m.clone()
     for j in range(4):
         off_block[2 * j : 2 * j + 2, 2 * j : 2 * j + 2] = 0
     assert off_block.abs().max() == 0
     w = 1 / 10000 ** (2 / 8)  # second frequency
     expected = [[math.cos(5 * w), math.sin(5 * w)], [-math.sin(5 * w), math.cos(5 * w)]]
-    np.testing.assert_allclose(m[2:4, 2:4].numpy(), expected, atol=1e-7)
+    assert_close(m[2:4, 2:4], torch.tensor(expected, dtype=torch.float64), dtype=torch.float32)
     with pytest.raises(TypeError, match="offset must be an int"):
         sinusoidal_shift(1.5, 8)
 
@@ -119,7 +120,7 @@ def test_encoding_adds_the_table_without_length_limit():
     x = torch.randn(2, 5000, 8)
     out = enc(x)
     expected = x.double().numpy() + reference_table(np.arange(5000), 8)
-    np.testing.assert_allclose(out.numpy(), expected, atol=1e-5)
+    assert_close(out, torch.from_numpy(expected), terms=2)
     assert not list(enc.state_dict())  # nothing stored
 
 
@@ -128,13 +129,11 @@ def test_encoding_positions_batched_and_unbatched():
     x = torch.zeros(2, 3, 6)
     positions = torch.tensor([[4, 5, 6], [0, 2, 9]])
     out = enc(x, positions)
-    np.testing.assert_allclose(out.numpy(), reference_table(positions.numpy(), 6), atol=2e-7)
+    assert_close(out, torch.from_numpy(reference_table(positions.numpy(), 6)))
     shared = enc(x, torch.tensor([1, 2, 3]))
-    np.testing.assert_allclose(
-        shared[1].numpy(), reference_table(np.array([1, 2, 3]), 6), atol=2e-7
-    )
+    assert_close(shared[1], torch.from_numpy(reference_table(np.array([1, 2, 3]), 6)))
     single = enc(torch.zeros(3, 6), torch.tensor([7, 8, 9]))
-    np.testing.assert_allclose(single.numpy(), reference_table(np.array([7, 8, 9]), 6), atol=2e-7)
+    assert_close(single, torch.from_numpy(reference_table(np.array([7, 8, 9]), 6)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -269,8 +268,15 @@ def test_2d_rows_in_first_half_columns_in_second():
             expected = np.concatenate(
                 [reference_table(np.array(r), dim // 2), reference_table(np.array(c), dim // 2)]
             )
-            np.testing.assert_allclose((out - x)[1, r, c].numpy(), expected, atol=1e-6)
-    torch.testing.assert_close(sinusoidal_2d((height, width), dim), (out - x)[0], atol=1e-6, rtol=0)
+            assert_close(
+                (out - x)[1, r, c],
+                torch.from_numpy(expected),
+                magnitude=out.abs().max(),
+                terms=2,
+            )
+    assert_close(
+        sinusoidal_2d((height, width), dim), (out - x)[0], magnitude=out.abs().max(), terms=2
+    )
 
 
 def test_2d_explicit_positions_and_errors():
