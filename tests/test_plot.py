@@ -45,6 +45,7 @@ TINY = {
         ["--heads", "2", "--length", "8", "--window", "2,2"],
         ["bias_alibi", "bias_swin", "bias_t5"],
     ),
+    "distance": (["--heads", "2", "--length", "16"], ["distance"]),
     "rotary": (
         ["--dim", "8", "--length", "64", "--factor", "2"],
         ["rotary_decay", "rotary_scaling"],

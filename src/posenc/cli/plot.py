@@ -15,6 +15,9 @@ Kinds, and the options each reads (the others are ignored; defaults in brackets)
 - ``bias`` (``--heads`` [4], ``--length`` [64], ``--window`` [4,4]): per-head score biases
   of :class:`~posenc.ALiBi`, :class:`~posenc.T5RelativeBias` (its buckets) and
   :class:`~posenc.RelativePositionBias` (Swin, with an illustrative smooth table).
+- ``distance`` (``--heads`` [8], ``--length`` [512]): the score bias against the distance
+  back to the key, per head, of ALiBi, T5, KERPLE, Sandwich and FIRE
+  (:mod:`~posenc.cli.plot_research`).
 - ``rotary`` (``--dim`` [128], ``--length`` [4096], ``--base``, ``--factor`` [4]): RoPE's
   long-term decay (RoFormer, section 3.4.3) and what :class:`~posenc.LinearScaling`,
   :class:`~posenc.NTKScaling` and :class:`~posenc.YaRNScaling` do to it.
@@ -44,6 +47,7 @@ from pathlib import Path
 from ._options import float_above, formats, input_dir, output_dir, positive_int
 from ._plot_options import window_type
 from .plot_encodings import plot_rotary, plot_similarity, plot_sinusoidal
+from .plot_research import plot_distance
 from .plot_scores import plot_bias, plot_skew, plot_swin_index
 from .plot_trained import plot_attention
 
@@ -56,6 +60,7 @@ KINDS: dict[str, Callable[[argparse.Namespace], list[Path]]] = {
     "skew": plot_skew,
     "swin-index": plot_swin_index,
     "bias": plot_bias,
+    "distance": plot_distance,
     "rotary": plot_rotary,
     "attention": plot_attention,
 }
@@ -76,6 +81,8 @@ kinds and the options they read (others are ignored; defaults in brackets):
   skew        --length [5, at most 12]: relative_to_absolute, every cell annotated
   swin-index  --window [3,3]: Swin's relative position index and each table row's offset
   bias        --heads [4] --length [64] --window [4,4]: ALiBi, T5 buckets, Swin, per head
+  distance    --heads [8] --length [512]: bias against distance, ALiBi, T5, KERPLE,
+              Sandwich, FIRE (learned ones at initialisation), a line per head
   rotary      --dim [128] --length [4096] --base --factor [4]: RoPE decay and scaling
   attention   --checkpoints DIR: attention maps of the models `posenc compare --out` saved
 """
@@ -107,7 +114,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--window", type=window_type, help="Swin window Wh,Ww (swin-index: 3,3; bias: 4,4)"
     )
-    parser.add_argument("--heads", type=positive_int, help="attention heads (bias: 4)")
+    parser.add_argument("--heads", type=positive_int, help="attention heads (bias: 4, distance: 8)")
     parser.add_argument(
         "--factor",
         type=float_above(1.0, inclusive=True, hint=" (the context extension)"),
