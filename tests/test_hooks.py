@@ -95,3 +95,74 @@ def test_checked_hooks_pass_declining_extras_and_reject_wrong_shapes():
     wrong = checked_hooks(hooks_of(ThreeHeads()), ThreeHeads(), 2, 4, 8)
     with pytest.raises(ValueError, match=r"score_bias hook returned shape \(1, 3, 3, 3\)"):
         wrong.score_bias(pos, pos)
+
+
+class CountedBias(nn.Module):
+    """A contextual term in a few lines: a learned slope times the gates of the masked
+    logits counted from each key to the end of the row (CoPE's positions, no table), beside
+    a content-free bias, which the logits it reads include."""
+
+    def __init__(self):
+        super().__init__()
+        self.slope = nn.Parameter(torch.tensor(-0.7, dtype=torch.float64))
+
+    def score_bias(self, q_pos, k_pos):
+        return -0.3 * (k_pos[:, None, :] - q_pos[:, :, None]).abs()[:, None].double()
+
+    def contextual_term(self, logits, q, q_pos, k_pos):
+        return self.slope * torch.sigmoid(logits).flip(-1).cumsum(-1).flip(-1)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "auto", "lean"])
+def test_a_contextual_term_reads_the_scaled_masked_logits_on_every_backend(backend):
+    """The hook gets the scheme's logits ``(q k^T) * scale + score_bias``, masked keys at
+    -inf (a float attn_mask's -inf entries too), and its term is added after the scaling,
+    beside the float attn_mask's values, which it does not read: outputs and gradients (q,
+    k, v, the scheme's parameter) against that definition written here with dense float64
+    tensors."""
+    from posenc import attention, hooks
+
+    torch.manual_seed(0)
+    b, h, n, d = 2, 2, 6, 4
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    added = torch.randn(1, h, n, n, dtype=torch.float64)  # a float attn_mask
+    added[0, 1, 4, 2] = float("-inf")  # one more masked key
+    padding = torch.tensor([[False] * n, [False] * (n - 2) + [True] * 2])
+    scheme = CountedBias()
+    assert isinstance(scheme, hooks.ContextualTerm) and "contextual_term" in HOOK_NAMES
+    got = attention(q, k, v, position=scheme, causal=True, key_padding_mask=padding,
+                    attn_mask=added, backend=backend)  # fmt: skip
+    pos = torch.arange(n)
+    keep = (pos[None, :] <= pos[:, None])[None, None] & ~padding[:, None, None, :]
+    keep = keep & (added > float("-inf"))
+    logits = q @ k.transpose(-2, -1) / d**0.5 + scheme.score_bias(pos[None], pos[None])
+    logits = logits.masked_fill(~keep, float("-inf"))  # [b, h, n, n]
+    count = torch.sigmoid(logits).flip(-1).cumsum(-1).flip(-1)
+    want = (logits + scheme.slope * count + added).softmax(-1) @ v
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    leaves = (q, k, v, scheme.slope)
+    cotangent = torch.randn_like(want)
+    for a, c in zip(
+        torch.autograd.grad(got, leaves, cotangent),
+        torch.autograd.grad(want, leaves, cotangent),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12)
+
+
+def test_checked_hooks_check_the_contextual_term():
+    from posenc.hooks import checked_hooks
+
+    class OneKeyShort(nn.Module):
+        def contextual_term(self, logits, q, q_pos, k_pos):
+            return logits[..., :-1]
+
+    pos = torch.arange(3)[None]
+    q, logits = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 3, 3)
+    good = checked_hooks(hooks_of(CountedBias()), CountedBias(), 2, 4, 8)
+    assert good.contextual_term(logits, q, pos, pos).shape == (2, 4, 3, 3)
+    wrong = checked_hooks(hooks_of(OneKeyShort()), OneKeyShort(), 2, 4, 8)
+    with pytest.raises(
+        ValueError, match=r"contextual_term hook returned shape \(2, 4, 3, 2\), expected "
+    ):
+        wrong.contextual_term(logits, q, pos, pos)

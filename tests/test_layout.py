@@ -20,7 +20,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 #: the modules of the five places (README's table), where each scheme lives
-SCHEME_MODULES = ("absolute", "rotary", "bias", "bias_research", "embedding", "shaw")
+SCHEME_MODULES = (
+    "absolute",
+    "rotary",
+    "rotary_nd",
+    "rotary_research",
+    "bias",
+    "bias_research",
+    "bias_continuous",
+    "embedding",
+    "embedding_research",
+    "shaw",
+)
 
 
 def modules() -> dict[str, tuple[Path, bool]]:

@@ -46,6 +46,8 @@ TINY = {
         ["bias_alibi", "bias_swin", "bias_t5"],
     ),
     "distance": (["--heads", "2", "--length", "16"], ["distance"]),
+    "cope": ([], ["cope"]),
+    "cpb": (["--window", "2,3"], ["cpb"]),
     "rotary": (
         ["--dim", "8", "--length", "64", "--factor", "2"],
         ["rotary_decay", "rotary_scaling"],

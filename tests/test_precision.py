@@ -63,6 +63,7 @@ from posenc import (
     Rotary,
     SinusoidalEncoding,
     SinusoidalEncoding2D,
+    XPos,
 )
 from schemes import SCHEMES
 from tolerances import assert_close, tolerance
@@ -113,7 +114,13 @@ def _errors(name: str, dtype: torch.dtype, backend: str, seed: int) -> tuple[flo
     out32, grad32, tables32 = _run(_build(name, seed, backend), x, torch.float32)
     out, grad, tables = _run(_build(name, seed, backend), x, dtype)
     assert set(tables) == set(tables32)
-    table_error = max((_relative_error(tables[k], tables32[k]) for k in tables), default=0.0)
+    # at the size of the largest table gradient (tests/tolerances.py): a parameter that
+    # adds a constant to every score of a row (FIRE's output bias) has a zero gradient,
+    # which float32 and bf16 round to different noise
+    largest = max((float(t.abs().max()) for t in tables32.values()), default=0.0)
+    table_error = max(
+        (float((tables[k] - tables32[k]).abs().max()) / largest for k in tables), default=0.0
+    )
     return _relative_error(out, out32), _relative_error(grad, grad32), table_error
 
 
@@ -318,6 +325,10 @@ def test_relative_schemes_unchanged_by_a_shift_of_one_million(name, dtype):
     model = _build(name, 0, "auto").eval().to(dtype)
     x = torch.randn(2, N, DIM).to(dtype)
     at_zero = model(x, causal=True)
+    if isinstance(model.position, XPos):  # its factors leave the dtype's range: it raises
+        with pytest.raises(ValueError, match="max_position"):
+            model(x, causal=True, positions=torch.arange(N) + MILLION)
+        return
     for shift in (MILLION - 7, MILLION):
         shifted = model(x, causal=True, positions=torch.arange(N) + shift)
         # RoPE: q and k rotated by other angles, each rounded once; tables: exact

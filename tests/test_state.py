@@ -63,15 +63,31 @@ TABLES: dict[str, dict[str, tuple[int, ...]]] = {
     "rotary-interleaved": {},
     "rotary-partial": {},
     "rotary-ntk": {},
+    "xpos": {},
     "alibi": {},
     "alibi-learned": {"log_slopes": (HEADS,)},
     "kerple-log": {"r1": (HEADS,), "r2": (HEADS,)},
     "kerple-power": {"r1": (HEADS,), "r2": (HEADS,)},
+    "fire": {  # FIREBias(HEADS): hidden=32; c and L_multiplier are scalars
+        "mlp.0.weight": (32, 1),
+        "mlp.0.bias": (32,),
+        "mlp.2.weight": (HEADS, 32),
+        "mlp.2.bias": (HEADS,),
+        "c": (),
+        "L_multiplier": (),
+    },
     "rotary-2d": {},
+    "rotary-mixed": {"freqs": (2, HEADS, HEAD_DIM // 2)},
+    "rotary-nd": {},
     "t5": {"embedding.weight": (8, HEADS)},  # num_buckets=8
     "t5-decoder": {"embedding.weight": (8, HEADS)},
     "swin-1d": {"table": (2 * N - 1, HEADS)},
     "swin-2d": {"table": ((2 * GRID[0] - 1) * (2 * GRID[1] - 1), HEADS)},
+    "swin-v2-cpb": {  # Swin V2's cpb_mlp: Linear(2, 512), ReLU, Linear(512, heads, bias=False)
+        "cpb_mlp.0.weight": (512, 2),
+        "cpb_mlp.0.bias": (512,),
+        "cpb_mlp.2.weight": (HEADS, 512),
+    },
     "relative": {"weight": (2 * N - 1, HEAD_DIM)},
     "relative-per-head": {"weight": (HEADS, 2 * N - 1, HEAD_DIM)},
     "relative-2d": {
@@ -79,6 +95,7 @@ TABLES: dict[str, dict[str, tuple[int, ...]]] = {
         "width": (2 * GRID[1] - 1, HEAD_DIM),
     },
     "absolute-query": {"weight": (N, HEAD_DIM)},
+    "cope": {"weight": (HEAD_DIM, N + 1)},  # max_position = max_len + 1
     "shaw": {"keys": (7, HEAD_DIM), "values": (7, HEAD_DIM)},  # max_distance=3
     "shaw-keys-only": {"keys": (7, HEAD_DIM)},
 }

@@ -3,7 +3,8 @@
 Every scheme enters attention at one of five places, and lives in the module of its place:
 the input (``absolute.py``); q and k rotated (``rotary.py``); a content-free score bias
 (``bias.py``, and the length-generalisation research biases in ``bias_research.py``); a
-content-dependent score term (``embedding.py``); keys and values (``shaw.py``). README.md
+content-dependent score term (``embedding.py``, and CoPE's contextual positions in
+``embedding_research.py``); keys and values (``shaw.py``). README.md
 has the table and the usage; docs/ has the rest.
 """
 
@@ -26,10 +27,12 @@ from .bias import (
     load_relative_position_bias,
     resize_relative_position_table,
 )
-from .bias_research import KerpleBias
+from .bias_continuous import ContinuousPositionBias
+from .bias_research import FIREBias, KerpleBias
 from .cache import KVCache
 from .dense import as_attn_mask
 from .embedding import AbsoluteQueryEmbedding, RelativeQueryEmbedding, RelativeQueryEmbedding2D
+from .embedding_research import CoPE
 from .families import GridBias, GridTerm, OffsetBias, OffsetTerm
 from .indices import (
     positions_from_documents,
@@ -49,12 +52,17 @@ from .rotary import (
     RotaryScaling,
     YaRNScaling,
 )
+from .rotary_nd import RotaryMixed, RotaryND
+from .rotary_research import XPos
 from .shaw import ShawRelativePosition
 
 __all__ = [
     "ALiBi",
     "AbsoluteQueryEmbedding",
+    "CoPE",
+    "ContinuousPositionBias",
     "DynamicNTKScaling",
+    "FIREBias",
     "GridBias",
     "GridTerm",
     "KVCache",
@@ -72,11 +80,14 @@ __all__ = [
     "RelativeQueryEmbedding2D",
     "Rotary",
     "Rotary2D",
+    "RotaryMixed",
+    "RotaryND",
     "RotaryScaling",
     "ShawRelativePosition",
     "SinusoidalEncoding",
     "SinusoidalEncoding2D",
     "T5RelativeBias",
+    "XPos",
     "YaRNScaling",
     "__version__",
     "alibi_slopes",

@@ -3,24 +3,34 @@
 - :class:`KerpleBias`: a learned conditionally positive definite kernel of the distance,
   logarithmic ``-r1 * log(1 + r2 * |j - i|)`` or power ``-r1 * |j - i| ** r2`` (Chi et al.
   2022, "KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation").
+- :class:`FIREBias`: a learned MLP of the log distance divided by the log of the query's
+  position (Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long
+  Context Transformers"); the maths in :func:`fire_inputs` and :func:`fire_mlp`.
 
 The learned-slope variant of ALiBi is ``ALiBi(heads, learned=True)`` in :mod:`posenc.bias`.
-Each is an :class:`~posenc.families.OffsetBias`: it writes the bias of an offset, and the
+KERPLE is an :class:`~posenc.families.OffsetBias`: it writes the bias of an offset, and the
 family derives every hook (the per-offset fast path, the dense bias, the FlexAttention
-``score_mod``) from it.
+``score_mod``) from it. FIRE's bias depends on the query's position too, not on the offset
+alone, so it writes the hooks itself (``score_bias``, ``flex_score_mod``).
 
-Shape legend: ``S`` any shape of offsets, ``h`` heads.
+Shape legend: ``S`` any shape of offsets, ``h`` heads, ``k`` hidden units of FIRE's MLP,
+``B'`` the batch of the positions (1 when shared, else ``b``), ``n_q`` queries, ``n_k`` keys.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _validate as check
 from .families import OffsetBias
+from .families.common import check_heads, lengths_positions, module_device
+from .indices import score_mod_positions
 
-__all__ = ["KerpleBias"]
+__all__ = ["FIREBias", "KerpleBias", "fire_inputs", "fire_mlp"]
 
 #: KERPLE's kernels, and the upper bound of ``r2`` of each (None: unbounded)
 _KINDS: dict[str, float | None] = {"log": None, "power": 2.0}
@@ -123,3 +133,198 @@ class KerpleBias(OffsetBias):
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, kind={self.kind!r}, eps={self.eps}"
+
+
+def fire_inputs(
+    distance: Tensor, query: Tensor, c: Tensor, threshold: Tensor, eps: float
+) -> Tensor:
+    """FIRE's progressive interpolation: ``psi(i - j) / psi(max(L, i))``, ``psi(x) = log(c x + 1)``.
+
+    Li et al. 2023: ``b(i, j) = f_theta(psi(i - j) / psi(max{L, i}))`` with
+    ``psi(x) = log(c x + 1)``, computed as FIRE's PyTorch module does (see
+    :class:`FIREBias`): ``log(|c * x| + 1)`` for both, ``eps`` added to the denominator,
+    ``L = threshold``. The result is in ``[0, 1]`` for a key at or before its query
+    (``0 <= j <= i``) and ``c > 0``.
+
+    Args:
+        distance: ``[*S]`` query minus key position ``i - j`` (any sign; FIRE's order).
+        query: ``[*S]`` (or broadcastable) the query position ``i``.
+        c: 0-d, the log transform's scale.
+        threshold: 0-d, ``L``: queries before it are normalised as if at ``L``.
+        eps: added to the denominator.
+
+    Returns:
+        ``[*S]`` in the dtype of ``c``.
+    """
+    numerator = torch.log1p((c * distance.to(c.dtype)).abs())  # [*S]
+    normaliser = torch.maximum(query.to(c.dtype), threshold)  # [*S], max(L, i)
+    return numerator / (torch.log1p((c * normaliser).abs()) + eps)
+
+
+def fire_mlp(x: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor) -> Tensor:
+    """FIRE's ``f_theta``: ``W2 relu(w1 x + b1) + b2``, one value per head for each input.
+
+    Args:
+        x: ``[*S]`` the interpolated distances (:func:`fire_inputs`).
+        weight1: ``[k, 1]``; bias1: ``[k]``: the hidden layer.
+        weight2: ``[h, k]``; bias2: ``[h]``: the output layer.
+
+    Returns:
+        ``[*S, h]``.
+    """
+    hidden = F.relu(F.linear(x.unsqueeze(-1), weight1, bias1))  # [*S, 1] -> [*S, k]
+    return F.linear(hidden, weight2, bias2)  # [*S, h]
+
+
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+class FIREBias(nn.Module):
+    """FIRE: a learned function of the interpolated distance, per head (Li et al. 2023).
+
+    Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long Context
+    Transformers" (ICLR 2024, arXiv 2310.04418):
+
+        ``B[h, i, j] = f_theta(psi(i - j) / psi(max{L, i}))[h]``,  ``psi(x) = log(c x + 1)``
+
+    for query position ``i`` and key position ``j``: the log transform spreads the nearby
+    distances, the division by the (log of the) query's position maps every distance a
+    query sees into ``[0, 1]`` however long the sequence (progressive interpolation), and
+    the threshold ``L`` keeps short contexts from being stretched over the whole interval.
+    The bias depends on ``i`` itself once ``i > L``: FIRE is not translation invariant
+    then, and is no :class:`~posenc.families.OffsetBias`.
+
+    The details are those of the paper's PyTorch ``FIRE`` module, as later work reproduces
+    it with credit to the paper (e.g. github.com/mcleish7/arithmetic,
+    ``cramming/architectures/embeddings.py``, and the DAPE code):
+
+    - ``f_theta`` is ``Linear(1, hidden) -> ReLU -> Linear(hidden, heads)`` (``mlp.0``,
+      ``mlp.2``; ``hidden = 32``), PyTorch's default initialisation;
+    - ``c`` is a learned scalar, initially 0.1, used as ``log(|c x| + 1)``;
+    - ``L = |L_multiplier * init_L|``: a learned multiplier ``L_multiplier`` (initially 1)
+      of the fixed ``init_L`` (512);
+    - ``eps = 1e-6`` is added to the denominator.
+
+    That module keeps ``init_L`` as a frozen parameter; here it is a constructor argument,
+    so the state dict holds the learned tensors only (``mlp.*``, ``c``, ``L_multiplier``).
+    The absolute value makes the bias of a key ``m`` positions after its query equal to
+    that of a key ``m`` before it (bidirectional attention); the paper's models are causal.
+
+    Computed in float32 (float64 for float64 parameters). ``score_bias`` evaluates the MLP
+    once per (query, key) pair: past ``L`` every pair of a query has its own input
+    (``psi(max{L, i})`` changes with ``i``), so a table over distinct inputs saves nothing
+    there; before ``L`` the input is a function of the offset alone, but telling those
+    queries apart reads the learned ``L`` (a device sync, a graph break under
+    ``torch.compile``). The lean engine calls the hook a block of queries at a time, which
+    bounds the ``[B', rows, n_k, hidden]`` intermediate. The normaliser is per query.
+
+    Args:
+        heads: number of heads.
+        hidden: hidden units of ``f_theta``.
+        init_c: the initial ``c``.
+        init_L: ``L`` for ``L_multiplier = 1``.
+        eps: added to the denominator.
+
+    Raises:
+        TypeError: a count that is not an int, a constant that is not a number.
+        ValueError: a count < 1, a constant not finite and > 0.
+    """
+
+    def __init__(
+        self,
+        heads: int,
+        *,
+        hidden: int = 32,
+        init_c: float = 0.1,
+        init_L: float = 512.0,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.heads = check.positive_int("heads", heads)
+        self.hidden = check.positive_int("hidden", hidden)
+        self.init_c = check.positive_float("init_c", init_c)
+        self.init_L = check.positive_float("init_L", init_L)
+        self.eps = check.positive_float("eps", eps)
+        self.mlp = nn.Sequential(
+            nn.Linear(1, self.hidden), nn.ReLU(), nn.Linear(self.hidden, heads)
+        )
+        self.c = nn.Parameter(torch.empty(()))
+        self.L_multiplier = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``c = init_c``, ``L_multiplier = 1``, the MLP's layers re-drawn (PyTorch default)."""
+        with torch.no_grad():
+            self.c.fill_(self.init_c)
+            self.L_multiplier.fill_(1.0)
+        self.mlp[0].reset_parameters()
+        self.mlp[2].reset_parameters()
+
+    def _tensors(self) -> tuple[Tensor, ...]:
+        """``(c, L, w1, b1, w2, b2)`` in the dtype of the computation (float32 at least)."""
+        first, last = self.mlp[0], self.mlp[2]
+        dtype = torch.promote_types(self.c.dtype, torch.float32)
+        threshold = (self.L_multiplier.to(dtype) * self.init_L).abs()  # L
+        tensors = (first.weight, first.bias, last.weight, last.bias)
+        return (self.c.to(dtype), threshold, *(t.to(dtype) for t in tensors))
+
+    def score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """The bias for ``q_pos [B', n_q]`` and ``k_pos [B', n_k]``: ``[B', h, n_q, n_k]``."""
+        c, threshold, *weights = self._tensors()
+        distance = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)  # [B', n_q, n_k], i - j
+        x = fire_inputs(distance, q_pos.unsqueeze(-1), c, threshold, self.eps)  # [B', n_q, n_k]
+        return fire_mlp(x, *weights).permute(0, 3, 1, 2)  # [B', n_q, n_k, h] -> [B', h, ..]
+
+    def forward(self, q_len: int, k_len: int, offset: int = 0) -> Tensor:
+        """The dense bias ``[h, q_len, k_len]``; queries at ``offset + arange(q_len)``.
+
+        Raises:
+            TypeError: a length or offset that is not an int.
+            ValueError: a negative one.
+        """
+        q_pos, k_pos = lengths_positions(q_len, k_len, offset, module_device(self))
+        return self.score_bias(q_pos, k_pos)[0]
+
+    def flex_score_mod(self, q_pos: Tensor | None, k_pos: Tensor | None) -> ScoreMod:
+        """``score + B[h, i, j]`` as a FlexAttention ``score_mod``, the MLP per pair.
+
+        The hidden layer is unrolled (``hidden`` multiply-adds per pair and head), as a
+        ``score_mod`` holds no reduction.
+
+        Args:
+            q_pos: ``[n_q]``, ``[1, n_q]`` (shared by the batch) or ``[b, n_q]`` positions,
+                or None (the token indices).
+            k_pos: ``[n_k]``, ``[1, n_k]`` or ``[b, n_k]``, likewise.
+
+        Returns:
+            ``score_mod(score, b, h, q_idx, kv_idx)``.
+
+        Raises:
+            ValueError: positions not ``[n]`` or ``[B', n]``, or batch sizes that differ.
+            TypeError: positions that are not integers.
+        """
+        _, _, read_q, read_k = score_mod_positions(q_pos, k_pos)
+        c, threshold, weight1, bias1, weight2, bias2 = self._tensors()
+        w1, eps = weight1[:, 0], self.eps  # [k, 1] -> [k]
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            i, j = read_q(b, q_idx), read_k(b, kv_idx)
+            x = fire_inputs(i - j, i, c, threshold, eps)
+            # head h's output, one hidden unit at a time: a score_mod must stay pointwise
+            # (inductor lowers no reduction inside it), and reads one head, never all
+            out = bias2[h]
+            for unit in range(self.hidden):
+                out = out + torch.relu(x * w1[unit] + bias1[unit]) * weight2[h, unit]
+            return score + out
+
+        return score_mod
+
+    def validate_attention(self, heads: int, head_dim: int) -> None:
+        """Reject an attention with another number of heads than ``heads``."""
+        check_heads(self, heads)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.heads}, hidden={self.hidden}, init_c={self.init_c}, "
+            f"init_L={self.init_L}, eps={self.eps}"
+        )

@@ -56,7 +56,8 @@ def as_attn_mask(
 
     Args:
         position: a content-free scheme: one with a ``score_bias`` hook and no ``rotate``,
-            ``score_term`` or ``value_term`` (ALiBi, T5RelativeBias, RelativePositionBias, ...).
+            ``score_term``, ``value_term`` or ``contextual_term`` (ALiBi, T5RelativeBias,
+            RelativePositionBias, ...).
         q_len: queries ``n_q``.
         k_len: keys ``n_k`` (default ``q_len``).
         positions: ``[n_q]`` or ``[b, n_q]`` query positions (and the keys' when
@@ -87,7 +88,11 @@ def as_attn_mask(
     check_scheme(position)
     hooks = hooks_of(position)
     name = type(position).__name__
-    dependent = [h for h in ("rotate", "score_term", "value_term") if getattr(hooks, h) is not None]
+    dependent = [
+        h
+        for h in ("rotate", "score_term", "value_term", "contextual_term")
+        if getattr(hooks, h) is not None
+    ]
     if dependent:
         raise TypeError(
             f"{name} has the content-dependent hook(s) {dependent}: its effect on the scores "

@@ -77,8 +77,9 @@ def score_mod(
         the ``score_mod``.
 
     Raises:
-        TypeError: a scheme with a rotation, a value term or an unbounded / key-only term
-            (none is a ``score_mod``), a query term without ``q``, a scheme with no hook.
+        TypeError: a scheme with a rotation, a value term, a contextual term (CoPE) or an
+            unbounded / key-only term (none is a ``score_mod``), a query term without ``q``,
+            a scheme with no hook.
         ValueError: positions that do not fit ``q`` or ``k_len``, a scheme built for other
             heads, positions the scheme rejects (outside a Swin window or map, past a
             table's ``max_len``, ...).
@@ -97,6 +98,12 @@ def score_mod(
         raise TypeError(
             f"{name} adds a value term (Shaw's a^V), which a score_mod cannot: build it without "
             f"values (ShawRelativePosition(..., values=False)) or use posenc.attention"
+        )
+    if hooks.contextual_term is not None:
+        raise TypeError(
+            f"{name} adds a contextual term (CoPE), read from each query's whole row of "
+            f"masked logits, which a score_mod (one score at a time) cannot; use "
+            f"posenc.attention(q, k, v, position=...)"
         )
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(

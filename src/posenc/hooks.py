@@ -19,11 +19,14 @@ hook                                       place  what it does
                                                   the scaling (Swin, T5, ALiBi)
 ``value_term(weights, q_pos, k_pos)``      5      ``[b, h, n_q, d]`` added to
                                                   ``weights @ v`` (Shaw's ``a^V``)
+``contextual_term(z, q, q_pos, k_pos)``    4      ``[b, h, n_q, n_k]`` added to the scaled
+                                                  logits ``z``, read from them (CoPE)
 =========================================  =====  =============================================
 
-so that attention computes ``softmax((q k^T + score_term) / sqrt(d) + score_bias) v +
-value_term``. Optional extras, each another form of one of the hooks above (the engine's
-fast paths use them):
+so that attention computes ``softmax(z + contextual_term(z)) v + value_term`` with the
+logits ``z = (q k^T + score_term) / sqrt(d) + score_bias`` (masked keys at ``-inf``).
+Optional extras, each another form of one of the hooks above (the engine's fast paths use
+them):
 
 - ``reference_score_term`` / ``reference_value_term``: a literal form that
   ``backend="math"`` prefers;
@@ -94,6 +97,27 @@ class ValueTerm(Protocol):
 
 
 @runtime_checkable
+class ContextualTerm(Protocol):
+    """Place 4, positions that the content sets (CoPE): ``contextual_term(logits [b, h, n_q,
+    n_k], q [b, h, n_q, d], q_pos [B', n_q], k_pos [B', n_k]) -> [b|1, h|1, n_q, n_k]``, added
+    to the logits after the scaling.
+
+    ``logits`` are the scheme's scaled scores, ``(q k^T + score_term) * scale + score_bias``,
+    with every masked key at ``-inf`` (so ``sigmoid(logits)`` is 0 there); the values of a
+    float ``attn_mask`` are added beside the term, not read by it (its ``-inf`` entries mask
+    keys, and the attention moves each of its rows by a constant, which a softmax ignores
+    and a gate would not). Row ``i`` of the result may read row ``i`` of the logits, never
+    another row; its values at masked keys are ignored. The logits are written out for it
+    (``[b, h, n_q, n_k]``): the per-offset, grid, lean and FlexAttention paths do not run it
+    (``backend="auto"`` and ``"lean"`` take the math path, ``"sdpa"`` computes the logits
+    once more and takes the term as its float mask)."""
+
+    def contextual_term(
+        self, logits: Tensor, q: Tensor, q_pos: Tensor, k_pos: Tensor
+    ) -> Tensor: ...
+
+
+@runtime_checkable
 class OffsetBias(Protocol):
     """The per-offset form of :class:`ScoreBias`: ``offset_bias(q_pos, k_pos) -> [h|1, W]``,
     the bias of offsets ``-(n_q - 1) .. n_k - 1``, or None when the positions are not one
@@ -159,6 +183,7 @@ class Hooks:
     score_bias: Callable[..., Tensor] | None = None
     score_term: Callable[..., Tensor] | None = None
     value_term: Callable[..., Tensor] | None = None
+    contextual_term: Callable[..., Tensor] | None = None
     offset_bias: Callable[..., Tensor | None] | None = None
     key_shift: Callable[..., Tensor] | None = None
     offset_term: Callable[..., Tensor | None] | None = None
@@ -171,7 +196,7 @@ class Hooks:
     flex_term_mod: Callable[..., Callable[..., Tensor] | None] | None = None
 
 
-HOOK_NAMES = ("rotate", "score_bias", "score_term", "value_term")
+HOOK_NAMES = ("rotate", "score_bias", "score_term", "value_term", "contextual_term")
 
 
 #: each optional extra and the hook it is another form of: an extra inherited from a class
@@ -282,6 +307,7 @@ def checked_hooks(hooks: Hooks, scheme: Any, b: int, h: int, d_v: int) -> Hooks:
         "score_bias": lambda qp, kp: (batch_of(qp), heads, qp.shape[-1], kp.shape[-1]),
         "score_term": lambda q, qp, kp: ({1, q.shape[0]}, heads, q.shape[2], kp.shape[-1]),
         "value_term": lambda w, qp, kp: ({1, w.shape[0]}, heads, w.shape[2], d_v),
+        "contextual_term": lambda z, q, qp, kp: ({1, q.shape[0]}, heads, q.shape[2], z.shape[-1]),
         "offset_bias": lambda qp, kp: (heads, qp.shape[-1] + kp.shape[-1] - 1),
     }
     expect["reference_score_term"] = expect["score_term"]

@@ -27,9 +27,13 @@ from typing import Any
 
 from .absolute import LearnedEncoding, SinusoidalEncoding, SinusoidalEncoding2D
 from .bias import ALiBi, RelativePositionBias, T5RelativeBias
-from .bias_research import KerpleBias
+from .bias_continuous import ContinuousPositionBias
+from .bias_research import FIREBias, KerpleBias
 from .embedding import AbsoluteQueryEmbedding, RelativeQueryEmbedding, RelativeQueryEmbedding2D
+from .embedding_research import CoPE
 from .rotary import DynamicNTKScaling, Rotary, Rotary2D
+from .rotary_nd import RotaryMixed, RotaryND
+from .rotary_research import XPos
 from .shaw import ShawRelativePosition
 
 __all__ = [
@@ -237,6 +241,37 @@ SCHEMES: dict[str, Entry] = {
         shared=True,
         default_in=("compare",),  # bench: it costs what rotary costs
     ),
+    "rotary-mixed": Entry(
+        lambda s: RotaryMixed(s.head_dim, s.heads, size=s.cells("rotary-mixed")),
+        "RoPE-Mixed: learned 2-D frequencies per head (Heo et al. 2024), per layer",
+        2,
+        relative=False,
+        two_d=True,
+        default_in=(),  # research: run when named
+    ),
+    "rotary-nd": Entry(
+        lambda s: RotaryND(
+            s.head_dim,
+            (s.head_dim // 4, s.head_dim // 2 - s.head_dim // 4),
+            size=s.cells("rotary-nd"),
+            style="mrope",
+        ),
+        "M-RoPE (Qwen2-VL): one RoPE ladder shared out between the grid's rows and columns",
+        2,
+        relative=False,
+        two_d=True,
+        learned=False,
+        shared=True,
+        default_in=(),  # research: run when named
+    ),
+    "xpos": Entry(
+        lambda s: XPos(s.head_dim),
+        "xPos: RoPE with a per-pair exponential decay of the distance (scale base 512)",
+        2,
+        learned=False,
+        shared=True,
+        default_in=(),  # research: run when named
+    ),
     "alibi": Entry(
         lambda s: ALiBi(s.heads), "ALiBi linear distance penalty", 3, learned=False, shared=True
     ),
@@ -257,6 +292,13 @@ SCHEMES: dict[str, Entry] = {
         "KERPLE learned power kernel -r1 |j-i|^r2, per layer",
         3,
         default_in=(),  # a variant: run when named
+    ),
+    "fire": Entry(
+        lambda s: FIREBias(s.heads),
+        "FIRE learned MLP of log|i-j| / log max(L, i), per layer",
+        3,
+        relative=False,  # past L the query's own position enters the bias
+        default_in=(),  # research: run when named
     ),
     "t5": Entry(
         _t5(None),
@@ -283,6 +325,14 @@ SCHEMES: dict[str, Entry] = {
         3,
         relative=False,
         two_d=True,
+    ),
+    "swin-v2-cpb": Entry(
+        lambda s: ContinuousPositionBias(s.cells("swin-v2-cpb"), s.heads),
+        "Swin V2 log-spaced continuous bias: an MLP of the 2-D offset, per layer",
+        3,
+        relative=False,
+        two_d=True,
+        default_in=(),  # research: run when named
     ),
     "relative": Entry(
         lambda s: RelativeQueryEmbedding(s.max_len, s.head_dim),
@@ -311,6 +361,13 @@ SCHEMES: dict[str, Entry] = {
         relative=False,
         longest=_max_len,
         default_in=("bench",),
+    ),
+    "cope": Entry(
+        lambda s: CoPE(s.heads, s.head_dim, s.max_len + 1),
+        "CoPE: q.e[p] at contextual positions, gated counts of the keys (Golovneva et al. "
+        "2024), per layer",
+        4,
+        default_in=(),  # research: run when named
     ),
     "shaw": Entry(
         lambda s: ShawRelativePosition(s.head_dim, s.clip),

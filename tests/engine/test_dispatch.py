@@ -135,3 +135,37 @@ def test_auto_on_cuda_runs_flex_equal_to_math(monkeypatch):
         got = posenc.attention(q, k, v, position=t5, causal=True, window=16)
         want = posenc.attention(q, k, v, position=t5, causal=True, window=16, backend="math")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_every_path_but_math_and_sdpa_refuses_a_contextual_term_and_says_why():
+    """A contextual term reads each query's whole row of masked logits: ``auto`` and ``lean``
+    take the math path, ``sdpa`` takes the term as its float mask, and every other path
+    (FlexAttention, the mask blocks, the per-offset and grid paths, the lean engine) names
+    the contextual term."""
+    import posenc
+    from posenc.engine import dispatch
+    from posenc.hooks import hooks_of
+
+    class Counted(nn.Module):
+        def contextual_term(self, logits, q, q_pos, k_pos):
+            return -torch.sigmoid(logits).flip(-1).cumsum(-1).flip(-1)
+
+    scheme = Counted()
+    q, k, v = (torch.randn(2, 2, 12, 8) for _ in range(3))
+    pos = torch.arange(12)[None]
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, 9:] = True
+    for mask in (Mask(12, 12), Mask(12, 12, causal=True), Mask(12, 12, key_padding=padding)):
+        call = dispatch.Call(q, k, v, hooks_of(scheme), pos, pos, mask, 8**-0.5, 0.0, scheme)
+        for path in dispatch.PATHS["auto"]:
+            plan = path.plan(call)
+            if path.name == "math":
+                assert callable(plan)
+            else:
+                assert isinstance(plan, str) and "contextual term" in plan, (path.name, plan)
+        assert callable(dispatch._plan_sdpa(call))
+    told = posenc.explain(q, k, v, position=scheme, causal=True)
+    assert told.path == "math" and "contextual term" in told.reasons["sdpa"]
+    assert posenc.explain(q, k, v, position=scheme, backend="lean").path == "math"
+    with pytest.raises(ValueError, match="backend='flex' cannot add a contextual term"):
+        posenc.explain(q, k, v, position=scheme, backend="flex")

@@ -204,7 +204,9 @@ def _flex_floor_of(
 def _materialised_problem(scheme: Any) -> str | None:
     """Why no dense ``attn_mask`` can carry ``scheme`` (a content-dependent term), or None."""
     hooks = hooks_of(scheme)
-    terms = [t for t in ("score_term", "value_term") if getattr(hooks, t) is not None]
+    terms = [
+        t for t in ("score_term", "value_term", "contextual_term") if getattr(hooks, t) is not None
+    ]
     if terms:
         return (
             f"a content-dependent term ({', '.join(terms)}): no attn_mask can carry it, "

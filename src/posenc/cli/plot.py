@@ -16,8 +16,11 @@ Kinds, and the options each reads (the others are ignored; defaults in brackets)
   of :class:`~posenc.ALiBi`, :class:`~posenc.T5RelativeBias` (its buckets) and
   :class:`~posenc.RelativePositionBias` (Swin, with an illustrative smooth table).
 - ``distance`` (``--heads`` [8], ``--length`` [512]): the score bias against the distance
-  back to the key, per head, of ALiBi, T5, KERPLE, Sandwich and FIRE
+  back to the key, per head, of ALiBi, T5, KERPLE and FIRE
   (:mod:`~posenc.cli.plot_research`).
+- ``cope``: CoPE's contextual positions on a sentence whose gates open on full stops.
+- ``cpb`` (``--window`` [8,8]): Swin V2's continuous position bias on the window it was
+  built for and on one twice as large, from the same network.
 - ``rotary`` (``--dim`` [128], ``--length`` [4096], ``--base``, ``--factor`` [4]): RoPE's
   long-term decay (RoFormer, section 3.4.3) and what :class:`~posenc.LinearScaling`,
   :class:`~posenc.NTKScaling` and :class:`~posenc.YaRNScaling` do to it.
@@ -47,7 +50,7 @@ from pathlib import Path
 from ._options import float_above, formats, input_dir, output_dir, positive_int
 from ._plot_options import window_type
 from .plot_encodings import plot_rotary, plot_similarity, plot_sinusoidal
-from .plot_research import plot_distance
+from .plot_research import plot_cope, plot_cpb, plot_distance
 from .plot_scores import plot_bias, plot_skew, plot_swin_index
 from .plot_trained import plot_attention
 
@@ -61,6 +64,8 @@ KINDS: dict[str, Callable[[argparse.Namespace], list[Path]]] = {
     "swin-index": plot_swin_index,
     "bias": plot_bias,
     "distance": plot_distance,
+    "cope": plot_cope,
+    "cpb": plot_cpb,
     "rotary": plot_rotary,
     "attention": plot_attention,
 }
@@ -82,7 +87,9 @@ kinds and the options they read (others are ignored; defaults in brackets):
   swin-index  --window [3,3]: Swin's relative position index and each table row's offset
   bias        --heads [4] --length [64] --window [4,4]: ALiBi, T5 buckets, Swin, per head
   distance    --heads [8] --length [512]: bias against distance, ALiBi, T5, KERPLE,
-              Sandwich, FIRE (learned ones at initialisation), a line per head
+              FIRE (learned ones at initialisation), a line per head
+  cope        CoPE's contextual positions on a sentence, gates on the full stops
+  cpb         --window [8,8]: Swin V2's continuous bias on its window and one twice as large
   rotary      --dim [128] --length [4096] --base --factor [4]: RoPE decay and scaling
   attention   --checkpoints DIR: attention maps of the models `posenc compare --out` saved
 """
@@ -112,7 +119,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--base", type=float_above(1.0), default=10000.0, help="wavelength base (10000)"
     )
     parser.add_argument(
-        "--window", type=window_type, help="Swin window Wh,Ww (swin-index: 3,3; bias: 4,4)"
+        "--window",
+        type=window_type,
+        help="Swin window Wh,Ww (swin-index: 3,3; bias: 4,4; cpb: 8,8)",
     )
     parser.add_argument("--heads", type=positive_int, help="attention heads (bias: 4, distance: 8)")
     parser.add_argument(

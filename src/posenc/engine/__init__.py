@@ -4,6 +4,7 @@ fused CPU paths), behind one signature, and the dispatcher that picks one.
 Every path computes, for queries ``q`` and keys ``k`` already rotated by the scheme,
 
     s = (q k^T + score_term) * scale + score_bias        (masked keys removed)
+    s = s + contextual_term(s)                            (CoPE: read from s itself)
     w = softmax(s)                                        (a query with no key: w = 0)
     out = dropout(w) v + value_term(dropout(w))
 

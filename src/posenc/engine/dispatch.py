@@ -98,7 +98,7 @@ def attend(
         k: ``[b, h, n_k, d]`` keys (already rotated).
         v: ``[b, h, n_k, d]`` values.
         scheme: an object with any of the hooks ``score_bias``, ``score_term``,
-            ``value_term`` (see :mod:`posenc.hooks`), or None.
+            ``value_term``, ``contextual_term`` (see :mod:`posenc.hooks`), or None.
         q_pos: ``[B', n_q]`` int64 query positions.
         k_pos: ``[B', n_k]`` int64 key positions.
         mask: which keys each query may see.
@@ -260,7 +260,17 @@ class _TwiceDifferentiable(torch.autograd.Function):
 
 
 def _positional(hooks: Hooks) -> bool:
-    return any(fn is not None for fn in (hooks.score_bias, hooks.score_term, hooks.value_term))
+    return any(
+        fn is not None
+        for fn in (hooks.score_bias, hooks.score_term, hooks.value_term, hooks.contextual_term)
+    )
+
+
+#: why a path cannot run a contextual term (:class:`~posenc.hooks.ContextualTerm`)
+_CONTEXTUAL = (
+    "a contextual term (CoPE: each query's term is read from its whole row of masked "
+    "logits, which this path never writes out)"
+)
 
 
 def _plan_sdpa(call: Call) -> Plan:
@@ -280,6 +290,8 @@ def _plan_math(call: Call) -> Plan:
 
 
 def _plan_flex(call: Call) -> Plan:
+    if call.hooks.contextual_term is not None:
+        return "cannot add a contextual term (CoPE reads each query's whole row of logits)"
     return lambda: _flex(
         call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.mask, call.scale,
         call.dropout_p, tuple(_scheme_parameters(call.scheme)),
@@ -288,7 +300,13 @@ def _plan_flex(call: Call) -> Plan:
 
 def _auto_sdpa(call: Call) -> Plan:
     """SDPA when nothing positional enters the scores (no scheme, rotary, a key shift), or
-    where the lean engine cannot run: attention dropout, ``torch.compile``."""
+    where the lean engine cannot run: attention dropout, ``torch.compile``. Not a contextual
+    term: the math path computes its logits once, SDPA twice (it takes it as a float mask)."""
+    if call.hooks.contextual_term is not None:
+        return (
+            "a contextual term (CoPE) reads the masked logits: SDPA would take it as a "
+            "[b, h, n_q, n_k] float mask and compute the logits twice, the math path once"
+        )
     if _positional(call.hooks):
         if call.dropout_p > 0:
             return _plan_sdpa(call)
@@ -299,9 +317,12 @@ def _auto_sdpa(call: Call) -> Plan:
 
 
 def _auto_math(call: Call) -> Plan:
-    """The reference for what no fused path runs: a value term with attention dropout or
-    inside ``torch.compile`` (the lean engine's backward calls ``torch.autograd.grad``,
-    which Dynamo does not trace), and calls with nothing to attend."""
+    """The reference for what no fused path runs: a contextual term (CoPE, on the ``lean``
+    backend too), a value term with attention dropout or inside ``torch.compile`` (the lean
+    engine's backward calls ``torch.autograd.grad``, which Dynamo does not trace), and calls
+    with nothing to attend."""
+    if call.hooks.contextual_term is not None:
+        return _plan_math(call)  # no lean, fused or flex path runs it
     if call.q.numel() == 0 or call.k.shape[-2] == 0:
         return _plan_math(call)  # empty: the lean engine's blocks assume a row and a key
     if call.dropout_p > 0 or torch.compiler.is_compiling():
@@ -319,6 +340,8 @@ def _auto_flex(call: Call) -> Plan:
     ``flex_score_mod``, a query term of bounded reach (``flex_term_mod``), the masks as a
     block mask; one fused kernel with a backward, no ``[n_q, n_k]`` tensor."""
     hooks = call.hooks
+    if hooks.contextual_term is not None:
+        return _CONTEXTUAL + " (a score_mod reads one score at a time)"
     if not _on_cuda(call.q):
         return (
             "not on CUDA (on CPU FlexAttention has no backward in torch 2.13; the lean "
@@ -347,6 +370,8 @@ def _lean_dropout(call: Call) -> Plan:
 
 
 def _plan_mask_blocks(call: Call) -> Plan:
+    if call.hooks.contextual_term is not None:
+        return _CONTEXTUAL
     blocks = _mask_blocks(call.mask, call.q)
     if blocks is None:
         return (
@@ -390,6 +415,8 @@ def _refusal(call: Call, extra: str, what: str, beside: str, *, causal_ok: bool)
     scheme lacks the ``extra`` hook (``what`` it is), adds the ``beside`` hook too, the fused
     CPU kernels do not run, or a mask other than a causal one (``causal_ok``) or any."""
     hooks = call.hooks
+    if hooks.contextual_term is not None:
+        return _CONTEXTUAL
     if getattr(hooks, extra) is None:
         return f"the scheme has no {extra} ({what})"
     if getattr(hooks, beside) is not None:
@@ -501,6 +528,8 @@ def _block_rows(call: Call) -> int:
 
 def _plan_lean_fused(call: Call) -> Plan:
     hooks = call.hooks
+    if hooks.contextual_term is not None:
+        return _CONTEXTUAL
     if not common._fused_cpu_available(call.q, hooks):
         return "the fused CPU kernels do not run here (device, dtype, value term)"
     q, k, v = _dense_last(call.q, call.k, call.v)
@@ -513,6 +542,8 @@ def _plan_lean_fused(call: Call) -> Plan:
 
 
 def _plan_lean(call: Call) -> Plan:
+    if call.hooks.contextual_term is not None:
+        return _CONTEXTUAL
     params = _scheme_parameters(call.scheme)
     rows = _block_rows(call)
     return lambda: _LeanAttention.apply(

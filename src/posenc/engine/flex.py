@@ -120,6 +120,12 @@ def _flex(
             "backend='flex' cannot add a value term (Shaw's a^V needs the attention weights); "
             "use backend='auto'"
         )
+    if hooks.contextual_term is not None:
+        raise ValueError(
+            "backend='flex' cannot add a contextual term (CoPE reads each query's whole row "
+            "of masked logits, which a score_mod, one score at a time, cannot); use "
+            "backend='auto', 'math' or 'sdpa'"
+        )
     if hooks.score_term is not None and hooks.flex_term_mod is None:
         raise ValueError(
             "backend='flex' takes a query term only with a bounded reach (flex_term_mod: "

@@ -46,6 +46,41 @@ def _fold_scores(
     return extra
 
 
+def _contextual(
+    hooks: Hooks, scores: Tensor, keep: Tensor | None, q: Tensor, q_pos: Tensor, k_pos: Tensor
+) -> Tensor:
+    """The scheme's ``contextual_term`` of the logits: ``scores [b, h, n_q, n_k]`` with the
+    keys that ``keep [b|1, h|1, n_q, n_k]`` hides at ``-inf`` (:class:`~posenc.hooks.
+    ContextualTerm`)."""
+    logits = scores if keep is None else scores.masked_fill(~keep, float("-inf"))
+    return hooks.contextual_term(logits, q, q_pos, k_pos)  # [b|1, h|1, n_q, n_k]
+
+
+def _contextual_extra(
+    hooks: Hooks,
+    q: Tensor,
+    k: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    scale: float,
+) -> Tensor:
+    """What a kernel that computes ``q k^T * scale`` itself adds to it, for a scheme with a
+    contextual term: ``score_term * scale + score_bias``, the contextual term of the logits
+    ``q k^T * scale + score_term * scale + score_bias`` (computed here, once more than the
+    kernel does), and the float ``attn_mask``: ``[b, h, n_q, n_k]``."""
+    own = _fold_scores(hooks, q, q_pos, k_pos, scale, reference=False)  # the scheme's
+    logits = (q @ k.transpose(-2, -1)) * scale  # [b, h, n_q, n_k]
+    if own is not None:
+        logits = logits + own
+    term = _contextual(hooks, logits, mask.keep(device=q.device), q, q_pos, k_pos)
+    extra = term if own is None else own + term
+    added = mask.added()  # [b|1, h|1, n_q, n_k] or None
+    if added is not None:
+        extra = extra + added.to(torch.promote_types(added.dtype, _wide(q.dtype)))
+    return extra
+
+
 def _math(
     q: Tensor,
     k: Tensor,
@@ -64,9 +99,11 @@ def _math(
     scores = scores * scale
     if hooks.score_bias is not None:
         scores = scores + hooks.score_bias(q_pos, k_pos)
+    keep = mask.keep(device=q.device)
+    if hooks.contextual_term is not None:  # CoPE: a term read from the masked logits
+        scores = scores + _contextual(hooks, scores, keep, q, q_pos, k_pos)
     if mask.bias is not None:  # a float attn_mask, added as SDPA adds it
         scores = scores + mask.bias.to(scores.dtype)
-    keep = mask.keep(device=q.device)
     if keep is not None:
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     weights = scores.to(_wide(scores.dtype)).softmax(dim=-1)  # softmax in float32 at least

@@ -1,5 +1,6 @@
 """The SDPA path: :func:`torch.nn.functional.scaled_dot_product_attention` with the score
-term and the bias folded into its ``attn_mask``.
+term and the bias folded into its ``attn_mask``; a contextual term (CoPE) too, read from
+the logits that this path computes once more for it.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim.
 """
@@ -15,7 +16,7 @@ from torch import Tensor
 from ..hooks import Hooks
 from .blocks import _by_blocks, _mask_blocks
 from .mask import Mask
-from .reference import _fold_scores
+from .reference import _contextual_extra, _fold_scores
 
 
 def _sdpa(
@@ -38,7 +39,10 @@ def _sdpa(
             "backend='sdpa' cannot add a value term (Shaw's a^V needs the attention weights); "
             "use backend='auto' or 'math'"
         )
-    extra = _fold_scores(hooks, q, q_pos, k_pos, scale, reference=False, mask=mask)
+    if hooks.contextual_term is not None:  # the logits once more, and the term read from them
+        extra = _contextual_extra(hooks, q, k, q_pos, k_pos, mask, scale)
+    else:
+        extra = _fold_scores(hooks, q, q_pos, k_pos, scale, reference=False, mask=mask)
     if extra is None and dropout_p == 0 and blocks:
         pieces = _mask_blocks(mask, q, cut=False)
         if pieces is not None:  # padding at the ends, documents, a window: no [n_q, n_k] mask
