@@ -233,6 +233,31 @@ def test_padded_keys_have_gate_zero_and_no_influence():
         torch.testing.assert_close(c[real], a[real], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["math", "sdpa", "auto", "lean"])
+def test_a_query_that_sees_no_key_gives_zeros_not_nan(backend):
+    """A fully masked row (every logit -inf: every gate 0, every count 0) gives 0, as in the
+    rest of posenc, with finite gradients; the other rows are the paper's attention."""
+    cope = _cope()
+    q, k, v = (t.clone().requires_grad_() for t in _inputs())
+    allowed = torch.ones(N, N, dtype=torch.bool).tril()
+    allowed[2] = False  # query 2 sees no key
+    padding = torch.zeros(B, N, dtype=torch.bool)
+    padding[1, :4] = True  # causal: queries 0..3 of row 1 see no key either
+    got = attention(q, k, v, position=cope, attn_mask=allowed, key_padding_mask=padding,
+                    backend=backend)  # fmt: skip
+
+    def visible(b: int, i: int, j: int) -> bool:
+        return bool(allowed[i, j]) and not bool(padding[b, j])
+
+    want = _paper_attention(q.detach(), k.detach(), v.detach(), cope.weight, visible)
+    assert not got[:, :, 2].any() and not got[1, :, :4].any()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    got.sum().backward()
+    for name, grad in (("q", q.grad), ("k", k.grad), ("v", v.grad), ("table", cope.weight.grad)):
+        assert torch.isfinite(grad).all(), name
+    assert not q.grad[:, :, 2].any() and not q.grad[1, :, :4].any()
+
+
 def test_gradcheck_of_the_table_queries_and_keys():
     """The math path, the table given as an input (a tensor the hook captures, not a
     parameter of the scheme: the other paths differentiate the scheme's parameters, and are
