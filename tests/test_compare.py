@@ -6,6 +6,7 @@ tests/experiments/test_training.py.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -106,6 +107,28 @@ def test_markdown_shows_mean_and_spread():
     mean = sum(values) / 2
     assert f"{mean:.2f} ± " in text
     assert "chance is 0.06" in text
+
+
+def test_markdown_says_how_many_seeds_and_shows_no_spread_for_one():
+    """One seed has no spread to show: its cells read the accuracy alone, not "± 0.00"."""
+    from posenc.experiments.training import Run
+
+    task = TASKS["shift"]
+    labels = [task.label(t) for t in task.test_lengths]
+
+    def run(scheme, seed, accuracy):
+        return Run("shift", scheme, seed, dict.fromkeys(labels, accuracy), 10, 1.0, 0.5)
+
+    one = format_markdown([run("rotary", 0, 0.75), run("none", 0, 0.25)], [task], 1)
+    assert "accuracy on held-out examples, one seed (no spread); chance" in one
+    assert "±" not in one
+    assert f"| `rotary` | {' | '.join(['0.75'] * len(labels))} | 10 | 1.0 |" in one
+    three = format_markdown(
+        [run("rotary", s, a) for s, a in enumerate((0.5, 0.75, 1.0))], [task], 3
+    )
+    assert "accuracy on held-out examples, mean ± std over 3 seeds; chance" in three
+    # mean 0.75, sample standard deviation sqrt(((-0.25)^2 + 0 + 0.25^2) / 2) = 0.25
+    assert f"| `rotary` | {' | '.join(['0.75 ± 0.25'] * len(labels))} | 10 |" in three
 
 
 @pytest.mark.parametrize(
@@ -254,3 +277,136 @@ def test_cuda_on_a_cpu_build_is_a_clean_error(capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--device", "cuda"])
     assert "sees no CUDA GPU; use cpu" in capsys.readouterr().err
+
+
+# ----- lm: a byte-level language model on real text ----------------------------------------
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A one-file corpus: 3600 training bytes, the last 400 held out."""
+    import random
+
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(bytes(random.Random(0).choices(range(32, 127), k=4000)))
+    return path
+
+
+def test_compare_lm_writes_perplexity_rope_scaling_and_the_corpus(tmp_path, corpus, capsys):
+    out, record = tmp_path / "out", tmp_path / "r.json"
+    argv = ["compare", "--tasks", "lm", "--corpus", str(corpus), "--lengths", "4,8,16"]
+    argv += ["--schemes", "learned,rotary,kerple-log", "--seeds", "2", "--jobs", "1"]
+    argv += ["--quiet", "--eval-examples", "3", "--out", str(out), "--json", str(record)]
+    assert main([*argv, *TINY]) == 0
+    text = capsys.readouterr().out
+    assert "### lm: causal byte-level language model on real text" in text
+    assert "| scheme | ppl @ 4 (train) | ppl @ 8 | ppl @ 16 | params | train s |" in text
+    assert "| `learned` |" in text and "n/a" in text
+    assert "#### lm: `rotary` with RoPE scaling at evaluation (no fine-tuning)" in text
+    for scaling in ("none", "linear", "ntk", "dynamic-ntk", "yarn"):
+        assert f"| {scaling} | " in text
+    assert (out / "compare_lm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "lm-kerple-log.pt",
+        "lm-learned.pt",
+        "lm-rotary.pt",
+    ]
+    data = json.loads(record.read_text())
+    lm = data["config"]["tasks"]["lm"]
+    assert lm["steps"] == 3 and lm["vocab"] == 256 and lm["test_lengths"] == ["4", "8", "16"]
+    assert lm["corpus"]["source"] == str(corpus) and lm["corpus"]["split"] == "tail"
+    assert lm["corpus"]["train_files"] == ["corpus.txt"] and lm["corpus"]["held_out_bytes"] == 400
+    assert lm["scored_bytes"] == 3 * 16  # 3 windows of the longest length, at every length
+    runs = {(r["scheme"], r["seed"]): r for r in data["runs"]}
+    assert len(runs) == 3 * 2
+    for run in runs.values():
+        assert set(run["perplexity"]) == set(run["accuracy"]) == {"4", "8", "16"}
+        assert ("rope_scaling" in run) == (run["scheme"] == "rotary")
+    assert runs["learned", 0]["perplexity"]["8"] is None
+    assert runs["learned", 0]["perplexity"]["4"] > 1
+    assert set(runs["rotary", 1]["rope_scaling"]["yarn"]) == {"8", "16"}
+    # a checkpoint of the lm task rebuilds on its corpus
+    _, task, scheme, _ = load_checkpoint(out / "checkpoints" / "lm-rotary.pt")
+    assert (task.name, task.corpus, task.test_lengths, scheme) == (
+        "lm",
+        str(corpus),
+        (4, 8, 16),
+        "rotary",
+    )
+
+
+def test_lm_trains_its_own_steps_and_lengths_unless_given():
+    from posenc.cli import build_parser
+    from posenc.cli.compare import LM_STEPS, _task_configs, _tasks
+
+    parser = build_parser()
+    for extra, steps, lengths in (
+        ([], LM_STEPS["full"], (64, 128, 256, 512)),
+        (["--quick"], LM_STEPS["quick"], (32, 64, 128, 256)),
+    ):
+        args = parser.parse_args(["compare", "--tasks", "shift,lm", *extra])
+        tasks = _tasks(args)
+        configs = _task_configs(args, TINY_CONFIG, tasks)
+        assert list(configs) == ["lm"] and configs["lm"].steps == steps
+        assert tasks[1].test_lengths == lengths and tasks[1].train_length == lengths[0]
+        assert tasks[0] == TASKS["shift"]  # the synthetic tasks keep theirs
+    args = parser.parse_args(["compare", "--tasks", "lm", "--steps", "7", "--lengths", "8,16"])
+    assert _task_configs(args, TINY_CONFIG, _tasks(args)) == {}
+    assert _tasks(args)[0].test_lengths == (8, 16)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tasks", "shift", "--corpus", "."], "--corpus . is the text of the lm task"),
+        (["--tasks", "lm", "--corpus", "/dev/null"], "corpus '/dev/null' is not a file or a"),
+        # (the held-out text is 256 KiB: a window of 2^18 bytes does not fit, and no training
+        # starts; the training text, 2 MiB, has room for it)
+        (["--tasks", "lm", "--lengths", "64,262144"], "fewer than the 262145 that one window"),
+    ],
+)
+def test_lm_arguments_are_clean_errors(argv, message, capsys, monkeypatch):
+    import posenc.cli.compare as command
+
+    def started(*args, **kwargs):
+        raise AssertionError("training started before the arguments were checked")
+
+    monkeypatch.setattr(command, "compare", started)
+    assert main(["compare", "--quiet", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_corpus_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--tasks", "lm", "--corpus", "nowhere.txt"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "posenc compare: error: argument --corpus: no file or folder 'nowhere.txt'; give a "
+        "UTF-8 text file or a folder of them"
+    )
+
+
+def test_lm_demo_gives_markdown_and_the_plot(tmp_path, corpus):
+    from posenc.cli.compare import lm_demo
+    from posenc.experiments.tasks import LanguageModelTask
+
+    task = LanguageModelTask(train_length=4, test_lengths=(4, 8), corpus=str(corpus))
+    text, plots = lm_demo(tmp_path, task=task, config=TINY_CONFIG, quiet=True)
+    assert "| `kerple-log` |" in text and "| yarn |" in text  # every lm scheme, 1 seed
+    assert "| `rotary-2d` |" not in text  # causal 1-D schemes only
+    assert plots == [tmp_path / "compare_lm.png"] and plots[0].exists()
+
+
+def test_plot_lines_differ_in_colour_or_line_style():
+    from posenc.cli._compare_lm import line_styles
+
+    styles = line_styles(22)
+    pairs = {(s["color"], s["linestyle"]) for s in styles}
+    assert len(pairs) == 22  # no two of 22 lines look alike
+    assert len({s["color"] for s in styles[:11]}) == 11  # the lm plot: 11 colours
+    for a, b in itertools.pairwise(styles):  # neighbours differ in every respect
+        assert a["color"] != b["color"] and a["linestyle"] != b["linestyle"]
+        assert a["marker"] != b["marker"]
+    # the line of the same colour (11 later) has another line style and marker
+    assert styles[0]["linestyle"] != styles[11]["linestyle"]
+    assert styles[0]["marker"] != styles[11]["marker"]

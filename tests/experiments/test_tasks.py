@@ -1,11 +1,23 @@
-"""The synthetic tasks: targets against the definitions, written as plain loops; seeding."""
+"""The tasks: targets against the definitions, written as plain loops; seeding; the
+``lm`` task's training and held-out windows."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
-from posenc.experiments.tasks import IGNORE, TASKS, CopyTask, GridTask, ShiftTask, get_task
+from posenc.experiments.tasks import (
+    ALL_TASKS,
+    IGNORE,
+    TASKS,
+    CopyTask,
+    GridTask,
+    LanguageModelTask,
+    ShiftTask,
+    get_task,
+)
 
 
 def gen(seed=0):
@@ -104,3 +116,70 @@ def test_lengths_that_score_nothing_are_rejected(task, length, message):
 def test_chance():
     assert ShiftTask().chance == 1 / 16 and GridTask().chance == 1 / 16
     assert CopyTask().chance == 1 / 15  # the answers are the symbols 1..15
+
+
+# ----- lm ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def lm(tmp_path):
+    """An ``lm`` task on a one-file corpus: 900 training bytes, the last 100 held out."""
+    letters = random.Random(0).choices(range(32, 127), k=1000)  # printable ASCII
+    path = tmp_path / "text.txt"
+    path.write_bytes(bytes(letters))
+    return LanguageModelTask(train_length=4, test_lengths=(4, 8, 16), corpus=str(path))
+
+
+def test_lm_is_known_but_not_in_the_default_run():
+    assert "lm" not in TASKS and get_task("lm") is ALL_TASKS["lm"]
+    task = get_task("lm")
+    assert task.causal and task.vocab == 256 and task.chance == 1 / 256
+    assert (task.train_length, task.test_lengths) == (64, (64, 128, 256, 512))
+    assert task.schemes == ("kerple-log",) and task.corpus is None
+
+
+def test_lm_training_windows_are_slices_of_the_training_text(lm):
+    train = lm.text.train.tolist()
+    assert len(train) == 900
+    batch = lm.sample(5, 8, gen(3))
+    assert batch.tokens.shape == batch.targets.shape == (5, 8)
+    assert batch.tokens.dtype == torch.long
+    for b in range(5):
+        tokens, targets = batch.tokens[b].tolist(), batch.targets[b].tolist()
+        start = next(i for i in range(900 - 8) if train[i : i + 8] == tokens)
+        assert targets == train[start + 1 : start + 9]  # every next byte, all scored
+    again = lm.sample(5, 8, gen(3))
+    assert torch.equal(batch.tokens, again.tokens)
+
+
+def test_lm_held_out_windows_cover_the_same_bytes_at_every_length(lm):
+    held = lm.text.held_out.tolist()
+    assert len(held) == 100
+    # span 16 (lcm of 4, 8, 16): (100 - 1) // 16 = 6 chunks fit; 2 windows of 16 asked
+    chunks = lm.test_text(2)
+    assert chunks.shape == (2, 17)
+    stride = (100 - 1 - 16) // (2 - 1)
+    for c, start in enumerate([0, stride]):
+        assert chunks[c].tolist() == held[start : start + 17]
+    for n in (4, 8, 16):
+        batch = lm.held_out(n, 2)
+        assert batch.tokens.shape == (2 * 16 // n, n)
+        # window k of chunk c: tokens held[s + k n : s + (k + 1) n], targets one byte on
+        for row in range(batch.tokens.shape[0]):
+            c, k = divmod(row, 16 // n)
+            s = [0, stride][c] + k * n
+            assert batch.tokens[row].tolist() == held[s : s + n]
+            assert batch.targets[row].tolist() == held[s + 1 : s + n + 1]
+        scored = sorted(batch.targets.flatten().tolist())
+        assert scored == sorted(chunks[:, 1:].flatten().tolist())  # the same bytes
+    assert lm.test_text(1000).shape == (6, 17)  # as many as fit
+
+
+def test_lm_errors(lm, tmp_path):
+    with pytest.raises(ValueError, match=r"length 5 is not a test length of this task"):
+        lm.held_out(5, 1)
+    with pytest.raises(ValueError, match=r"fewer than a window of length 900 \+ 1"):
+        lm.sample(1, 900, gen())
+    long = LanguageModelTask(train_length=4, test_lengths=(4, 128), corpus=lm.corpus)
+    with pytest.raises(ValueError, match=r"has 100 bytes, fewer than the 129 that one window"):
+        long.test_text(1)

@@ -128,3 +128,28 @@ def test_the_old_name_swin_is_swin_1d(tmp_path):
     assert scheme == "swin-1d"
     tokens = torch.randint(0, task.vocab, (2, 16))
     torch.testing.assert_close(loaded(tokens), model.eval()(tokens))
+
+
+def test_lm_runs_the_1d_default_schemes_and_kerple_log():
+    """The lm task: every default scheme but the 2-D ones, with KERPLE (log) beside ALiBi
+    and T5, the schemes of the length-extrapolation papers."""
+    from posenc.experiments.tasks import get_task
+
+    lm = get_task("lm")
+    assert schemes_for(lm) == [
+        "none",
+        "sinusoidal",
+        "learned",
+        "rotary",
+        "rotary-ntk",
+        "alibi",
+        "kerple-log",
+        "t5",
+        "swin-1d",
+        "relative",
+        "shaw",
+    ]
+    assert schemes_for(lm, ["t5", "rotary"]) == ["t5", "rotary"]  # named: as given
+    shape = shape_for(lm, Config())
+    assert (shape.train_len, shape.max_len, shape.causal) == (64, 512, True)
+    assert not registry.build("t5", shape).bidirectional  # T5's decoder buckets

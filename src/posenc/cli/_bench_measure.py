@@ -4,8 +4,10 @@
 - timing: :func:`_time_once` (one forward, or forward+backward), :func:`_measure_case`
   (warm-up, then the medians over repeats of every variant of a case) and
   :class:`_OutOfMemory` (a variant that runs out of memory is dropped with the reason);
-- peak memory: on CUDA the allocator's peak (:class:`posenc.cli._memory.PeakMemory`), on CPU
-  the growth of the peak resident set in a fresh Python process per case
+- peak memory, in a run of its own after the timed ones: on CUDA the allocator's peak, on
+  CPU the peak of the bytes torch allocated, from the profiler's allocation events
+  (:class:`posenc.cli._memory.PeakMemory`); or, with ``memory_from="process"`` (CPU), the
+  growth of the peak resident set in a fresh Python process per variant and case
   (:func:`_peak_in_subprocess`, running :func:`_peak_of_case`);
 - the literal reference's memory budget (:data:`REFERENCE_BUDGET`), and FlexAttention's
   recompile limit while it runs (:func:`_flex_recompiles`).
@@ -36,7 +38,7 @@ from ._bench_variants import (
     _variant,
     build_scheme,
 )
-from ._memory import PeakMemory, status_kib
+from ._memory import MEMORY_MMAP_THRESHOLD, MEMORY_TRIM_THRESHOLD, PeakMemory, status_kib
 from ._progress import Progress
 
 # ----- the literal reference's budget ------------------------------------------------------
@@ -57,10 +59,17 @@ def _reference_bytes(scheme: Any, b: int, h: int, n: int, d: int, itemsize: int)
 # ----- measuring ---------------------------------------------------------------------------
 
 
-_MEMORY_SCRIPT = """
+#: where peak memory on CPU comes from (:func:`run_bench`'s ``memory_from``)
+MEMORY_FROM = ("allocations", "process")
+
+# glibc's thresholds are fixed before anything else, torch's import included: from then on
+# every block of 64 KiB or more is its own mmap, returned to the system on free
+_MEMORY_SCRIPT = f"""
 import ctypes, json, sys
 try:
-    ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD: freed blocks go back
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, {MEMORY_MMAP_THRESHOLD})  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, {MEMORY_TRIM_THRESHOLD})  # M_TRIM_THRESHOLD
 except (OSError, AttributeError):
     pass
 from posenc.cli._bench_measure import _peak_of_case
@@ -94,8 +103,9 @@ def _peak_of_case(spec: dict[str, Any]) -> float | None:
 def _peak_in_subprocess(spec: dict[str, Any]) -> float | None:
     """:func:`_peak_of_case` in a fresh Python process (None when it cannot measure).
 
-    One process per case: in a long-running one, blocks freed by earlier cases are reused
-    from the heap and a peak reads as 0.
+    One process per variant and case: in a long-running one, blocks freed by earlier cases
+    are reused from the heap and a peak reads as 0. Each costs an interpreter and torch's
+    import (2-4 s on 2 cores): ``memory_from="process"`` of :func:`run_bench` only.
     """
     import subprocess
     import sys
@@ -164,6 +174,7 @@ def run_bench(
     warmup: int = 1,
     reference: bool = True,
     memory: bool = True,
+    memory_from: str = "allocations",
     causal: bool = False,
     padding: float = 0.0,
     documents: int = 1,
@@ -180,8 +191,12 @@ def run_bench(
     (``q_doc``/``k_doc``, positions restarting in each; the floor's boolean mask keeps each
     document to itself); ``window`` restricts each query to the keys less than ``window``
     tokens away (behind it, and ahead when not causal). ``memory=False`` skips the
-    peak-memory measurement (on CPU it costs one fresh Python process per variant and
-    case); the memory columns then read n/a. ``baselines`` adds variants, from
+    peak-memory measurement; the memory columns then read n/a. On CPU peak memory is by
+    default the peak of the bytes that torch allocated during one forward(+backward)
+    (``memory_from="allocations"``, the profiler's allocation events, in this process);
+    ``memory_from="process"`` measures instead the growth of the peak resident set in a
+    fresh Python process per variant and case (Linux; 2-4 s each). ``baselines`` adds
+    variants, from
     :data:`BASELINES`: ``"flex"`` (``flex-floor``) and ``"materialised"``; the flex floor
     times the backward only on CUDA (FlexAttention has none on CPU).
 
@@ -190,8 +205,22 @@ def run_bench(
 
     Returns:
         One :class:`Case` per (scheme, length).
+
+    Raises:
+        ValueError: ``memory_from`` is not one of :data:`MEMORY_FROM`, or is ``"process"``
+            on a device other than the CPU.
     """
     device = torch.device(device)
+    if memory_from not in MEMORY_FROM:
+        raise ValueError(
+            f"memory_from must be one of {', '.join(MEMORY_FROM)}, got {memory_from!r}"
+        )
+    in_process = memory_from == "allocations"
+    if not in_process and device.type != "cpu":
+        raise ValueError(
+            f"memory_from='process' measures a fresh process's resident set, on CPU only; "
+            f"on {device.type} leave memory_from='allocations' (the allocator's peak)"
+        )
     peak = PeakMemory(device)
     extra = [BASELINES[b] for b in baselines]
     masks = (causal, padding, documents, window)
@@ -220,10 +249,9 @@ def run_bench(
                 else:
                     case.skipped[key] = problem
             variants = {key: _variant(key, scheme, backend, *masks) for key in keys}
-            _measure_case(
-                case, variants, sizes, device, backward, warmup, repeats, peak if memory else None
-            )
-            if memory and device.type == "cpu" and peak.available:
+            meter = peak if memory and in_process else None
+            _measure_case(case, variants, sizes, device, backward, warmup, repeats, meter)
+            if memory and not in_process:
                 spec = {"scheme": name, "n": n, "batch": batch, "heads": heads}
                 spec |= {"head_dim": head_dim, "dtype": str(dtype).removeprefix("torch.")}
                 spec |= {"backward": backward, "backend": backend}
@@ -247,9 +275,9 @@ def _measure_case(
     repeats: int,
     peak: PeakMemory | None,
 ) -> None:
-    """Time ``variants`` interleaved into ``case`` (and their peak memory with ``peak``,
-    where it measures in this process: on CUDA); a variant that runs out of memory is
-    dropped with the reason."""
+    """Time ``variants`` interleaved into ``case``, then measure their peak memory with
+    ``peak`` (one more run each, apart from the timed ones); a variant that runs out of
+    memory is dropped with the reason."""
     b, h, d, dtype = sizes["batch"], sizes["heads"], sizes["head_dim"], sizes["dtype"]
     inputs = _inputs(b, h, case.n, d, dtype, device, backward)
     guard = _OutOfMemory(case, variants, inputs, device)
@@ -281,7 +309,7 @@ def _measure_case(
     for _ in range(repeats):  # interleaved: each repeat runs every variant once
         for key, fn in list(variants.items()):
             guard(key, functools.partial(timed, key, fn))
-    if peak is not None and not (device.type == "cpu" and peak.available):
+    if peak is not None:
         for key, fn in list(variants.items()):
             guard(key, functools.partial(measured, peak, key, fn))
     for key in variants:  # those that did not run out of memory

@@ -16,9 +16,12 @@ For each scheme and length it measures, interleaved in the same run:
 A variant that runs out of CUDA memory is skipped with the reason, the others go on.
 
 Times are medians over repeats after warm-up, forward+backward and forward only. Peak
-memory is the growth of the peak resident set during one forward+backward, on CPU in a
-fresh Python process per case whose allocator returns freed blocks (Linux: reset through
-``/proc/self/clear_refs``); on CUDA ``max_memory_allocated``. Speed
+memory is measured in one more forward+backward of each variant, apart from the timed
+ones: on CPU the peak of the bytes torch allocated during it, from the profiler's
+allocation events (``profile_memory=True``); with ``--memory process`` the growth of the
+peak resident set in a fresh Python process per variant and case whose allocator returns
+freed blocks (Linux: reset through ``/proc/self/clear_refs``); on CUDA
+``max_memory_allocated``. Speed
 is reported as ratios to the floor (and the baselines) measured beside it, never as
 absolute claims.
 
@@ -43,6 +46,7 @@ import torch
 from .. import registry
 from ..hooks import hooks_of
 from ._bench_measure import (  # noqa: F401  (_peak_*: re-exported, tests import them here)
+    MEMORY_FROM,
     REFERENCE_SKIPPED,
     Case,
     _peak_in_subprocess,
@@ -195,6 +199,8 @@ def _backend_problem(scheme: Any, backend: str, device_type: str = "cpu") -> str
         return "SDPA has no value term, which Shaw's a^V needs"
     if backend == "flex" and hooks.value_term is not None:
         return "FlexAttention has no value term, which Shaw's a^V needs"
+    if backend == "flex" and hooks.contextual_term is not None:
+        return "FlexAttention has no contextual term, which CoPE's counts of the logits need"
     if (
         backend == "flex"
         and hooks.score_term is not None
@@ -214,12 +220,18 @@ def check(args: argparse.Namespace) -> None:
     """Refuse, before anything is measured, what would fail part-way through the run.
 
     Raises:
-        ValueError: ``--backend flex`` or ``--baselines flex`` with the backward on CPU,
-            where FlexAttention has none; a scheme that cannot be built with ``--heads`` and ``--head-dim``; a
-            ``--backend`` that cannot run one of ``--schemes``.
+        ValueError: ``--memory process`` on a GPU; ``--backend flex`` or ``--baselines
+            flex`` with the backward on CPU, where FlexAttention has none; a scheme that
+            cannot be built with ``--heads`` and ``--head-dim``; a ``--backend`` that
+            cannot run one of ``--schemes``.
     """
     device_type = torch.device(args.device).type
     on_cpu = device_type == "cpu"
+    if args.memory == "process" and not on_cpu:
+        raise ValueError(
+            f"--memory process measures a fresh process's resident set, on CPU only; on "
+            f"--device {args.device} leave --memory out (the allocator's peak is measured)"
+        )
     if args.backend == "flex" and not args.no_backward and on_cpu:
         raise ValueError(
             f"--backend flex cannot time the backward on CPU (FlexAttention in torch "
@@ -281,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         "backend": args.backend,
         "repeats": args.repeats,
         "memory": not args.no_memory,
+        "memory_from": args.memory,
         "causal": args.causal,
         "padding": args.padding,
         "documents": args.documents,
@@ -306,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         reference=not args.no_reference,
         memory=not args.no_memory,
+        memory_from=args.memory,
         causal=args.causal,
         padding=args.padding,
         documents=args.documents,
@@ -371,8 +385,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-backward", action="store_true", help="time the forward only")
     parser.add_argument("--no-reference", action="store_true", help="skip the literal reference")
+    parser.add_argument("--no-memory", action="store_true", help="skip peak memory")
     parser.add_argument(
-        "--no-memory", action="store_true", help="skip peak memory (one process per case on CPU)"
+        "--memory",
+        choices=MEMORY_FROM,
+        default="allocations",
+        help="where the CPU's peak memory comes from: allocations (the peak of the bytes torch "
+        "allocated, from the profiler's allocation events, in this process; the default) or "
+        "process (the growth of the peak resident set in a fresh Python process per variant "
+        "and case, Linux only, 2-4 s each)",
     )
     parser.add_argument(
         "--causal",

@@ -1,12 +1,16 @@
 """``posenc compare``: train a small transformer per scheme and compare them.
 
-For each task (``shift``, ``copy``, ``grid``; see :mod:`posenc.experiments.tasks`), each
-scheme that makes sense for it (the names of :mod:`posenc.registry`), and each seed, a
+For each task (``shift``, ``copy``, ``grid``, and when named ``lm``; see
+:mod:`posenc.experiments.tasks`), each scheme that makes sense for it (the names of
+:mod:`posenc.registry`), and each seed, a
 :class:`~posenc.experiments.models.TinyTransformer` is trained at the task's training
 length and evaluated at that length and longer ones (:mod:`posenc.experiments.training`).
 The output is a Markdown table (accuracy per test length, mean and spread over seeds,
 parameters, training seconds), a line plot of accuracy against test length per task, and
-optionally JSON.
+optionally JSON. The ``lm`` task (a byte-level language model on real text) is scored by
+perplexity per byte instead, with RoPE scalings tried on the rotary model at evaluation
+(its tables and plot: :mod:`posenc.cli._compare_lm`); it trains for :data:`LM_STEPS`
+steps unless ``--steps`` says otherwise.
 
 Tables sized by length: a learned absolute table (``learned``) only has rows for the
 training length, so longer tests are "n/a". The relative tables (``swin-1d``,
@@ -28,16 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from .. import registry
-from ..experiments.tasks import TASKS, Task
+from ..experiments.tasks import ALL_TASKS, TASKS, LanguageModelTask, Task
 from ..experiments.training import (
     Config,
     Run,
@@ -46,7 +48,11 @@ from ..experiments.training import (
     run_one,
     schemes_for,
 )
-from ._figures import pyplot, save
+from ._compare_report import (
+    format_markdown,
+    plot_accuracy,
+    to_json,
+)
 from ._options import (
     aliases_note,
     device,
@@ -146,152 +152,38 @@ def _compare_in_workers(
 # ----- the report ------------------------------------------------------------------------
 
 
-def _mean_spread(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def summarise(runs: Sequence[Run], tasks: Sequence[Task]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per task and scheme: mean and spread of the accuracy per length, params, seconds."""
-    table: dict[str, dict[str, dict[str, Any]]] = {}
-    for task in tasks:
-        for run in (r for r in runs if r.task == task.name):
-            row = table.setdefault(task.name, {}).setdefault(
-                run.scheme, {"accuracy": {}, "runs": [], "parameters": run.parameters}
-            )
-            row["runs"].append(run)
-        for row in table.get(task.name, {}).values():
-            for length in task.test_lengths:
-                label = task.label(length)
-                values = [r.accuracy[label] for r in row["runs"]]
-                if any(v is None for v in values):
-                    row["accuracy"][label] = None
-                else:
-                    row["accuracy"][label] = _mean_spread([float(v) for v in values])
-            row["seconds"] = statistics.fmean(r.seconds for r in row["runs"])
-    return table
-
-
-def format_markdown(runs: Sequence[Run], tasks: Sequence[Task], seeds: int) -> str:
-    """The Markdown tables: one per task, a row per scheme."""
-    table = summarise(runs, tasks)
-    parts = []
-    for task in tasks:
-        if task.name not in table:
-            continue
-        train = task.label(task.train_length)
-        labels = [task.label(t) for t in task.test_lengths]
-        header = [
-            "scheme",
-            *[f"acc @ {lb}" + (" (train)" if lb == train else "") for lb in labels],
-            "params",
-            "train s",
-        ]
-        lines = [
-            f"### {task.name}: {task.summary}",
-            "",
-            f"Trained at {train}; accuracy on held-out examples, mean ± std over {seeds} "
-            f"seed(s); chance is {task.chance:.2f}.",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
-        ]
-        for scheme, row in table[task.name].items():
-            cells = [f"`{scheme}`"]
-            for label in labels:
-                value = row["accuracy"][label]
-                cells.append("n/a" if value is None else f"{value[0]:.2f} ± {value[1]:.2f}")
-            cells += [f"{row['parameters']:,}", f"{row['seconds']:.1f}"]
-            lines.append("| " + " | ".join(cells) + " |")
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts) + "\n"
-
-
-def plot_accuracy(
-    runs: Sequence[Run], tasks: Sequence[Task], out: Path, formats: Sequence[str] = ("png",)
-) -> list[Path]:
-    """A line plot per task: accuracy against test length, a line per scheme."""
-    plt = pyplot()
-    table = summarise(runs, tasks)
-    paths: list[Path] = []
-    for task in tasks:
-        if task.name not in table:
-            continue
-        fig, ax = plt.subplots(figsize=(8, 4.8))
-        labels = [task.label(t) for t in task.test_lengths]
-        rows = table[task.name]
-        colours = plt.get_cmap("tab20").colors
-        markers = "osD^vP*Xh<>p"
-        for index, (scheme, row) in enumerate(rows.items()):
-            # dodge the lines sideways a little: schemes with equal accuracy stay visible
-            dodge = (index - (len(rows) - 1) / 2) * 0.007 * len(labels)
-            points = [(x + dodge, row["accuracy"][lb]) for x, lb in enumerate(labels)]
-            points = [(x, v) for x, v in points if v is not None]
-            if not points:
-                continue
-            ax.errorbar(
-                [p[0] for p in points],
-                [p[1][0] for p in points],
-                yerr=[p[1][1] for p in points],
-                color=colours[index % len(colours)],
-                marker=markers[index % len(markers)],
-                linestyle="--" if registry.get(scheme).two_d else "-",
-                capsize=3,
-                label=scheme,
-            )
-        ax.axhline(task.chance, color="grey", linestyle=":", label="chance")
-        ax.set_xticks(
-            range(len(labels)), [lb + (" (train)" if i == 0 else "") for i, lb in enumerate(labels)]
-        )
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("test length" + (" (grid)" if task.two_d else " (tokens)"))
-        ax.set_ylabel("accuracy")
-        ax.set_title(f"{task.name}: accuracy against test length (trained at {labels[0]})")
-        ax.legend(
-            fontsize="small",
-            ncol=2,
-            loc="center left",
-            bbox_to_anchor=(1.0, 0.5),
-            title="dashed: 2-D schemes" if task.two_d else None,
-            title_fontsize="small",
-        )
-        paths += save(fig, out, f"compare_{task.name}", formats)
-    return paths
-
-
-def to_json(runs: Sequence[Run], config: Config, seeds: int, tasks: Sequence[Task]) -> dict:
-    """Everything for machines: the configuration and one record per run."""
-    return {
-        "config": {
-            **asdict(config),
-            "seeds": seeds,
-            "tasks": {
-                t.name: {
-                    "train_length": t.label(t.train_length),
-                    "test_lengths": [t.label(x) for x in t.test_lengths],
-                    "vocab": t.vocab,
-                }
-                for t in tasks
-            },
-            "torch": torch.__version__,
-        },
-        "runs": [
-            {
-                "task": r.task,
-                "scheme": r.scheme,
-                "seed": r.seed,
-                "accuracy": r.accuracy,
-                "parameters": r.parameters,
-                "seconds": round(r.seconds, 3),
-                "final_loss": r.final_loss,
-            }
-            for r in runs
-        ],
-    }
-
-
 # ----- the command ------------------------------------------------------------------------
-
 QUICK = {"steps": 120, "seeds": 1, "eval_examples": 64}
+#: the ``lm`` task's training steps (default run, ``--quick``) when ``--steps`` is not given
+LM_STEPS = {"full": 1000, "quick": 150}
+#: the ``lm`` task's lengths with ``--quick`` when ``--lengths`` is not given (train at 32)
+LM_QUICK_LENGTHS = (32, 64, 128, 256)
+
+
+def lm_demo(
+    out: Path,
+    *,
+    quick: bool = True,
+    jobs: int = 1,
+    quiet: bool = False,
+    task: LanguageModelTask | None = None,
+    config: Config | None = None,
+    schemes: Sequence[str] | None = None,
+) -> tuple[str, list[Path]]:
+    """The ``lm`` comparison for ``posenc demo``: ``(Markdown, [out/compare_lm.png])``.
+
+    Trains what ``posenc compare --tasks lm [--quick]`` trains (every ``lm`` scheme, or
+    ``schemes``, with :data:`LM_STEPS`; with ``quick`` at :data:`LM_QUICK_LENGTHS` with the
+    seeds and test examples of :data:`QUICK`) and writes its plot into ``out``. ``task``
+    and ``config`` replace the default ones.
+    """
+    task = task or _lm_task(quick)
+    seeds = QUICK["seeds"] if quick else 3
+    if config is None:
+        examples = QUICK["eval_examples"] if quick else Config.eval_examples
+        config = Config(steps=LM_STEPS["quick" if quick else "full"], eval_examples=examples)
+    runs = compare([task], schemes, seeds, config, quiet=quiet, jobs=jobs)
+    return format_markdown(runs, [task], seeds), plot_accuracy(runs, [task], out)
 
 
 def _names(text: str, known: Sequence[str], what: str) -> list[str]:
@@ -302,6 +194,16 @@ def _names(text: str, known: Sequence[str], what: str) -> list[str]:
             f"unknown {what} {', '.join(unknown) or text!r}; choose from {', '.join(known)}"
         )
     return names
+
+
+def _corpus(text: str) -> Path:
+    """``--corpus``: a file or a folder that exists (its text is checked when loaded)."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise argparse.ArgumentTypeError(
+            f"no file or folder {text!r}; give a UTF-8 text file or a folder of them"
+        )
+    return path
 
 
 def _lengths(text: str) -> list[int | tuple[int, int]]:
@@ -328,10 +230,17 @@ def _lengths(text: str) -> list[int | tuple[int, int]]:
 
 
 def _tasks(args: argparse.Namespace) -> list[Task]:
-    """The tasks with the lengths of the command line."""
+    """The tasks with the lengths (and the ``lm`` corpus) of the command line."""
+    if args.corpus is not None and "lm" not in args.tasks:
+        raise ValueError(
+            f"--corpus {args.corpus} is the text of the lm task; add lm to --tasks "
+            f"(e.g. --tasks lm --corpus {args.corpus})"
+        )
     tasks = []
     for name in args.tasks:
-        task = TASKS[name]
+        task = ALL_TASKS[name]
+        if isinstance(task, LanguageModelTask):
+            task = _lm_task(args.quick, args.corpus)
         grid = task.two_d
         lengths = args.grid_lengths if grid else args.lengths
         if lengths is not None:
@@ -344,8 +253,27 @@ def _tasks(args: argparse.Namespace) -> list[Task]:
             task = replace(task, train_length=lengths[0], test_lengths=tuple(lengths))
         for length in task.test_lengths:
             task.sample(1, length, torch.Generator().manual_seed(0))  # reject bad lengths now
+        if isinstance(task, LanguageModelTask):
+            task.test_text(1)  # reject a corpus without held-out text for the lengths now
         tasks.append(task)
     return tasks
+
+
+def _lm_task(quick: bool, corpus: Path | None = None) -> LanguageModelTask:
+    """The ``lm`` task, at :data:`LM_QUICK_LENGTHS` when ``quick``, on ``corpus``."""
+    task = LanguageModelTask(corpus=None if corpus is None else str(corpus))
+    if quick:
+        task = replace(task, train_length=LM_QUICK_LENGTHS[0], test_lengths=LM_QUICK_LENGTHS)
+    return task
+
+
+def _task_configs(args: argparse.Namespace, config: Config, tasks: Sequence[Task]) -> dict:
+    """The set-up of each task that differs from ``config``: the ``lm`` task trains for
+    :data:`LM_STEPS` unless ``--steps`` is given."""
+    if args.steps is not None:
+        return {}
+    steps = LM_STEPS["quick" if args.quick else "full"]
+    return {t.name: replace(config, steps=steps) for t in tasks if isinstance(t, LanguageModelTask)}
 
 
 def _init_distributed(device: str) -> bool:
@@ -372,11 +300,10 @@ def _leave_distributed() -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``posenc compare``: train, then print and write the results."""
     if args.quick:
-        args.steps = args.steps or QUICK["steps"]
         args.seeds = args.seeds or QUICK["seeds"]
         args.eval_examples = args.eval_examples or QUICK["eval_examples"]
     config = Config(
-        steps=args.steps or Config.steps,
+        steps=args.steps or (QUICK["steps"] if args.quick else Config.steps),
         batch=args.batch,
         dim=args.dim,
         layers=args.layers,
@@ -388,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
     )
     seeds = args.seeds or 3
     tasks = _tasks(args)
+    configs = _task_configs(args, config, tasks)
     plan = [s for t in tasks for s in schemes_for(t, args.schemes)]
     if not plan:
         raise ValueError(
@@ -404,15 +332,24 @@ def run(args: argparse.Namespace) -> int:
     started_group = _init_distributed(args.device)
     try:
         rank, world = rank_and_world()
-        runs = compare(
-            tasks,
-            args.schemes,
-            seeds,
-            config,
-            quiet=args.quiet,
-            checkpoints=None if args.out is None else args.out / "checkpoints",
-            jobs=args.jobs,
-        )
+        groups: list[tuple[Config, list[Task]]] = []  # tasks with the same set-up together
+        for task in tasks:
+            task_config = configs.get(task.name, config)
+            if groups and groups[-1][0] == task_config:
+                groups[-1][1].append(task)
+            else:
+                groups.append((task_config, [task]))
+        runs = []
+        for task_config, group in groups:
+            runs += compare(
+                group,
+                args.schemes,
+                seeds,
+                task_config,
+                quiet=args.quiet,
+                checkpoints=None if args.out is None else args.out / "checkpoints",
+                jobs=args.jobs,
+            )
         if rank != 0:
             return 0
         text = format_markdown(runs, tasks, seeds)
@@ -423,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
             for path in plot_accuracy(runs, tasks, args.out, args.format):
                 print(f"wrote {path}")
         if args.json is not None:
-            record = to_json(runs, config, seeds, tasks)
+            record = to_json(runs, config, seeds, tasks, configs)
             record["config"]["processes"] = world
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(record, indent=2))
@@ -441,16 +378,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="train a small transformer per scheme on synthetic tasks and compare them",
         description=(
             "Train a small transformer per positional scheme on synthetic tasks (shift, "
-            "copy, grid), at one length, and test it at longer ones. Prints a Markdown "
-            "table; with --out also writes it with a plot. Launch with torchrun "
-            "--nproc_per_node N -m posenc compare ... for DistributedDataParallel."
+            "copy, grid), at one length, and test it at longer ones. --tasks lm: a "
+            "byte-level language model on real text (Python's standard library source, or "
+            "--corpus), scored by perplexity at 1, 2, 4 and 8 times its training length. "
+            "Prints a Markdown table; with --out also writes it with a plot. Launch with "
+            "torchrun --nproc_per_node N -m posenc compare ... for DistributedDataParallel."
         ),
     )
     parser.add_argument(
         "--tasks",
-        type=lambda t: _names(t, list(TASKS), "task(s)"),
+        type=lambda t: _names(t, list(ALL_TASKS), "task(s)"),
         default=list(TASKS),
-        help=f"comma-separated tasks (default all: {','.join(TASKS)})",
+        help=f"comma-separated, from {','.join(ALL_TASKS)} (default {','.join(TASKS)}; lm: a "
+        f"byte-level language model on real text, see --corpus)",
+    )
+    parser.add_argument(
+        "--corpus",
+        type=_corpus,
+        default=None,
+        help="the lm task's text: a UTF-8 text file or a folder of them (default: the top-level "
+        "modules of Python's standard library; see docs/compare.md)",
     )
     parser.add_argument(
         "--schemes",
@@ -463,7 +410,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--lengths",
         type=_lengths,
         default=None,
-        help="1-D tasks: train at the first, test at all (default 32,64,128)",
+        help="1-D tasks: train at the first, test at all (default 32,64,128; lm: 64,128,256,512)",
     )
     parser.add_argument(
         "--grid-lengths",
@@ -472,7 +419,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="grid task: train at the first, test at all (default 6x6,9x9,12x12)",
     )
     parser.add_argument("--seeds", type=positive_int, default=None, help="seeds per scheme (3)")
-    parser.add_argument("--steps", type=positive_int, default=None, help="training steps (200)")
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help=f"training steps (200; lm: {LM_STEPS['full']}, with --quick {LM_STEPS['quick']})",
+    )
     parser.add_argument("--batch", type=positive_int, default=32, help="global batch (32)")
     parser.add_argument("--dim", type=positive_int, default=64, help="model width (64)")
     parser.add_argument("--layers", type=positive_int, default=2, help="blocks (2)")
@@ -486,7 +438,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--lr (10; 0 freezes them; see docs/compare.md)",
     )
     parser.add_argument(
-        "--eval-examples", type=positive_int, default=None, help="test examples per length (128)"
+        "--eval-examples",
+        type=positive_int,
+        default=None,
+        help="test examples per length (128; lm: held-out windows of the longest length, the "
+        "same text cut into shorter windows for the shorter lengths)",
     )
     parser.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument(
@@ -501,7 +457,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help=(
             f"a fast run: {QUICK['steps']} steps, {QUICK['seeds']} seed, "
-            f"{QUICK['eval_examples']} test examples (explicit flags win)"
+            f"{QUICK['eval_examples']} test examples (lm: {LM_STEPS['quick']} steps at "
+            f"{','.join(map(str, LM_QUICK_LENGTHS))}; explicit flags win)"
         ),
     )
     parser.add_argument(

@@ -16,19 +16,38 @@ answer (it is left out of the loss and of the accuracy).
   scheme learns the offset ``-W`` of the training grid and fails on a wider grid; a 2-D
   scheme learns the offset ``(-1, 0)``, which holds on any grid.
 
+One task is not synthetic, and not in the default run (:data:`TASKS`):
+
+- ``lm``: a causal byte-level language model on real text
+  (:mod:`~posenc.experiments.corpus`; by default Python's standard library source),
+  trained on windows of the training text and scored on the held-out text.
+
 Shape legend: ``b`` batch, ``n`` tokens, ``H x W`` a grid (``n = H * W``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from .. import _validate as check
+from .corpus import Corpus, load_corpus
 
-__all__ = ["IGNORE", "TASKS", "Batch", "CopyTask", "GridTask", "ShiftTask", "Task", "get_task"]
+__all__ = [
+    "ALL_TASKS",
+    "IGNORE",
+    "TASKS",
+    "Batch",
+    "CopyTask",
+    "GridTask",
+    "LanguageModelTask",
+    "ShiftTask",
+    "Task",
+    "get_task",
+]
 
 #: target id of a position with no answer (``torch.nn.functional.cross_entropy``'s default)
 IGNORE = -100
@@ -63,6 +82,8 @@ class Task:
     train_length: int | tuple[int, int] = 32
     test_lengths: tuple[int | tuple[int, int], ...] = (32, 64, 128)
     summary: str = field(default="", compare=False)
+    #: schemes run by default on this task besides ``compare``'s default ones
+    schemes: tuple[str, ...] = field(default=(), compare=False)
 
     def sample(
         self, batch: int, length: int | tuple[int, int], generator: torch.Generator
@@ -165,15 +186,116 @@ class GridTask(Task):
         return Batch(tokens.flatten(1), targets.flatten(1), size=(h, w))  # [b, H*W]
 
 
+@dataclass(frozen=True)
+class LanguageModelTask(Task):
+    """A causal byte-level language model on real text: predict every next byte.
+
+    Training examples are windows of the training text at random offsets (inputs the
+    window, targets the window moved by one byte, every byte scored). The test
+    (:meth:`held_out`) scores the held-out text in non-overlapping windows of each test
+    length, every byte of a window scored, as Press et al. 2022 ("Train Short, Test Long",
+    arXiv 2108.12409) evaluate in their Figure 1; the windows of every length cover the
+    same bytes, so that the lengths are compared on the same text.
+
+    Attributes:
+        corpus: a UTF-8 text file or folder, or None for Python's standard library source
+            (see :func:`~posenc.experiments.corpus.load_corpus`).
+    """
+
+    name: str = "lm"
+    vocab: int = 256
+    causal: bool = True
+    train_length: int | tuple[int, int] = 64
+    test_lengths: tuple[int | tuple[int, int], ...] = (64, 128, 256, 512)
+    corpus: str | None = None
+    summary: str = field(default="causal byte-level language model on real text")
+    schemes: tuple[str, ...] = field(default=("kerple-log",), compare=False)
+
+    @property
+    def text(self) -> Corpus:
+        """The corpus (loaded once per process)."""
+        return load_corpus(self.corpus)
+
+    @property
+    def chance(self) -> float:
+        """A uniform guess among the 256 byte values."""
+        return 1 / self.vocab
+
+    def sample(
+        self, batch: int, length: int | tuple[int, int], generator: torch.Generator
+    ) -> Batch:
+        n = check.positive_int("length", length)
+        text = self.text.train
+        if text.numel() < n + 1:
+            raise ValueError(
+                f"the training text of corpus {self.text.source!r} has {text.numel()} bytes, "
+                f"fewer than a window of length {n} + 1; give a shorter length or more text"
+            )
+        starts = torch.randint(0, text.numel() - n, (batch,), generator=generator)  # [b]
+        windows = text[starts[:, None] + torch.arange(n + 1)].long()  # [b, n + 1]
+        return Batch(windows[:, :-1], windows[:, 1:])
+
+    def test_text(self, examples: int) -> Tensor:
+        """The held-out bytes that every test length scores: ``[c, span + 1]`` chunks.
+
+        ``span`` is the least common multiple of the test lengths (the longest one when
+        each divides it), so that every length cuts each chunk into whole windows;
+        ``c = max(1, examples * longest // span)`` chunks (``examples`` windows of the
+        longest length), spread evenly over the held-out text, as many as fit.
+
+        Raises:
+            ValueError: held-out text shorter than one chunk.
+        """
+        check.positive_int("examples", examples)
+        lengths = [self.tokens_of(t) for t in self.test_lengths]
+        span = math.lcm(*lengths)
+        held = self.text.held_out
+        fit = (held.numel() - 1) // span  # chunks of span + 1 bytes, sharing an end byte
+        if fit < 1:
+            raise ValueError(
+                f"the held-out text of corpus {self.text.source!r} has {held.numel()} bytes, "
+                f"fewer than the {span + 1} that one window of every test length needs "
+                f"(lengths {', '.join(map(str, lengths))}); give shorter lengths or more text"
+            )
+        count = min(fit, max(1, examples * max(lengths) // span))
+        stride = (held.numel() - 1 - span) // max(1, count - 1)  # >= span: no overlap
+        starts = torch.arange(count) * stride  # [c]
+        return held[starts[:, None] + torch.arange(span + 1)].long()  # [c, span + 1]
+
+    def held_out(self, length: int | tuple[int, int], examples: int) -> Batch:
+        """The held-out text of :meth:`test_text` in non-overlapping windows of ``length``.
+
+        Returns:
+            A :class:`Batch` of ``[c * span / length, length]`` tokens and targets (the
+            next byte of each token; every one scored).
+
+        Raises:
+            ValueError: ``length`` is not one of the test lengths.
+        """
+        n = check.positive_int("length", length)
+        if n not in [self.tokens_of(t) for t in self.test_lengths]:
+            raise ValueError(
+                f"length {n} is not a test length of this task ({self.test_lengths}); "
+                f"the held-out windows are cut for those"
+            )
+        chunks = self.test_text(examples)  # [c, span + 1]
+        tokens = chunks[:, :-1].reshape(-1, n)  # [c * span / n, n]
+        targets = chunks[:, 1:].reshape(-1, n)  # [c * span / n, n]
+        return Batch(tokens, targets)
+
+
+#: the tasks of ``compare``'s default run (the synthetic ones)
 TASKS: dict[str, Task] = {task.name: task for task in (ShiftTask(), CopyTask(), GridTask())}
+#: every task that ``compare --tasks`` knows
+ALL_TASKS: dict[str, Task] = {**TASKS, "lm": LanguageModelTask()}
 
 
 def get_task(name: str) -> Task:
-    """The task called ``name``.
+    """The task called ``name`` (one of :data:`ALL_TASKS`).
 
     Raises:
         ValueError: an unknown name, with the known ones.
     """
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
-    return TASKS[name]
+    if name not in ALL_TASKS:
+        raise ValueError(f"unknown task {name!r}; choose from {', '.join(ALL_TASKS)}")
+    return ALL_TASKS[name]

@@ -3,7 +3,8 @@
 For a task of :mod:`posenc.experiments.tasks` and a scheme of :mod:`posenc.registry`, a
 :class:`~posenc.experiments.models.TinyTransformer` is built (:func:`build_model`),
 trained at the task's training length (:func:`train`, under DistributedDataParallel when
-a process group is up) and evaluated at that length and longer ones (:func:`evaluate`);
+a process group is up) and evaluated at that length and longer ones (:func:`evaluate`;
+on the ``lm`` task the perplexity too, :mod:`~posenc.experiments.language`);
 :func:`run_one` does all three and returns a :class:`Run`. :func:`save_checkpoint` and
 :func:`load_checkpoint` keep a trained model with what rebuilds it.
 
@@ -33,8 +34,9 @@ from torch import Tensor, nn
 
 from .. import registry
 from ..registry import Shape
+from .language import evaluate_lm, rope_scaling_perplexity
 from .models import TinyTransformer
-from .tasks import IGNORE, Batch, Task, get_task
+from .tasks import IGNORE, Batch, LanguageModelTask, Task, get_task
 
 __all__ = [
     "SHAW_CLIP",
@@ -85,9 +87,13 @@ def default_schemes() -> list[str]:
 def schemes_for(task: Task, names: Sequence[str] | None = None) -> list[str]:
     """The schemes that make sense for ``task`` (2-D ones only on grids), in order.
 
-    ``names`` (old names resolved) keep their order; None: :func:`default_schemes`.
+    ``names`` (old names resolved) keep their order; None: :func:`default_schemes` and
+    the task's own ``schemes`` (``lm`` adds ``kerple-log``).
     """
-    names = default_schemes() if names is None else [registry.resolve(n) for n in names]
+    if names is None:
+        names = scheme_order([*default_schemes(), *task.schemes])
+    else:
+        names = [registry.resolve(n) for n in names]
     return [n for n in names if task.two_d or not registry.SCHEMES[n].two_d]
 
 
@@ -271,8 +277,20 @@ def train(
 def evaluate(
     model: nn.Module, task: Task, scheme: str, seed: int, config: Config
 ) -> dict[str, float | None]:
-    """Accuracy at every test length (None where the scheme cannot serve the length)."""
+    """Accuracy at every test length (None where the scheme cannot serve the length).
+
+    On the ``lm`` task: next-byte accuracy on the held-out text
+    (:func:`~posenc.experiments.language.evaluate_lm`, which gives the perplexity too).
+    """
     shape, entry = shape_for(task, config), registry.get(scheme)
+    if isinstance(task, LanguageModelTask):
+        return evaluate_lm(
+            model,
+            task,
+            examples=config.eval_examples,
+            device=config.device,
+            serves=lambda n: entry.serves(shape, n),
+        )[0]
     results: dict[str, float | None] = {}
     for length in task.test_lengths:
         label = task.label(length)
@@ -290,7 +308,13 @@ def evaluate(
 
 @dataclass
 class Run:
-    """One trained model: its task, scheme, seed and results."""
+    """One trained model: its task, scheme, seed and results.
+
+    ``perplexity`` (per byte, per test length) is set on the ``lm`` task, ``rope_scaling``
+    (``{scaling: {length: perplexity}}``, see
+    :func:`~posenc.experiments.language.rope_scaling_perplexity`) on the ``lm`` task
+    for a scheme with unscaled rotary attention; both None otherwise.
+    """
 
     task: str
     scheme: str
@@ -299,6 +323,8 @@ class Run:
     parameters: int
     seconds: float
     final_loss: float
+    perplexity: dict[str, float | None] | None = None
+    rope_scaling: dict[str, dict[str, float]] | None = None
 
 
 def run_one(
@@ -319,14 +345,30 @@ def run_one(
     seconds = time.perf_counter() - started
     if checkpoints is not None and seed == 0 and rank_and_world()[0] == 0:
         save_checkpoint(checkpoints, model, task, scheme, config)
+    perplexity, scaled = None, None
+    if isinstance(task, LanguageModelTask):
+        shape, entry = shape_for(task, config), registry.get(scheme)
+        examples, device = config.eval_examples, config.device
+        accuracy, perplexity = evaluate_lm(
+            model,
+            task,
+            examples=examples,
+            device=device,
+            serves=lambda n: entry.serves(shape, n),
+        )
+        scaled = rope_scaling_perplexity(model, task, examples=examples, device=device)
+    else:
+        accuracy = evaluate(model, task, scheme, seed, config)
     return Run(
         task=task.name,
         scheme=scheme,
         seed=seed,
-        accuracy=evaluate(model, task, scheme, seed, config),
+        accuracy=accuracy,
         parameters=sum(p.numel() for p in model.parameters()),
         seconds=seconds,
         final_loss=statistics.fmean(losses[-10:]),
+        perplexity=perplexity,
+        rope_scaling=scaled,
     )
 
 
@@ -342,6 +384,7 @@ def save_checkpoint(
         {
             "task": task.name,
             "lengths": lengths,
+            "corpus": getattr(task, "corpus", None),
             "scheme": scheme,
             "config": config_dict,
             "state": model.state_dict(),
@@ -365,6 +408,8 @@ def load_checkpoint(path: Path) -> tuple[TinyTransformer, Task, str, Config]:
             train_length=_length(lengths["train_length"]),
             test_lengths=tuple(_length(x) for x in lengths["test_lengths"]),
         )
+        if isinstance(task, LanguageModelTask):
+            task = replace(task, corpus=saved.get("corpus"))
         scheme = registry.resolve(saved["scheme"])
         model = build_model(task, scheme, config)
         model.load_state_dict(saved["state"])
