@@ -410,3 +410,36 @@ def test_plot_lines_differ_in_colour_or_line_style():
     # the line of the same colour (11 later) has another line style and marker
     assert styles[0]["linestyle"] != styles[11]["linestyle"]
     assert styles[0]["marker"] != styles[11]["marker"]
+
+
+def test_ctrl_c_in_workers_cancels_the_models_not_started(monkeypatch):
+    """An interrupt while workers train cancels the queue (it does not wait for every model
+    queued), and the interrupt goes on up."""
+    import concurrent.futures
+
+    from posenc.cli import compare as compare_module
+    from posenc.cli._progress import Progress
+
+    shutdowns = []
+
+    class Pool:
+        def __init__(self, jobs, mp_context=None):
+            self.futures = []
+
+        def submit(self, fn, *args, **kwargs):
+            self.futures.append(concurrent.futures.Future())
+            return self.futures[-1]
+
+        def shutdown(self, wait=True, *, cancel_futures=False):
+            shutdowns.append((wait, cancel_futures))
+
+    def interrupted(futures):
+        raise KeyboardInterrupt
+        yield  # a generator, as as_completed is
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(concurrent.futures, "as_completed", interrupted)
+    plan = [(TASKS["shift"], "rotary", seed) for seed in range(6)]
+    with pytest.raises(KeyboardInterrupt):
+        compare_module._compare_in_workers(plan, TINY_CONFIG, Progress(6, quiet=True), None, 2)
+    assert shutdowns == [(False, True)]

@@ -126,14 +126,19 @@ def _compare_in_workers(
     checkpoints: Path | None,
     jobs: int,
 ) -> list[Run]:
-    """Run ``plan`` in ``jobs`` worker processes; the bar moves as models finish."""
+    """Run ``plan`` in ``jobs`` worker processes; the bar moves as models finish.
+
+    A failure or Ctrl-C cancels the models not started yet (the workers, which get the
+    interrupt too, stop theirs), instead of waiting for the whole queue.
+    """
     import concurrent.futures
     import multiprocessing
 
     threads = max(1, torch.get_num_threads() // jobs)
     context = multiprocessing.get_context("spawn")  # no fork of a threaded torch
     runs: list[Run | None] = [None] * len(plan)
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context)
+    try:
         futures = {
             pool.submit(
                 run_one, task, scheme, seed, config, checkpoints=checkpoints, threads=threads
@@ -146,10 +151,11 @@ def _compare_in_workers(
             runs[index] = future.result()
             task, scheme, seed = plan[index]
             progress.update(done, f"{task.name:<5} {scheme:<13} seed {seed} done")
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return [r for r in runs if r is not None]
-
-
-# ----- the report ------------------------------------------------------------------------
 
 
 # ----- the command ------------------------------------------------------------------------
