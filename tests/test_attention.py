@@ -593,17 +593,21 @@ def test_multi_head_attention_is_projections_around_the_functional_form(name):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-def test_explain_names_the_path_and_why_not_the_others():
+def test_explain_names_the_path_and_why_not_the_others(monkeypatch):
     from posenc import ALiBi, ShawRelativePosition, explain
+    from posenc.engine import tuning
 
     q = k = v = torch.randn(1, 2, 16, 8)
     plain = explain(q, k, v)
     assert plain.path == "sdpa" and plain.reasons == {}
+    assert explain(q, k, v, position=ALiBi(2)).path == "materialised"  # 512 scores: SDPA's
+    monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 0)  # as for a long sequence
     alibi = explain(q, k, v, position=ALiBi(2))
     assert alibi.path == "offset-bias"
     assert alibi.reasons["sdpa"].startswith("the scheme adds a bias")
     assert "no offset_term" in alibi.reasons["offset-term"]
     assert "path: offset-bias" in str(alibi) and "not sdpa:" in str(alibi)
+    assert "scores would be 0.0 MiB, above the budget" in alibi.reasons["materialised"]
     gappy = torch.zeros(1, 16, dtype=torch.bool)
     gappy[0, 3] = True  # a gap in the keys: neither the blocks nor the per-offset path
     general = explain(q, k, v, position=ALiBi(2), key_padding_mask=gappy)
@@ -619,7 +623,7 @@ def test_explain_names_the_path_and_why_not_the_others():
 def test_explain_agrees_with_the_path_taken(monkeypatch):
     """The path explain names is the one attention then runs."""
     from posenc import ALiBi, RelativeQueryEmbedding, T5RelativeBias, attention, explain
-    from posenc.engine import dispatch
+    from posenc.engine import dispatch, tuning
 
     taken = []
     walk = dispatch._walk
@@ -631,14 +635,16 @@ def test_explain_agrees_with_the_path_taken(monkeypatch):
     monkeypatch.setattr(dispatch, "_walk", spy)
     q = k = v = torch.randn(2, 2, 12, 8)
     told = set()
-    for scheme in (None, ALiBi(2), T5RelativeBias(2), RelativeQueryEmbedding(12, 8)):
-        for kwargs in ({}, {"causal": True}, {"valid_lens": torch.tensor([12, 7])}):
-            path = explain(q, k, v, position=scheme, **kwargs).path
-            taken.clear()
-            attention(q, k, v, position=scheme, **kwargs)
-            assert taken[0] == path, (scheme, kwargs)
-            told.add(path)
-    assert {"sdpa", "offset-bias", "offset-term", "lean-fused"} <= told
+    for budget in (tuning.MATERIALISED_SCORES, 0):  # SDPA's few scores; a long sequence's
+        monkeypatch.setattr(tuning, "MATERIALISED_SCORES", budget)
+        for scheme in (None, ALiBi(2), T5RelativeBias(2), RelativeQueryEmbedding(12, 8)):
+            for kwargs in ({}, {"causal": True}, {"valid_lens": torch.tensor([12, 7])}):
+                path = explain(q, k, v, position=scheme, **kwargs).path
+                taken.clear()
+                attention(q, k, v, position=scheme, **kwargs)
+                assert taken[0] == path, (scheme, kwargs)
+                told.add(path)
+    assert {"sdpa", "materialised", "offset-bias", "offset-term", "lean-fused"} <= told
 
 
 def test_functional_attention_errors_name_the_fix():

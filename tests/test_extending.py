@@ -188,7 +188,8 @@ def test_state_meta_and_head_check():
 # ----- through attention: the fast path, every backend, and the float64 reference ---------
 
 
-def test_auto_takes_the_per_offset_bias_path():
+def test_auto_takes_the_per_offset_bias_path(monkeypatch):
+    monkeypatch.setattr(posenc.engine.tuning, "MATERIALISED_SCORES", 0)  # a long sequence's
     scheme = kerple()
     q, k, v = (torch.randn(2, 4, 64, 16) for _ in range(3))
     assert posenc.explain(q, k, v, position=scheme).path == "offset-bias"
@@ -330,7 +331,7 @@ class AxisTerm(GridTerm):
         return table[offsets + length - 1]  # [*S, d]
 
 
-def test_grid_bias_family_equals_its_formula_and_takes_the_grid_path():
+def test_grid_bias_family_equals_its_formula_and_takes_the_grid_path(monkeypatch):
     size, heads = (16, 32), 2  # 512 tokens: large enough for the grid bias path
     scheme = GaussianGridBias(size, heads).double()
     tokens = torch.arange(size[0] * size[1])[None]
@@ -346,10 +347,11 @@ def test_grid_bias_family_equals_its_formula_and_takes_the_grid_path():
     assert grid.shape == (heads, 31, 63)
     assert float(grid[1, 15 + 2, 31 - 3]) == pytest.approx(-float(scheme.weight[1]) * 13)
     q, k, v = (torch.randn(1, heads, 512, 8) for _ in range(3))
+    monkeypatch.setattr(posenc.engine.tuning, "MATERIALISED_SCORES", 0)  # a long sequence's
     assert posenc.explain(q, k, v, position=GaussianGridBias(size, heads)).path == "grid-bias"
 
 
-def test_offset_term_family_without_reach_equals_its_formula():
+def test_offset_term_family_without_reach_equals_its_formula(monkeypatch):
     torch.manual_seed(0)
     scheme = SinusoidalTerm(3, 8).double()
     q = torch.randn(2, 3, 5, 8, dtype=torch.float64)
@@ -368,10 +370,11 @@ def test_offset_term_family_without_reach_equals_its_formula():
     expected = scheme.scale[1] * posenc.sinusoidal(torch.tensor(-11), 8).double()
     torch.testing.assert_close(rows[1, 0], expected, atol=1e-12, rtol=0)
     qf, k, v = (torch.randn(2, 3, 64, 8) for _ in range(3))
+    monkeypatch.setattr(posenc.engine.tuning, "MATERIALISED_SCORES", 0)  # a long sequence's
     assert posenc.explain(qf, k, v, position=SinusoidalTerm(3, 8)).path == "offset-term"
 
 
-def test_grid_term_family_equals_its_formula_and_takes_the_grid_path():
+def test_grid_term_family_equals_its_formula_and_takes_the_grid_path(monkeypatch):
     torch.manual_seed(0)
     size = (3, 4)
     scheme = AxisTerm(size, 8).double()
@@ -388,6 +391,7 @@ def test_grid_term_family_equals_its_formula_and_takes_the_grid_path():
     with pytest.raises(ValueError, match=r"k_pos must be in \[0, 12\)"):
         scheme.score_term(q, tokens, tokens + 1)
     qf, k, v = (torch.randn(1, 2, 12, 8) for _ in range(3))
+    monkeypatch.setattr(posenc.engine.tuning, "MATERIALISED_SCORES", 0)  # a long sequence's
     assert posenc.explain(qf, k, v, position=AxisTerm(size, 8)).path == "grid-term"
     with pytest.raises(ValueError, match="AxisTerm was built for head_dim=8"):
         posenc.MultiHeadAttention(32, 2, position=AxisTerm(size, 8))

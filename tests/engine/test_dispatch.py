@@ -59,9 +59,10 @@ def test_fast_paths_take_inputs_in_projection_layout(monkeypatch, name):
         torch.testing.assert_close(c, a)
 
 
-def test_auto_choice():
-    """auto: SDPA with nothing positional (or with dropout), the lean engine for a bias or a
-    value term, the math reference for a value term with dropout."""
+def test_auto_choice(monkeypatch):
+    """auto: SDPA with nothing positional (or with dropout), a bias written out for SDPA
+    where the scores are few, the lean engine for a bias above that or a value term, the
+    math reference for a value term with dropout."""
     pos = torch.arange(4)[None]
     q = torch.zeros(1, 1, 4, 2)
 
@@ -70,8 +71,10 @@ def test_auto_choice():
         return explain_call(q, q, q, **args).path
 
     assert path(None) == "sdpa"
-    assert path(TableBias(1)) == "lean-fused"
+    assert path(TableBias(1)) == "materialised"
     assert path(ValueTable(2)) == "lean"
+    monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 0)  # the size of a long sequence
+    assert path(TableBias(1)) == "lean-fused"
     assert path(TableBias(1), dropout_p=0.1) == "sdpa"
     assert path(ValueTable(2), dropout_p=0.1) == "math"
     with pytest.raises(ValueError, match="backend='lean' has no attention dropout"):

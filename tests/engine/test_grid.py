@@ -125,6 +125,7 @@ def test_grid_paths_by_size(monkeypatch):
     the general engine's one block is faster); a 2-D term at any size."""
     from posenc import RelativePositionBias, RelativeQueryEmbedding2D
 
+    monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 0)  # the lean paths at any size
     bias_calls = spy_on(monkeypatch, grid._GridFusedAttention)
     term_calls = spy_on(monkeypatch, grid._GridTermAttention)
     q, k, v = (torch.randn(2, 3, 24, 8) for _ in range(3))

@@ -9,8 +9,8 @@ Every path computes, for queries ``q`` and keys ``k`` already rotated by the sch
     out = dropout(w) v + value_term(dropout(w))
 
 and returns ``out [b, h, n_q, d]``. One module per path; :mod:`.dispatch` walks them in
-order (:data:`~posenc.engine.dispatch.PATHS`), each answering "I can run this" or "no,
-because ...". A new fast path is one module and one entry there. The engine sees a
+order (:data:`~posenc.engine.dispatch.PATHS`; the lean and materialised paths' plans are
+in :mod:`.plans`), each answering "I can run this" or "no, because ...". A new fast path is one module and one entry there. The engine sees a
 scheme's hooks (:mod:`posenc.hooks`), never its class.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim;

@@ -10,7 +10,6 @@ positions ``[B', n]`` with ``B'`` 1 or ``b``.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,48 +18,28 @@ import torch
 from torch import Tensor
 
 from ..hooks import Hooks, checked_hooks, hooks_of
-from . import common, tuning
+from . import common
 from .blocks import _by_blocks, _mask_blocks
-from .common import _bias_span, _dense_last, _scheme_parameters
+from .common import _scheme_parameters
 from .flex import _flex
-from .grid import _grid_kernel_values, _GridFusedAttention, _GridTermAttention
-from .lean import _LeanAttention, _LeanFusedAttention
 from .mask import Mask
-from .offset_bias import _offset_kernel_values, _OffsetFusedAttention
-from .offset_term import _expand_rows, _offset_rows, _OffsetTermAttention, _same_index
+from .plans import (
+    _CONTEXTUAL,
+    Call,
+    Path,
+    Plan,
+    _plan_grid_bias,
+    _plan_grid_term,
+    _plan_lean,
+    _plan_lean_fused,
+    _plan_materialised,
+    _plan_offset_bias,
+    _plan_offset_term,
+)
 from .reference import _math
 from .sdpa import _sdpa
 
 BACKENDS = ("auto", "math", "sdpa", "flex", "lean")
-
-
-@dataclass(frozen=True)
-class Call:
-    """One attention call as the paths see it (``q, k`` already rotated)."""
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    hooks: Hooks
-    q_pos: Tensor
-    k_pos: Tensor
-    mask: Mask
-    scale: float
-    dropout_p: float
-    scheme: Any
-
-
-#: a path's answer: a function that runs the call, or why it cannot
-Plan = Callable[[], Tensor] | str
-
-
-@dataclass(frozen=True)
-class Path:
-    """A way to run attention: ``plan(call)`` is a function that runs it, or the reason it
-    cannot."""
-
-    name: str
-    plan: Callable[[Call], Plan]
 
 
 @dataclass(frozen=True)
@@ -266,13 +245,6 @@ def _positional(hooks: Hooks) -> bool:
     )
 
 
-#: why a path cannot run a contextual term (:class:`~posenc.hooks.ContextualTerm`)
-_CONTEXTUAL = (
-    "a contextual term (CoPE: each query's term is read from its whole row of masked "
-    "logits, which this path never writes out)"
-)
-
-
 def _plan_sdpa(call: Call) -> Plan:
     if call.hooks.value_term is not None:
         return "cannot add a value term (Shaw's a^V needs the attention weights)"
@@ -312,7 +284,10 @@ def _auto_sdpa(call: Call) -> Plan:
             return _plan_sdpa(call)
         if torch.compiler.is_compiling():
             return _plan_sdpa(call)
-        return "the scheme adds a bias, term or value term: SDPA would write [b, h, n_q, n_k]"
+        return (
+            "the scheme adds a bias, term or value term: writing out [b, h, n_q, n_k] is "
+            "weighed by the materialised path"
+        )
     return _plan_sdpa(call)
 
 
@@ -402,156 +377,6 @@ def _lean_blocks(
     return _walk(LEAN_PATHS[1:], call)[1]()
 
 
-def _causal_only(call: Call) -> bool:
-    """A causal mask alone (aligned at the end, ``n_q <= n_k``) or none: the per-offset
-    paths take it as hidden offsets."""
-    n_q, n_k = call.q.shape[2], call.k.shape[2]
-    mask = call.mask
-    return replace(mask, causal=False).empty and (not mask.causal or n_q <= n_k)
-
-
-def _refusal(call: Call, extra: str, what: str, beside: str, *, causal_ok: bool) -> str | None:
-    """Why a per-offset or grid path cannot take the call before its hook is asked: the
-    scheme lacks the ``extra`` hook (``what`` it is), adds the ``beside`` hook too, the fused
-    CPU kernels do not run, or a mask other than a causal one (``causal_ok``) or any."""
-    hooks = call.hooks
-    if hooks.contextual_term is not None:
-        return _CONTEXTUAL
-    if getattr(hooks, extra) is None:
-        return f"the scheme has no {extra} ({what})"
-    if getattr(hooks, beside) is not None:
-        other = "bias" if beside == "score_bias" else "term"
-        return f"the scheme adds a {other} beside its {'term' if other == 'bias' else 'bias'}"
-    if not common._fused_cpu_available(call.q, replace(hooks, value_term=None)):
-        return "the fused CPU kernels do not run here (device, dtype)"
-    if causal_ok and not _causal_only(call):
-        return "a mask other than causal"
-    if not causal_ok and not call.mask.empty:
-        return "a mask"
-    return None
-
-
-def _plan_offset_term(call: Call) -> Plan:
-    hooks = call.hooks
-    why = _refusal(
-        call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True
-    )
-    if why is not None:
-        return why
-    if hooks.value_term is not None and hooks.offset_value is None:
-        return "a value term with no offset_value"
-    term = _offset_rows(hooks.offset_term(call.q_pos, call.k_pos))
-    value = None
-    if hooks.value_term is not None:
-        value = _offset_rows(hooks.offset_value(call.q_pos, call.k_pos))
-    if term is None or (hooks.value_term is not None and value is None):
-        return "positions that are not one consecutive run"
-    q, k, v = _dense_last(call.q, call.k, call.v)
-    (table, index), value_table = term, None
-    if value is not None:
-        value_table, value_index = value
-        if not _same_index(index, value_index):  # use the rows themselves
-            table, value_table = _expand_rows(table, index), _expand_rows(*value)
-            index = None
-    table = table.to(q.dtype)  # [(h,) R | n_q + n_k - 1, d]
-    value_table = None if value_table is None else value_table.to(q.dtype)
-    rows = _block_rows(call)
-    return lambda: _OffsetTermAttention.apply(
-        q, k, v, table, value_table, index, call.scale, rows, call.mask.causal
-    )
-
-
-def _plan_grid_term(call: Call) -> Plan:
-    hooks = call.hooks
-    why = _refusal(call, "grid_term", "a 2-D query term", "score_bias", causal_ok=False)
-    if why is not None:
-        return why
-    if hooks.value_term is not None:
-        return "a value term"
-    tables = hooks.grid_term(call.q_pos, call.k_pos)
-    if tables is None:
-        return "queries and keys that are not one whole map in order"
-    q, k, v = _dense_last(call.q, call.k, call.v)
-    height, width = (t.to(q.dtype) for t in tables)
-    return lambda: _GridTermAttention.apply(q, k, v, height, width, call.scale)
-
-
-def _plan_grid_bias(call: Call) -> Plan:
-    hooks = call.hooks
-    why = _refusal(call, "grid_bias", "a 2-D bias per offset", "score_term", causal_ok=False)
-    if why is not None:
-        return why
-    if hooks.value_term is not None:
-        return "a value term"
-    if call.q.shape[2] * call.k.shape[2] < tuning.GRID_BIAS_PAIRS:
-        return f"fewer than GRID_BIAS_PAIRS = {tuning.GRID_BIAS_PAIRS} query-key pairs"
-    grid = hooks.grid_bias(call.q_pos, call.k_pos)
-    if grid is None:
-        return "queries and keys that are not one whole map in order"
-    grid = grid.to(call.q.dtype)  # [h, 2H-1, 2W-1]
-    kernel_grid = _grid_kernel_values(grid, _bias_span(call.q, call.k, call.scale))
-    if kernel_grid is None:
-        return "a bias spanning more than its span whose best is not at offset (0, 0)"
-    q, k, v = _dense_last(call.q, call.k, call.v)
-    return lambda: _GridFusedAttention.apply(q, k, v, grid, kernel_grid, call.scale)
-
-
-def _plan_offset_bias(call: Call) -> Plan:
-    hooks = call.hooks
-    why = _refusal(call, "offset_bias", "a bias per offset j - i", "score_term", causal_ok=True)
-    if why is not None:
-        return why
-    if hooks.value_term is not None:
-        return "a value term"
-    values = hooks.offset_bias(call.q_pos, call.k_pos)
-    if values is None:
-        return "positions that are not one consecutive run"
-    values = values.to(call.q.dtype)  # [h|1, n_q + n_k - 1]
-    n_q, n_k = call.q.shape[2], call.k.shape[2]
-    span = _bias_span(call.q, call.k, call.scale)
-    kernel_values = _offset_kernel_values(values, n_q, n_k, span, causal=call.mask.causal)
-    if kernel_values is None:
-        return "a bias spanning more than its span where some query misses its best offset"
-    q, k, v = _dense_last(call.q, call.k, call.v)
-    return lambda: _OffsetFusedAttention.apply(
-        q, k, v, values, kernel_values, call.scale, call.mask.causal
-    )
-
-
-def _block_rows(call: Call) -> int:
-    """Query rows per block: the hooks' term ``[B', h, rows, n_k]`` has ``B' = 1`` for a bias
-    shared by the batch."""
-    b, h, n_q, _ = call.q.shape
-    per_batch = call.hooks.score_term is not None or call.hooks.value_term is not None
-    return common.lean_block_rows(b if per_batch else call.q_pos.shape[0], h, n_q, call.k.shape[2])
-
-
-def _plan_lean_fused(call: Call) -> Plan:
-    hooks = call.hooks
-    if hooks.contextual_term is not None:
-        return _CONTEXTUAL
-    if not common._fused_cpu_available(call.q, hooks):
-        return "the fused CPU kernels do not run here (device, dtype, value term)"
-    q, k, v = _dense_last(call.q, call.k, call.v)
-    span = math.inf if hooks.score_term is not None else _bias_span(q, k, call.scale)
-    params = _scheme_parameters(call.scheme)
-    rows = _block_rows(call)
-    return lambda: _LeanFusedAttention.apply(
-        q, k, v, hooks, call.q_pos, call.k_pos, call.mask, call.scale, rows, span, *params
-    )
-
-
-def _plan_lean(call: Call) -> Plan:
-    if call.hooks.contextual_term is not None:
-        return _CONTEXTUAL
-    params = _scheme_parameters(call.scheme)
-    rows = _block_rows(call)
-    return lambda: _LeanAttention.apply(
-        call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.mask, call.scale,
-        rows, math.inf, *params,
-    )  # fmt: skip
-
-
 #: the lean engine's paths, most specialised first
 LEAN_PATHS = (
     Path("mask-blocks", _plan_mask_blocks),
@@ -563,13 +388,14 @@ LEAN_PATHS = (
     Path("lean", _plan_lean),
 )
 
-#: the order ``backend`` walks: ``auto`` tries FlexAttention (CUDA), then the fused and lean
-#: paths, after SDPA
+#: the order ``backend`` walks: ``auto`` tries SDPA (nothing positional), FlexAttention
+#: (CUDA), the bias or term written out where the scores are small, then the lean paths
 PATHS = {
     "auto": (
         Path("sdpa", _auto_sdpa),
         Path("math", _auto_math),
         Path("flex", _auto_flex),
+        Path("materialised", _plan_materialised),
         *LEAN_PATHS,
     ),
     "lean": (Path("dropout", _lean_dropout), Path("math", _auto_math), *LEAN_PATHS),

@@ -31,3 +31,13 @@ GRID_BUFFER_ELEMENTS = 1 << 22
 MASK_BLOCK_PAIRS = 1 << 15
 #: query rows per call, at least, of a causal sliding window run in blocks
 WINDOW_BLOCK_ROWS = 128
+#: scores [b, h, n_q, n_k] at most that the materialised path writes out (memory budget)
+MATERIALISED_SCORES = 1 << 23
+#: query-key pairs per head at most on the materialised path (past it the lean paths win)
+MATERIALISED_PAIRS = 1 << 16
+#: scores at most on the materialised path for a bias with gradients (the crossover)
+MATERIALISED_BIAS_SCORES = 1 << 21
+#: scores at most on the materialised path for a score term (the crossover)
+MATERIALISED_TERM_SCORES = 1 << 18
+#: pairs per head at most on the materialised path for a causal bias without gradients
+MATERIALISED_CAUSAL_PAIRS = 1 << 12

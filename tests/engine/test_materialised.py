@@ -1,0 +1,193 @@
+"""The materialised path of ``auto`` (engine/plans.py ``_plan_materialised``): the bias or
+term written out as SDPA's float mask where the scores are few, the lean paths above."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import posenc
+from posenc.engine import plans, tuning
+
+
+def _spy_sdpa(monkeypatch):
+    """A list that grows by one each time the materialised path runs SDPA."""
+    calls = []
+    sdpa = plans._sdpa
+    monkeypatch.setattr(plans, "_sdpa", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    return calls
+
+
+def _randomised(scheme):
+    torch.manual_seed(1)
+    scheme = scheme.double()
+    for p in scheme.parameters():
+        nn.init.normal_(p, std=1.0)  # learned tables far from zero
+    return scheme
+
+
+def test_explain_picks_materialised_when_small_and_a_lean_path_when_large(monkeypatch):
+    """Few scores: the materialised path; above the memory budget, the pairs per head or the
+    crossover, the lean path, with the size and the constant in the reason; ``backend="lean"``
+    never takes it."""
+    t5, relative = posenc.T5RelativeBias(8), posenc.RelativeQueryEmbedding(2048, 64)
+    small = torch.randn(2, 8, 64, 64)
+    for scheme in (t5, relative):
+        told = posenc.explain(small, small, small, position=scheme, causal=True)
+        assert told.path == "materialised", told
+        assert "materialised" in told.reasons["sdpa"]
+        lean = posenc.explain(small, small, small, position=scheme, backend="lean")
+        assert lean.path in ("offset-bias", "offset-term") and "materialised" not in lean.reasons
+    large = torch.randn(2, 8, 2048, 64)  # 2^26 scores, 256 MiB in float32
+    told = posenc.explain(large, large, large, position=t5)
+    assert told.path == "offset-bias"
+    assert told.reasons["materialised"] == (
+        "the [b, h, n_q, n_k] scores would be 256.0 MiB, above the budget 32.0 MiB "
+        "(MATERIALISED_SCORES)"
+    )
+    one = torch.randn(1, 1, 512, 64)  # 2^18 scores, all in one head
+    told = posenc.explain(one, one, one, position=posenc.T5RelativeBias(1))
+    assert told.path == "offset-bias"
+    assert told.reasons["materialised"] == (
+        "512 x 512 query-key pairs per head, above MATERIALISED_PAIRS = 65536, from which "
+        "the lean paths are faster at any batch"
+    )
+    # within the budget, above a measured crossover: a term's is its own
+    monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**15)
+    told = posenc.explain(small, small, small, position=relative)
+    assert told.path == "offset-term"
+    assert told.reasons["materialised"] == (
+        "65536 scores [b, h, n_q, n_k], above the crossover 32768 (MATERIALISED_TERM_SCORES) "
+        "from which the lean paths run a score term with gradients faster"  # its table's
+    )
+    assert posenc.explain(small, small, small, position=t5).path == "materialised"
+
+
+def test_a_bias_without_gradients_is_written_out_up_to_the_budget(monkeypatch):
+    """A bias's crossover holds where the call asks for gradients (a learned table, or
+    ``q, k, v`` that require grad); without, the budget alone (its forward is cheap), and
+    under a causal mask MATERIALISED_CAUSAL_PAIRS pairs per head."""
+    monkeypatch.setattr(tuning, "MATERIALISED_BIAS_SCORES", 2**12)
+    q = torch.randn(2, 2, 32, 8)  # 2^12 scores: at the crossover, then past it
+    alibi, t5 = posenc.ALiBi(2), posenc.T5RelativeBias(2)
+    assert posenc.explain(q, q, q, position=alibi).path == "materialised"
+    monkeypatch.setattr(tuning, "MATERIALISED_BIAS_SCORES", 2**11)
+    assert posenc.explain(q, q, q, position=alibi).path == "materialised"
+    trained = posenc.explain(q.requires_grad_(), q, q, position=alibi)
+    assert trained.path == "offset-bias"
+    assert trained.reasons["materialised"] == (
+        "4096 scores [b, h, n_q, n_k], above the crossover 2048 (MATERIALISED_BIAS_SCORES) "
+        "from which the lean paths run a bias with gradients faster"
+    )
+    q = q.detach()
+    assert posenc.explain(q, q, q, position=t5).path == "offset-bias"  # its table learns
+    with torch.no_grad():
+        assert posenc.explain(q, q, q, position=t5).path == "materialised"
+        # causal: the lean forward skips the hidden pairs; a decoding step stays below
+        long = torch.randn(1, 2, 128, 8)
+        told = posenc.explain(long, long, long, position=t5, causal=True)
+        assert told.path == "offset-bias"
+        assert told.reasons["materialised"] == (
+            "a causal bias without gradients over 128 x 128 pairs per head, above "
+            "MATERIALISED_CAUSAL_PAIRS = 4096: the lean paths skip the hidden pairs, which "
+            "SDPA with a float mask computes"
+        )
+        step = posenc.explain(long[:, :, -1:], long, long, position=t5, causal=True)
+        assert step.path == "materialised"
+
+
+def test_what_the_materialised_path_refuses_and_why():
+    """A value term (Shaw's a^V) and a contextual term (CoPE) never take it; half precision
+    does not (SDPA would round the bias); neither does a call with nothing positional."""
+    q = torch.randn(2, 2, 16, 8)
+    shaw = posenc.explain(q, q, q, position=posenc.ShawRelativePosition(8, 3))
+    assert shaw.path == "offset-term"
+    assert shaw.reasons["materialised"] == (
+        "a value term (Shaw's a^V needs the attention weights): SDPA cannot add it"
+    )
+    cope = posenc.CoPE(2, 8, 17)
+    for kwargs in ({}, {"causal": True}):
+        assert posenc.explain(q, q, q, position=cope, **kwargs).path == "math"
+    half = posenc.explain(q.bfloat16(), q.bfloat16(), q.bfloat16(), position=posenc.ALiBi(2))
+    assert half.path != "materialised"
+    assert half.reasons["materialised"].startswith("torch.bfloat16: SDPA would add the bias")
+    assert posenc.explain(
+        q, q, q, position=posenc.ShawRelativePosition(8, 3, values=False)
+    ).path == ("materialised")
+    assert posenc.explain(q, q, q).path == "sdpa"
+
+
+def _masked_batch(n):
+    padding = torch.zeros(2, n, dtype=torch.bool)
+    padding[1, n - 5 :] = True
+    return {"causal": True, "key_padding_mask": padding}
+
+
+CASES = {  # scheme, n, the call's keyword arguments
+    "bias": (lambda: posenc.T5RelativeBias(2, num_buckets=8, max_distance=16), 12, {}),
+    "term": (lambda: posenc.RelativeQueryEmbedding(12, 8), 12, {}),
+    "2-D bias": (lambda: posenc.RelativePositionBias((3, 4), 2), 12, {}),
+    "causal and padding": (lambda: posenc.RelativePositionBias(12, 2), 12, _masked_batch(12)),
+    "per-row positions": (
+        lambda: posenc.T5RelativeBias(2, num_buckets=8, max_distance=16),
+        12,
+        {"positions": torch.stack([torch.arange(12), torch.arange(12) * 3 + 5])},
+    ),
+    "keys-only term, causal": (
+        lambda: posenc.ShawRelativePosition(8, 3, values=False),
+        12,
+        {"causal": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_materialised_equals_math_outputs_and_gradients(monkeypatch, case):
+    """float64: the output and the gradients of q, k, v and the scheme's tables equal the
+    math reference's, and the materialised path is the one that ran."""
+    build, n, kwargs = CASES[case]
+    scheme = _randomised(build())
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64) for _ in range(3))
+    assert posenc.explain(q, k, v, position=scheme, **kwargs).path == "materialised"
+    calls = _spy_sdpa(monkeypatch)
+    weights = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    results = {}
+    for backend in ("math", "auto"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        scheme.zero_grad(set_to_none=True)
+        out = posenc.attention(*leaves, position=scheme, backend=backend, **kwargs)
+        (out * weights).sum().backward()
+        results[backend] = [out, *(t.grad for t in leaves), *(p.grad for p in scheme.parameters())]
+    assert calls == [1]
+    for a, c in zip(results["math"], results["auto"], strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
+
+
+def test_second_order_gradients_through_the_materialised_path(monkeypatch):
+    """A gradient penalty (``create_graph=True``) through the materialised path equals the
+    math reference's: the second derivative is the definition's."""
+    scheme = _randomised(posenc.T5RelativeBias(2, num_buckets=8, max_distance=16))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 10, 4, dtype=torch.float64) for _ in range(3))
+    calls = _spy_sdpa(monkeypatch)
+    results = {}
+    for backend in ("math", "auto"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        scheme.zero_grad(set_to_none=True)
+        out = posenc.attention(*leaves, position=scheme, causal=True, backend=backend)
+        (dq,) = torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)
+        dq.square().sum().backward()
+        results[backend] = [dq, *(t.grad for t in leaves), scheme.embedding.weight.grad]
+    assert calls == [1]
+    for a, c in zip(results["math"], results["auto"], strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
+
+
+def test_under_torch_compile_auto_keeps_sdpa(monkeypatch):
+    """Inside ``torch.compile`` the SDPA path takes a bias before the materialised path is
+    asked (the lean paths do not trace): what a compiled model runs is unchanged."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    q = torch.randn(1, 2, 16, 8)
+    assert posenc.explain(q, q, q, position=posenc.T5RelativeBias(2)).path == "sdpa"

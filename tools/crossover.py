@@ -1,0 +1,176 @@
+"""Time the materialised path against the lean one: where ``backend="auto"`` switches.
+
+For each scheme, shape ``(b, h, n, d)`` and mask (none, causal) it times, interleaved in
+one process (each repeat runs every variant once, in turn), forward+backward (the
+gradients of ``q, k, v`` and of the scheme's tables) and forward only (no grad) of:
+
+- ``floor``: :func:`torch.nn.functional.scaled_dot_product_attention` without positions
+  (its own ``is_causal``);
+- ``materialised``: ``backend="sdpa"``: the scheme's ``[b, h, n, n]`` bias or term written
+  out and added as SDPA's float ``attn_mask``, one fused call: what the ``materialised``
+  path of ``auto`` runs;
+- ``lean``: ``backend="lean"``: the lean path (named in the table) that ``auto`` takes
+  above the crossover.
+
+Each time is the mean of enough calls to last ``--least`` seconds; each repeat times every
+variant once, in an order that turns from one repeat to the next. Prints a Markdown
+table: the median over the repeats of each repeat's ratios (to the floor; and the
+materialised path's time to the lean path's: below 1, materialised wins).
+
+Run: ``.venv/bin/python tools/crossover.py [--schemes t5,alibi] [--shapes 2x8x64x64]
+[--repeats 5] [--threads 2] [--json out.json]``; the ``MATERIALISED_*`` thresholds in
+``posenc.engine.tuning`` were chosen from its tables (docs/performance.md, "Small calls:
+the materialised path").
+
+Shape legend: ``b`` batch, ``h`` heads, ``n`` tokens, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import posenc
+from posenc import registry
+
+#: the issue's shapes ``(b, h, n, d)``: Swin windows, BERT-size, small, mid, long
+SHAPES = [
+    (128, 4, 49, 32),
+    (32, 12, 128, 64),
+    (2, 8, 64, 64),
+    (8, 8, 256, 64),
+    (8, 8, 512, 64),
+    (2, 8, 1024, 64),
+    (2, 8, 2048, 64),
+]
+SCHEMES = ["t5", "swin-1d", "alibi", "relative", "shaw-keys-only", "swin-2d", "relative-2d"]
+VARIANTS = ("floor", "materialised", "lean")
+
+
+def _scheme(name: str, h: int, d: int, n: int, causal: bool):
+    shape = registry.Shape(h, d, n, grid=registry.squarest_grid(n), causal=causal)
+    return registry.build(name, shape)
+
+
+def _call(variant: str, scheme, causal: bool) -> Callable:
+    if variant == "floor":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    backend = "sdpa" if variant == "materialised" else "lean"
+    return lambda q, k, v: posenc.attention(
+        q, k, v, position=scheme, causal=causal, backend=backend
+    )
+
+
+def _timer(fn: Callable, q, k, v, params, backward: bool) -> Callable[[int], float]:
+    """``timed(calls)``: seconds per call, the mean over ``calls`` calls."""
+    grad = torch.randn_like(q)
+
+    def once() -> None:
+        if backward:
+            for x in (q, k, v, *params):
+                x.grad = None
+            fn(q, k, v).backward(grad)
+        else:
+            with torch.no_grad():
+                fn(q, k, v)
+
+    def timed(calls: int) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            once()
+        return (time.perf_counter() - start) / calls
+
+    return timed
+
+
+def measure(name: str, shape: tuple[int, int, int, int], causal: bool, args) -> dict:
+    """Median seconds per call of each variant, fwd+bwd and forward only, and the lean path."""
+    b, h, n, d = shape
+    scheme = _scheme(name, h, d, n, causal)
+    params = [p for p in scheme.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_() for _ in range(3))
+    path = posenc.explain(q, k, v, position=scheme, causal=causal, backend="lean").path
+    result: dict = {"scheme": name, "shape": list(shape), "causal": causal, "lean_path": path}
+    for mode, backward in (("fwd+bwd", True), ("fwd", False)):
+        timers = {
+            variant: _timer(_call(variant, scheme, causal), q, k, v, params, backward)
+            for variant in VARIANTS
+        }
+        calls = {}
+        for variant, timed in timers.items():  # warm up, then enough calls for --least s
+            timed(1)
+            calls[variant] = max(1, round(args.least / max(timed(1), 1e-6)))
+        times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+        for repeat in range(args.repeats):  # each repeat in another order
+            for variant in VARIANTS[repeat % 3 :] + VARIANTS[: repeat % 3]:
+                times[variant].append(timers[variant](calls[variant]))
+        ratios = {  # the median of each repeat's ratio: a burst of load hits a repeat
+            f"{a}/{c}": statistics.median(x / y for x, y in zip(times[a], times[c], strict=True))
+            for a, c in (("materialised", "floor"), ("lean", "floor"), ("materialised", "lean"))
+        }
+        result[mode] = {v: statistics.median(ts) for v, ts in times.items()} | ratios
+    return result
+
+
+def _row(r: dict) -> str:
+    b, h, n, d = r["shape"]
+    cells = [r["scheme"], f"{b}x{h}x{n}x{d}", "yes" if r["causal"] else "no"]
+    cells += [f"2^{(b * h * n * n).bit_length() - 1}", r["lean_path"]]
+    for mode in ("fwd+bwd", "fwd"):
+        t = r[mode]
+        cells += [f"{t['materialised/floor']:.2f}", f"{t['lean/floor']:.2f}"]
+        cells.append(f"**{t['materialised/lean']:.2f}**")
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = (
+    "| scheme | b x h x n x d | causal | scores | lean path | fwd+bwd: materialised / floor "
+    "| lean / floor | materialised / lean | fwd: materialised / floor | lean / floor "
+    "| materialised / lean |\n|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument(
+        "--shapes",
+        default=",".join("x".join(map(str, s)) for s in SHAPES),
+        help="b x h x n x d, comma-separated (e.g. 2x8x64x64)",
+    )
+    parser.add_argument("--masks", default="none,causal", help="none, causal or both")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--least", type=float, default=0.05, help="seconds per timing")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None, help="also write the raw medians here")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")
+    print(HEADER, flush=True)
+    results = []
+    for shape in shapes:
+        for causal in [m == "causal" for m in args.masks.split(",")]:
+            for name in args.schemes.split(","):
+                if causal and registry.get(name).two_d:
+                    continue  # a causal 2-D map is rare (docs/performance.md)
+                result = measure(name, shape, causal, args)
+                results.append(result)
+                print(_row(result), flush=True)
+    print(f"load after: {os.getloadavg()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
