@@ -131,7 +131,7 @@ def plot_accuracy(
                 label=scheme,
                 **styles[index],
             )
-        ax.axhline(task.chance, color="grey", linestyle=":", label="chance")
+        ax.axhline(task.chance, color="black", linestyle=(0, (1, 4)), linewidth=1, label="chance")
         ax.set_xticks(
             range(len(labels)), [lb + (" (train)" if i == 0 else "") for i, lb in enumerate(labels)]
         )
