@@ -10,7 +10,7 @@ import torch
 
 from posenc import registry
 from posenc.cli import main
-from posenc.cli.bench import default_schemes, run_bench
+from posenc.cli.bench import default_schemes
 
 
 def test_bench_prints_ratios_and_writes_json(tmp_path, capsys):
@@ -204,8 +204,15 @@ def no_bench(monkeypatch):
         (
             ["--baselines", "flex,flx"],
             "argument --baselines: unknown baseline 'flx'; use a comma-separated list of "
-            "flex, materialised (e.g. flex,materialised)",
+            "flex, materialised, peer (e.g. flex,materialised)",
         ),
+        (
+            ["--shapes", "swin,vit"],
+            "argument --shapes: unknown shape 'vit'; use a comma-separated list of swin, bert, "
+            "small, 512, 2048, 4096 (e.g. swin,bert,512)",
+        ),
+        (["--busy", "-1"], "argument --busy: must be >= 0, got -1"),
+        (["--busy", "two"], "argument --busy: must be an integer >= 0"),
     ],
 )
 def test_bad_options(argv, message, capsys, no_bench):
@@ -295,186 +302,6 @@ def test_a_scheme_the_run_cannot_serve_is_refused(argv, message, capsys, no_benc
 
 
 # ----- peak memory: in this process from the allocation events, or in a fresh process ------
-
-
-def _mib(nbytes: int) -> torch.Tensor:
-    """A float32 tensor of ``nbytes`` bytes."""
-    return torch.empty(nbytes // 4, dtype=torch.float32)
-
-
-def test_allocation_peak_is_the_peak_of_the_bytes_the_call_allocated():
-    from posenc.cli._memory import allocation_peak_mib
-
-    def steps():
-        a = _mib(2 << 20)
-        b = _mib(1 << 20)
-        del a  # 3 MiB live before this free
-        c = _mib(3 << 19)  # 1 + 1.5 MiB live
-        return b, c
-
-    assert allocation_peak_mib(steps) == 3.0
-    before = _mib(8 << 20)  # live before the call: not counted ...
-    assert allocation_peak_mib(lambda: _mib(1 << 20)) == 1.0
-    held = [before]
-    del before
-
-    def frees_an_older_block():
-        held.clear()  # ... and its free does not lower the count
-        return _mib(1 << 20)
-
-    assert allocation_peak_mib(frees_an_older_block) == 1.0
-    assert allocation_peak_mib(lambda: None) == 0.0
-
-
-def _variant_run(name: str, variant: str, n: int):
-    """One fwd+bwd of ``variant`` of scheme ``name`` at b = 1, h = 2, d = 32, warmed up."""
-    from posenc.cli._bench_measure import _time_once
-    from posenc.cli._bench_variants import _inputs, _variant, build_scheme
-
-    cpu = torch.device("cpu")
-    run = _variant(variant, build_scheme(name, 2, 32, n), "auto")
-    inputs = _inputs(1, 2, n, 32, torch.float32, cpu, True)
-    _time_once(run, inputs, True, cpu)  # lazy tables, as the bench's warm-up
-    return lambda: _time_once(run, inputs, True, cpu)
-
-
-def test_allocation_peak_does_not_depend_on_what_ran_before():
-    """The resident set of a long-running process read about 0 after earlier cases (their
-    freed blocks reused from the heap); the allocation count reads the same either way."""
-    from posenc.cli._memory import PeakMemory
-
-    meter = PeakMemory(torch.device("cpu"))
-    floor = _variant_run("t5", "floor", 256)
-    alone = meter.measure(floor)
-    meter.measure(_variant_run("t5", "reference", 512))
-    kept = _variant_run("shaw", "posenc", 256)  # its tables stay allocated
-    assert meter.measure(floor) == alone
-    one_output_and_its_grads_mib = 4 * 1 * 2 * 256 * 32 * 4 / 2**20  # out, dq, dk, dv
-    assert alone >= one_output_and_its_grads_mib, alone
-    del kept
-
-
-def test_bench_peak_memory_in_process():
-    """The literal reference keeps the scores; posenc's lean engine does not."""
-    (case,) = run_bench(["t5"], [2048], batch=1, heads=2, head_dim=32, repeats=1)
-    peaks = case.peak_mib
-    one_score_matrix_mib = 1 * 2 * 2048 * 2048 * 4 / 2**20
-    assert peaks["floor"] > 0
-    assert peaks["reference"] > 2 * one_score_matrix_mib > peaks["posenc"], peaks
-
-
-def _events_at_peak(fn) -> tuple[int, int, int]:
-    """The test's own reading of the profiler's CPU memory events (``[memory]``, signed
-    sizes, no addresses) in time order: the peak bytes, and at the peak the blocks of at
-    least 64 KiB live and the bytes of the smaller ones."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
-    )
-    total = peak = large = small = 0
-    at_peak = (0, 0)
-    for _, nbytes in events:
-        total += nbytes
-        if abs(nbytes) >= 64 << 10:
-            large += 1 if nbytes > 0 else -1
-        else:
-            small += nbytes
-        if total > peak:
-            peak, at_peak = total, (large, small)
-    return peak, *at_peak
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="Linux")
-def test_allocation_peak_agrees_with_the_fresh_process_resident_set(monkeypatch):
-    """``--memory allocations`` (this process) against ``--memory process`` (the peak
-    resident set of a fresh one), within what the two count differently:
-
-    - the resident set counts pages: each block live at the peak (glibc's mmap of 64 KiB or
-      more, with its 16-byte header) reads up to a page more;
-    - blocks under 64 KiB come from glibc's heap, whose pages may be resident already: up
-      to their bytes less;
-    - Linux batches its resident-set counters per CPU (``percpu_counter_batch``, max(32,
-      2 * CPUs) pages, lib/percpu_counter.c): each of the two readings (start, peak) may
-      be off by a batch per CPU; and both read KiB;
-    - pages a call allocates but never writes are not resident: the fresh process runs
-      with ``MALLOC_PERTURB_``, which makes glibc write every block it hands out. Without
-      it the resident set reads only lower.
-    """
-    from posenc.cli._memory import allocation_peak_mib
-    from posenc.cli.bench import _peak_in_subprocess
-
-    os = __import__("os")
-    page, cpus = os.sysconf("SC_PAGE_SIZE"), os.cpu_count() or 1
-    counters = 2 * max(32, 2 * cpus) * cpus * page + 2 * 1024
-    spec = {"scheme": "t5", "n": 2048, "batch": 1, "heads": 2, "head_dim": 32}
-    spec |= {"dtype": "float32", "backward": True, "backend": "auto"}
-    for variant in ("floor", "posenc", "reference"):
-        run = _variant_run("t5", variant, 2048)
-        peak, blocks, small = _events_at_peak(run)
-        assert allocation_peak_mib(run) == peak / 2**20  # the bench's reading, by address
-        tolerance = (blocks * (page + 16) + max(small, 0) + counters) / 2**20
-        with monkeypatch.context() as env:
-            env.setenv("MALLOC_PERTURB_", "165")
-            resident = _peak_in_subprocess({**spec, "variant": variant})
-        assert abs(resident - peak / 2**20) <= tolerance, (variant, resident, peak, tolerance)
-        if variant == "reference":  # the largest blocks: the most pages
-            untouched = _peak_in_subprocess({**spec, "variant": variant})
-            assert untouched <= peak / 2**20 + tolerance, (untouched, peak, tolerance)
-
-
-def test_memory_from_process_is_refused_off_the_cpu():
-    import posenc.cli.bench as bench
-    from posenc.cli import build_parser
-
-    with pytest.raises(ValueError, match="memory_from must be one of allocations, process"):
-        run_bench(["alibi"], [8], memory_from="rss")
-    with pytest.raises(ValueError, match="memory_from='process' measures a fresh process's"):
-        run_bench(["alibi"], [8], device="meta", memory_from="process")
-    args = build_parser().parse_args(["bench", "--memory", "process", "--schemes", "alibi"])
-    bench.check(args)  # on CPU
-    with pytest.raises(ValueError) as refused:
-        bench.check(argparse.Namespace(**{**vars(args), "device": "cuda"}))
-    assert str(refused.value) == (
-        "--memory process measures a fresh process's resident set, on CPU only; on --device "
-        "cuda leave --memory out (the allocator's peak is measured)"
-    )
-
-
-def test_allocator_thresholds_for_timing_and_memory(monkeypatch):
-    """Timing runs under the thresholds glibc reaches by itself in a long-running program
-    (mmap 32 MiB, trim twice that); memory under a low mmap threshold and the default trim
-    threshold. Both are set together: fixing one by hand freezes glibc's rule for both."""
-    import ctypes
-
-    from posenc.cli import _memory
-
-    calls = []
-
-    class FakeLibc:
-        def mallopt(self, param, value):
-            calls.append((param, value))
-            return 1
-
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeLibc())
-    _memory.set_mmap_threshold(_memory.TIMING_MMAP_THRESHOLD, _memory.TIMING_TRIM_THRESHOLD)
-    _memory.set_mmap_threshold(_memory.MEMORY_MMAP_THRESHOLD, _memory.MEMORY_TRIM_THRESHOLD)
-    m_mmap_threshold, m_trim_threshold = -3, -1
-    assert calls == [
-        (m_mmap_threshold, 32 << 20),
-        (m_trim_threshold, 64 << 20),
-        (m_mmap_threshold, 64 << 10),
-        (m_trim_threshold, 128 << 10),
-    ]
-
-
-# ----- the baselines: FlexAttention without a score_mod, the materialised bias ----------------
 
 
 def _tiny(*extra: str) -> list[str]:
@@ -647,3 +474,109 @@ def test_cuda_bench_with_every_baseline(tmp_path, capsys):
             assert set(case["fwd_bwd_s"]) == {"floor", "posenc", "flex-floor", "materialised"}
             assert all(case["peak_mib"][k] > 0 for k in case["fwd_bwd_s"]), case
             assert case["ratios"]["time_vs_flex_floor"] > 0
+
+
+# ----- --shapes and --busy ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_shapes(monkeypatch):
+    """Two tiny presets in place of :data:`SHAPES` (a 3x3 grid and a 4x4 one)."""
+    import posenc.cli.bench as bench
+
+    monkeypatch.setattr(bench, "SHAPES", {"wee": (2, 2, 9, 4), "tiny": (1, 4, 16, 8)})
+
+
+def test_shapes_run_each_preset_in_a_column(tmp_path, capsys, tiny_shapes):
+    """Each preset runs with its own b, h, n, d (--lengths and the sizes ignored), a 2-D
+    scheme on the squarest grid of its n; the table and the JSON name the preset."""
+    record = tmp_path / "bench.json"
+    argv = ["bench", "--shapes", "tiny,wee", "--schemes", "alibi,swin-2d", "--lengths", "512"]
+    argv += ["--batch", "7", "--repeats", "1", "--warmup", "0", "--no-memory", "--quiet"]
+    assert main([*argv, "--json", str(record)]) == 0
+    out = capsys.readouterr().out
+    assert "posenc bench: shapes tiny: b=1 h=4 n=16 d=8; wee: b=2 h=2 n=9 d=4, float32" in out
+    lines = out.splitlines()
+    head = lines.index(next(line for line in lines if line.startswith("| shape | scheme | n |")))
+    assert lines[head + 1] == "|---|---|---:" + "|---:" * 5 + "|"
+    rows = [line.split(" | ")[:3] for line in lines[head + 2 : head + 6]]
+    assert rows == [
+        ["| tiny", "alibi", "16"],
+        ["| tiny", "swin-2d", "16"],
+        ["| wee", "alibi", "9"],
+        ["| wee", "swin-2d", "9"],
+    ]
+    data = json.loads(record.read_text())
+    assert data["config"]["shapes"] == {
+        "tiny": {"b": 1, "h": 4, "n": 16, "d": 8},
+        "wee": {"b": 2, "h": 2, "n": 9, "d": 4},
+    }
+    assert [(c["shape"], c["scheme"], c["n"]) for c in data["cases"]] == [
+        ("tiny", "alibi", 16),
+        ("tiny", "swin-2d", 16),
+        ("wee", "alibi", 9),
+        ("wee", "swin-2d", 9),
+    ]
+
+
+def test_a_preset_a_scheme_cannot_take_is_refused(capsys, no_bench, monkeypatch):
+    import posenc.cli.bench as bench
+
+    monkeypatch.setattr(bench, "SHAPES", {"odd": (1, 2, 8, 3)})
+    line = refused_before_measuring(["--shapes", "odd", "--schemes", "rotary"], capsys)
+    assert line.startswith(
+        "posenc bench: error: --shapes odd (b=1 h=2 n=8 d=3): --schemes rotary cannot be built "
+        "with --heads 2 --head-dim 3: head_dim must be even"
+    )
+
+
+def test_busy_neighbours_run_during_the_block_and_stop_after():
+    from posenc.cli._bench_measure import busy_neighbours
+
+    with busy_neighbours(2) as neighbours:
+        assert len(neighbours) == 2 and all(p.poll() is None for p in neighbours)
+    assert all(p.poll() is not None for p in neighbours)
+    with pytest.raises(RuntimeError, match="measurement failed"), busy_neighbours(1) as neighbours:
+        raise RuntimeError("measurement failed")
+    assert neighbours[0].poll() is not None  # stopped all the same
+    with busy_neighbours(0) as neighbours:
+        assert neighbours == []
+    no = r"count must be an int >= 0 \(0: no neighbours\), got -1"
+    with pytest.raises(ValueError, match=no), busy_neighbours(-1):
+        pass
+
+
+def test_bench_with_a_busy_neighbour(tmp_path, capsys, monkeypatch):
+    """``--busy 1``: one neighbour while the cases are measured, gone afterwards; the
+    header and the JSON record it."""
+    import posenc.cli.bench as bench
+
+    started = []
+    real = bench.busy_neighbours
+
+    def spy(count):
+        manager = real(count)
+        neighbours = manager.__enter__()
+        started.extend(neighbours)
+        assert all(p.poll() is None for p in neighbours)
+        return _Entered(manager, neighbours)
+
+    monkeypatch.setattr(bench, "busy_neighbours", spy)
+    record = tmp_path / "bench.json"
+    assert main(_tiny("--schemes", "alibi", "--busy", "1", "--json", str(record))) == 0
+    assert "1 busy neighbour process, median of 1" in capsys.readouterr().out
+    assert json.loads(record.read_text())["config"]["busy"] == 1
+    assert len(started) == 1 and started[0].poll() is not None
+
+
+class _Entered:
+    """A context manager already entered: ``with`` gives ``value`` and exits ``manager``."""
+
+    def __init__(self, manager, value):
+        self.manager, self.value = manager, value
+
+    def __enter__(self):
+        return self.value
+
+    def __exit__(self, *exc):
+        return self.manager.__exit__(*exc)

@@ -10,7 +10,9 @@
   growth of the peak resident set in a fresh Python process per variant and case
   (:func:`_peak_in_subprocess`, running :func:`_peak_of_case`);
 - the literal reference's memory budget (:data:`REFERENCE_BUDGET`), and FlexAttention's
-  recompile limit while it runs (:func:`_flex_recompiles`).
+  recompile limit while it runs (:func:`_flex_recompiles`);
+- busy neighbours (:func:`busy_neighbours`): processes spinning matrix products beside the
+  measurement, as a shared machine has them.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n`` length, ``d`` head dim.
 """
@@ -31,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ..shaw import ShawRelativePosition
+from ._bench_peers import peer_problem
 from ._bench_variants import (
     BASELINES,
     _inputs,
@@ -123,11 +126,13 @@ def _peak_in_subprocess(spec: dict[str, Any]) -> float | None:
 
 @dataclass
 class Case:
-    """One (scheme, length) row of the benchmark."""
+    """One (scheme, length) row of the benchmark; ``shape`` names its ``--shapes`` preset
+    (``""`` without one)."""
 
     scheme: str
     n: int
     backend: str
+    shape: str = ""
     fwd_bwd_s: dict[str, float] = field(default_factory=dict)
     fwd_s: dict[str, float] = field(default_factory=dict)
     peak_mib: dict[str, float | None] = field(default_factory=dict)
@@ -197,8 +202,10 @@ def run_bench(
     ``memory_from="process"`` measures instead the growth of the peak resident set in a
     fresh Python process per variant and case (Linux; 2-4 s each). ``baselines`` adds
     variants, from
-    :data:`BASELINES`: ``"flex"`` (``flex-floor``) and ``"materialised"``; the flex floor
-    times the backward only on CUDA (FlexAttention has none on CPU).
+    :data:`BASELINES`: ``"flex"`` (``flex-floor``), ``"materialised"`` and ``"peer"`` (the
+    scheme as other code computes it, :mod:`posenc.cli._bench_peers`; skipped with the
+    reason where none is written or its package is missing); the flex floor times the
+    backward only on CUDA (FlexAttention has none on CPU).
 
     On CUDA a variant that runs out of memory is dropped from its case with the reason
     (in :attr:`Case.skipped`), and the others are measured.
@@ -243,7 +250,11 @@ def run_bench(
             elif reference:
                 case.skipped["reference"] = REFERENCE_SKIPPED
             for key in extra:
-                problem = _materialised_problem(scheme) if key == "materialised" else None
+                problem = None
+                if key == "materialised":
+                    problem = _materialised_problem(scheme)
+                elif key == "peer":
+                    problem = peer_problem(scheme, documents)
                 if problem is None:
                     keys.append(key)
                 else:
@@ -362,3 +373,57 @@ def _flex_recompiles(flex: bool, limit: int = 64):
 
     with dynamo_config.patch(recompile_limit=max(limit, dynamo_config.recompile_limit)):
         yield
+
+
+# ----- busy neighbours --------------------------------------------------------------------
+
+# one thread spinning float32 matrix products until it is stopped
+_BUSY_SCRIPT = """
+import numpy as np
+a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+while True:
+    a = np.tanh(a @ a)
+"""
+
+
+@contextlib.contextmanager
+def busy_neighbours(count: int):
+    """Run ``count`` neighbour processes while the block runs, each one thread spinning
+    matrix products (numpy, ``OMP_NUM_THREADS=1``), and stop them after it, whatever
+    happens in it.
+
+    Yields:
+        The neighbours' :class:`subprocess.Popen` objects (none for ``count == 0``).
+
+    Raises:
+        ValueError: ``count < 0``.
+    """
+    import os
+    import subprocess
+    import sys
+
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be an int >= 0 (0: no neighbours), got {count!r}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    env |= {"MKL_NUM_THREADS": "1"}
+    neighbours: list[subprocess.Popen] = []
+    try:
+        for _ in range(count):
+            neighbours.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _BUSY_SCRIPT],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        yield neighbours
+    finally:
+        for process in neighbours:
+            process.terminate()
+        for process in neighbours:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

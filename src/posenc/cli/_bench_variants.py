@@ -7,7 +7,9 @@
 - the variants, each a function of ``(q, k, v)`` (:func:`_variant` picks one by its key):
   ``posenc`` and ``reference`` (posenc's attention core, :func:`_core`), ``floor`` (SDPA
   without positions, :func:`_floor_of`), and the baselines of :data:`BASELINES`,
-  ``flex-floor`` (:func:`_flex_floor_of`) and ``materialised`` (:func:`_materialised_of`).
+  ``flex-floor`` (:func:`_flex_floor_of`), ``materialised`` (:func:`_materialised_of`)
+  and ``peer`` (:func:`_peer_of`, the scheme as other code computes it:
+  :mod:`posenc.cli._bench_peers`).
 
 How they are timed and measured is :mod:`posenc.cli._bench_measure`; the command and its
 report, :mod:`posenc.cli.bench`.
@@ -30,6 +32,7 @@ from ..engine import Mask, attend
 from ..engine.flex import _block_mask, _compiled_flex
 from ..hooks import hooks_of
 from ..registry import Shape
+from ._bench_peers import peer_of
 
 # ----- the schemes ------------------------------------------------------------------------
 
@@ -249,8 +252,28 @@ def _materialised_of(
     return run
 
 
+def _peer_of(
+    scheme: Any,
+    causal: bool = False,
+    padding: float = 0.0,
+    documents: int = 1,
+    window: int | None = None,
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The scheme as other code computes it (:func:`posenc.cli._bench_peers.peer_of`), with
+    the floor's boolean mask (:func:`_keep`) where the case has one. Positions are
+    ``0 .. n-1``: packed documents have no peer (``peer_problem`` says so)."""
+    masked = causal or padding > 0 or documents > 1 or window is not None
+
+    def keep(q: Tensor) -> Tensor | None:
+        if not masked:
+            return None
+        return _keep(q.shape[0], q.shape[2], causal, padding, documents, window, q.device)
+
+    return peer_of(scheme, keep)
+
+
 #: ``--baselines`` values and the variants they add
-BASELINES = {"flex": "flex-floor", "materialised": "materialised"}
+BASELINES = {"flex": "flex-floor", "materialised": "materialised", "peer": "peer"}
 
 
 def _variant(
@@ -263,7 +286,7 @@ def _variant(
     window: int | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """The function that runs variant ``key`` (``floor``, ``posenc``, ``reference``,
-    ``flex-floor``, ``materialised``)."""
+    ``flex-floor``, ``materialised``, ``peer``)."""
     masks = (causal, padding, documents, window)
     if key == "floor":
         return _floor_of(*masks)
@@ -271,4 +294,6 @@ def _variant(
         return _flex_floor_of(*masks)
     if key == "materialised":
         return _materialised_of(scheme, *masks)
+    if key == "peer":
+        return _peer_of(scheme, *masks)
     return _core(scheme, "math" if key == "reference" else backend, *masks)

@@ -11,7 +11,14 @@ For each scheme and length it measures, interleaved in the same run:
 - with ``--baselines``: ``flex-floor``, FlexAttention (compiled) with no ``score_mod`` and
   the floor's mask as a ``BlockMask``; ``materialised``, SDPA with the scheme's dense bias
   ``[b|1, h, n, n]`` as a float ``attn_mask`` (what Hugging Face-style code does; rotary
-  rotates first; schemes with a content-dependent term are skipped with the reason).
+  rotates first; schemes with a content-dependent term are skipped with the reason);
+  ``peer``, the scheme the way other code computes it (Hugging Face's T5 bias, Swin's
+  gathered table, Shaw's ``[n, n, d]`` relation tensors, the Music Transformer skew,
+  rotary-embedding-torch: :mod:`posenc.cli._bench_peers`), the same attention.
+
+``--shapes`` runs presets of ``(b, h, n, d)`` (:data:`SHAPES`: Swin's windows, BERT-base,
+long sequences) in place of ``--lengths``, ``--batch``, ``--heads`` and ``--head-dim``;
+``--busy N`` measures with ``N`` neighbour processes spinning matrix products.
 
 A variant that runs out of CUDA memory is skipped with the reason, the others go on.
 
@@ -51,6 +58,7 @@ from ._bench_measure import (  # noqa: F401  (_peak_*: re-exported, tests import
     Case,
     _peak_in_subprocess,
     _peak_of_case,
+    busy_neighbours,
     run_bench,
 )
 from ._bench_variants import (  # noqa: F401  (_core, the floors: re-exported for the tests)
@@ -62,6 +70,7 @@ from ._bench_variants import (  # noqa: F401  (_core, the floors: re-exported fo
     _floor_of,
     _key_padding,
     _materialised_of,
+    _peer_of,
     build_scheme,
     default_schemes,
 )
@@ -98,15 +107,19 @@ def format_table(cases: Sequence[Case], *, backward: bool = True) -> str:
     out of memory) was skipped."""
     what = "fwd+bwd" if backward else "fwd"
     baselines = _baselines_in(cases)
+    shaped = any(case.shape for case in cases)  # --shapes: a first column names the preset
     head = (
-        f"| scheme | n | {what} time / floor | fwd-only time / floor | peak memory / floor "
+        f"| {'shape | ' if shaped else ''}scheme | n | {what} time / floor "
+        f"| fwd-only time / floor | peak memory / floor "
         f"| {what} time / reference | peak memory / reference |"
     )
     head += "".join(f" {what} time / {key} | peak memory / {key} |" for key in baselines)
-    lines = [head, "|---|---:" + "|---:" * (5 + 2 * len(baselines)) + "|"]
+    rule = ("|---" if shaped else "") + "|---|---:" + "|---:" * (5 + 2 * len(baselines)) + "|"
+    lines = [head, rule]
     for case in cases:
         row = (
-            f"| {case.scheme} | {case.n} | {_fmt(case.ratio('time', 'posenc'))} "
+            f"| {f'{case.shape} | ' if shaped else ''}{case.scheme} | {case.n} "
+            f"| {_fmt(case.ratio('time', 'posenc'))} "
             f"| {_fmt(case.ratio('fwd', 'posenc'))} | {_fmt(case.ratio('memory', 'posenc'))} "
             f"| {_fmt(case.ratio('time', 'posenc', 'reference'))} "
             f"| {_fmt(case.ratio('memory', 'posenc', 'reference'))} |"
@@ -172,7 +185,43 @@ def _fraction(text: str) -> float:
 _BASELINE_WORDS = {
     "flex": "FlexAttention without a score_mod (flex-floor)",
     "materialised": "SDPA with the dense bias as attn_mask (materialised)",
+    "peer": "the scheme as other code computes it (peer)",
 }
+
+#: ``--shapes`` presets: name -> (b, h, n, d)
+SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "swin": (128, 4, 49, 32),  # Swin-T stage 1: 7x7 windows of a 224 image, batch of windows
+    "bert": (32, 12, 128, 64),  # BERT-base at 128 tokens
+    "small": (2, 8, 64, 64),
+    "512": (8, 8, 512, 64),
+    "2048": (2, 8, 2048, 64),
+    "4096": (2, 8, 4096, 64),
+}
+
+
+def _shape_list(text: str) -> list[str]:
+    """``--shapes``: comma-separated names of :data:`SHAPES`, each once."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in SHAPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown shape {(unknown[0] if unknown else text)!r}; use a comma-separated "
+            f"list of {', '.join(SHAPES)} (e.g. swin,bert,512)"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _runs(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
+    """``(preset name, args with its b, h, n, d)`` for each of ``--shapes``, or
+    ``("", args)`` without it."""
+    if not args.shapes:
+        return [("", args)]
+    runs = []
+    for name in args.shapes:
+        b, h, n, d = SHAPES[name]
+        sizes = {"batch": b, "heads": h, "lengths": [n], "head_dim": d}
+        runs.append((name, argparse.Namespace(**{**vars(args), **sizes})))
+    return runs
 
 
 def _baseline_list(text: str) -> list[str]:
@@ -279,7 +328,14 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``posenc bench`` and print the table."""
-    check(args)
+    runs = _runs(args)
+    for name, sized in runs:
+        try:
+            check(sized)
+        except ValueError as err:
+            if not name:
+                raise
+            raise ValueError(f"--shapes {name} ({_sizes(name)}): {err}") from None
     dtype = getattr(torch, args.dtype)
     config = {
         "schemes": args.schemes,
@@ -299,13 +355,33 @@ def run(args: argparse.Namespace) -> int:
         "documents": args.documents,
         "window": args.window,
         "baselines": args.baselines,
+        "shapes": {name: dict(zip("bhnd", SHAPES[name], strict=True)) for name in args.shapes},
+        "busy": args.busy,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
     if torch.device(args.device).type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
 
-    cases = run_bench(
+    cases: list[Case] = []
+    with busy_neighbours(args.busy):  # stopped whatever happens
+        for name, sized in runs:
+            for case in _bench(sized, dtype):
+                case.shape = name
+                cases.append(case)
+    print(_header(args, config.get("gpu")) + "\n")
+    print(format_table(cases, backward=not args.no_backward))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(_to_json(cases, config), indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _bench(args: argparse.Namespace, dtype: torch.dtype) -> list[Case]:
+    """:func:`run_bench` with the options of ``args`` (one preset's sizes under --shapes)."""
+    progress = Progress(len(args.schemes) * len(args.lengths), quiet=args.quiet)
+    return run_bench(
         args.schemes,
         args.lengths,
         batch=args.batch,
@@ -325,8 +401,16 @@ def run(args: argparse.Namespace) -> int:
         documents=args.documents,
         window=args.window,
         baselines=args.baselines,
-        progress=Progress(len(args.schemes) * len(args.lengths), quiet=args.quiet),
+        progress=progress,
     )
+
+
+def _sizes(name: str) -> str:
+    return " ".join(f"{k}={v}" for k, v in zip("bhnd", SHAPES[name], strict=True))
+
+
+def _header(args: argparse.Namespace, gpu: str | None) -> str:
+    """The line above the table: the sizes, the masks, the references of the ratios."""
     masks = "causal, " if args.causal else ""
     if args.documents > 1:
         masks += f"{args.documents} documents a sequence, "
@@ -334,20 +418,19 @@ def run(args: argparse.Namespace) -> int:
         masks += f"last sequence {args.padding:.0%} padding, "
     if args.window is not None:
         masks += f"window {args.window}, "
+    if args.busy:
+        masks += f"{args.busy} busy neighbour process{'es' if args.busy > 1 else ''}, "
     baselines = "".join(f", to {_BASELINE_WORDS[b]}" for b in args.baselines)
-    on = args.device + (f" ({config['gpu']})" if "gpu" in config else "")
-    print(
-        f"posenc bench: b={args.batch} h={args.heads} d={args.head_dim} {args.dtype} on "
-        f"{on}, backend={args.backend}, {masks}median "
+    on = args.device + (f" ({gpu})" if gpu else "")
+    if args.shapes:
+        sizes = "shapes " + "; ".join(f"{name}: {_sizes(name)}" for name in args.shapes) + ","
+    else:
+        sizes = f"b={args.batch} h={args.heads} d={args.head_dim}"
+    return (
+        f"posenc bench: {sizes} {args.dtype} on {on}, backend={args.backend}, {masks}median "
         f"of {args.repeats}; ratios to plain SDPA without positions (floor){baselines} and "
-        f"to the literal implementation (reference)\n"
+        f"to the literal implementation (reference)"
     )
-    print(format_table(cases, backward=not args.no_backward))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(_to_json(cases, config), indent=2))
-        print(f"\nwrote {args.json}")
-    return 0
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -428,7 +511,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="also time, beside the floor, comma-separated: flex (FlexAttention compiled, "
         "no score_mod, the mask as a BlockMask: flex-floor; times the backward only on "
         "CUDA: on CPU add --no-backward), materialised (SDPA with the scheme's dense bias "
-        "as a float attn_mask, as Hugging Face-style code does; skipped for content terms)",
+        "as a float attn_mask, as Hugging Face-style code does; skipped for content terms), "
+        "peer (the scheme as other code computes it: HF T5Attention.compute_bias for t5, "
+        "the gathered table for swin-1d, Shaw's [n, n, d] relation tensors, the Music "
+        "Transformer skew for relative, rotary-embedding-torch for rotary; skipped with the "
+        "reason for the others or when the package is missing)",
+    )
+    parser.add_argument(
+        "--shapes",
+        type=_shape_list,
+        default=[],
+        help="comma-separated presets of (b, h, n, d), each run in turn, a column of the "
+        "table: " + "; ".join(f"{name} = {_sizes(name)}" for name in SHAPES) + ". They "
+        "replace --lengths, --batch, --heads and --head-dim (ignored then)",
+    )
+    parser.add_argument(
+        "--busy",
+        type=non_negative_int,
+        default=0,
+        help="measure with this many busy neighbour processes (each one thread spinning "
+        "matrix products), stopped after the run (0)",
     )
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs (3)")
     parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed runs (1)")
