@@ -644,3 +644,13 @@ def test_offset_term_of_a_run_equals_the_score_term_by_the_skew():
     assert torch.equal(rows[:, 0], scheme.weight[:, -8 + 15])
     term = skew_rows(q @ rows.transpose(-2, -1), 11)  # [b, h, 5, 11]
     torch.testing.assert_close(term, scheme.score_term(q, q_pos, k_pos), atol=1e-12, rtol=0)
+
+
+def test_the_2d_map_size_follows_the_tables_and_only_resize_changes_it():
+    """Setting a larger ``size`` would read offsets past the tables, clamped to their last
+    rows: a silently other attention. The size is read-only; ``resize`` moves it with them."""
+    module = RelativeQueryEmbedding2D((4, 4), 8)
+    with pytest.raises(AttributeError, match="size"):
+        module.size = (8, 4)
+    assert module.resize((8, 4)).size == (8, 4)
+    assert module.height.shape[0] == 15 and module.width.shape[0] == 7

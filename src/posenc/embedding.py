@@ -503,7 +503,7 @@ class RelativeQueryEmbedding2D(GridTerm):
 
     def __init__(self, size: tuple[int, int], head_dim: int, *, heads: int | None = None) -> None:
         super().__init__()
-        self.size = map_size(size)
+        self._size = map_size(size)
         self.head_dim = check.positive_int("head_dim", head_dim)
         self.heads = _heads(heads)
         lead = () if self.heads is None else (self.heads,)
@@ -511,6 +511,11 @@ class RelativeQueryEmbedding2D(GridTerm):
         self.height = nn.Parameter(torch.empty(*lead, 2 * rows - 1, head_dim))
         self.width = nn.Parameter(torch.empty(*lead, 2 * cols - 1, head_dim))
         self.reset_parameters()
+
+    @property
+    def size(self) -> tuple[int, int]:  # type: ignore[override]
+        """``(H, W)``: the map its tables cover; :meth:`resize` changes it with them."""
+        return self._size
 
     def reset_parameters(self) -> None:
         """Draw both tables from ``N(0, 1/head_dim)``."""
@@ -601,7 +606,7 @@ class RelativeQueryEmbedding2D(GridTerm):
             table: nn.Parameter = getattr(self, name)
             resized = resize_relative_rows(table.detach(), new_len)
             setattr(self, name, nn.Parameter(resized, requires_grad=table.requires_grad))
-        self.size = new
+        self._size = new
         return self
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
