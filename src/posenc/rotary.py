@@ -35,6 +35,8 @@ dtype. bf16 angles are wrong from position ~256 on; nothing here is stored as a 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -61,6 +63,7 @@ __all__ = [
     "RotaryScaling",
     "YaRNScaling",
     "apply_rotary",
+    "check_grid_positions",
     "rotary_angles",
 ]
 
@@ -341,6 +344,43 @@ class Rotary(nn.Module):
         )
 
 
+def check_grid_positions(
+    owner: str, what: str, pos: Tensor, size: tuple[int, ...], prefix_tokens: int
+) -> None:
+    """Raise when a flat position falls outside ``prefix_tokens`` and a row-major grid.
+
+    The grid rotaries (:class:`Rotary2D`, :class:`~posenc.RotaryMixed`,
+    :class:`~posenc.RotaryND`) read position ``t >= P`` as the cell ``t - P`` of ``size``;
+    a position past the grid would wrap into rows it does not have. Checked where the
+    values can be read (not under ``torch.compile``).
+
+    Args:
+        owner: the scheme's class name, for the message.
+        what: ``"query"`` or ``"key"``.
+        pos: integer positions, any shape.
+        size: the grid.
+        prefix_tokens: ``P``, the tokens in front of the grid.
+
+    Raises:
+        ValueError: a position below 0 or at least ``P + prod(size)``, with the fix.
+    """
+    if not check._can_inspect(pos):
+        return
+    total = prefix_tokens + math.prod(size)
+    low, high = (int(v) for v in torch.aminmax(pos))
+    if low >= 0 and high < total:
+        return
+    cells = "*".join(map(str, size))
+    shape = "(H, W)" if len(size) == 2 else f"(one size per axis: {len(size)})"
+    raise ValueError(
+        f"{what} positions reach {low if low < 0 else high} but {owner}(size={size}, "
+        f"prefix_tokens={prefix_tokens}) has positions 0..{total - 1} ({prefix_tokens} prefix "
+        f"tokens, then {cells} grid cells in row-major order), so the rows would wrap past the "
+        f"grid; set size={shape} to the grid the tokens come from, prefix_tokens= to the "
+        f"number of CLS/register tokens in front of it, or pass positions within 0..{total - 1}"
+    )
+
+
 class Rotary2D(nn.Module):
     """Axial 2-D RoPE for images: half the channels rotate with the row, half with the column.
 
@@ -421,21 +461,7 @@ class Rotary2D(nn.Module):
 
     def _check_positions(self, what: str, pos: Tensor, size: tuple[int, int]) -> None:
         """Raise when a position falls outside the prefix tokens and the grid."""
-        if not check._can_inspect(pos):
-            return
-        total = self.prefix_tokens + size[0] * size[1]
-        low, high = (int(v) for v in torch.aminmax(pos))
-        if low >= 0 and high < total:
-            return
-        bad = low if low < 0 else high
-        raise ValueError(
-            f"{what} positions reach {bad} but Rotary2D(size={size}, prefix_tokens="
-            f"{self.prefix_tokens}) has positions 0..{total - 1} ({self.prefix_tokens} prefix "
-            f"tokens, then {size[0]}*{size[1]} grid cells in row-major order), so the rows would "
-            f"wrap past the grid; set size=(H, W) to the grid the tokens come from, "
-            f"prefix_tokens= to the number of CLS/register tokens in front of it, or pass "
-            f"positions within 0..{total - 1}"
-        )
+        check_grid_positions("Rotary2D", what, pos, size, self.prefix_tokens)
 
     def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
         """The attention hook: positions are flat indices of the prefix tokens and the grid.

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from .absolute import angle_dtype, inverse_frequencies
-from .rotary import apply_rotary, rotary_angles
+from .rotary import apply_rotary, check_grid_positions, rotary_angles
 
 __all__ = [
     "STYLES",
@@ -150,20 +150,7 @@ class _GridRotary(nn.Module):
 
     def _check_positions(self, what: str, pos: Tensor, size: tuple[int, ...]) -> None:
         """Raise when a position falls outside the prefix tokens and the grid."""
-        if not check._can_inspect(pos):
-            return
-        total = self.prefix_tokens + math.prod(size)
-        low, high = (int(v) for v in torch.aminmax(pos))
-        if low >= 0 and high < total:
-            return
-        cells = "*".join(map(str, size))
-        raise ValueError(
-            f"{what} positions reach {low if low < 0 else high} but {type(self).__name__}("
-            f"size={size}, prefix_tokens={self.prefix_tokens}) has positions 0..{total - 1} "
-            f"({self.prefix_tokens} prefix tokens, then {cells} grid cells in row-major order); "
-            f"set size= to the grid the tokens come from, prefix_tokens= to the number of "
-            f"CLS/register tokens in front of it, or pass positions within 0..{total - 1}"
-        )
+        check_grid_positions(type(self).__name__, what, pos, size, self.prefix_tokens)
 
     def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
         """The attention hook: positions are flat indices of the prefix tokens and the grid.
