@@ -1,4 +1,4 @@
-"""The length-generalisation research biases (KERPLE, ALiBi with learned slopes, FIRE)
+"""The length-generalisation research biases (KERPLE, ALiBi with learned slopes, Sandwich, FIRE)
 against their papers' formulas written out here in float64 loops, their constraints, their
 gradients (``torch.autograd.gradcheck``) and their errors. The cross-scheme tests run them
 inside attention through the registry."""
@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from posenc import ALiBi, FIREBias, KerpleBias, KVCache, MultiHeadAttention, alibi_slopes
+from posenc import (
+    ALiBi,
+    FIREBias,
+    KerpleBias,
+    KVCache,
+    MultiHeadAttention,
+    SandwichBias,
+    alibi_slopes,
+)
 from posenc.bias_research import fire_inputs
 from tolerances import assert_close, recorded_logits
 
@@ -84,6 +92,7 @@ def _schemes():
         "kerple-log": _kerple_module("log", [0.7, 1.2], [0.3, 1.1]),
         "kerple-power": _kerple_module("power", [0.7, 1.2], [0.3, 1.9]),
         "alibi-learned": ALiBi(2, learned=True),
+        "sandwich": SandwichBias(3, 16),
     }
 
 
@@ -170,6 +179,59 @@ def test_errors():
     for module in (KerpleBias(2), ALiBi(2, learned=True)):
         with pytest.raises(ValueError, match="heads=2"):
             MultiHeadAttention(12, 3, position=module)
+
+
+# ----- Sandwich (Chi et al. 2023) ------------------------------------------------------------
+
+
+def _sandwich(heads: int, dim: int, base: float = 10000.0):
+    """The bias of the paper's formula, one pair at a time in float64: the inner product of
+    two sinusoidal embeddings ``[sin(m w_f), cos(m w_f)]``, ``w_f = base ** (-2f / dim)`` for
+    ``f = 1 .. dim / 2``, minus ``dim / 2``, divided by ``8 h / H`` for head ``h = 1 .. H``."""
+
+    def embedding(m: int) -> list[float]:
+        w = [base ** (-2 * f / dim) for f in range(1, dim // 2 + 1)]
+        return [g(m * x) for x in w for g in (math.sin, math.cos)]
+
+    def bias(h: int, d: int) -> float:
+        inner = sum(a * b for a, b in zip(embedding(0), embedding(d), strict=True))
+        return (inner - dim / 2) / (8 * (h + 1) / heads)
+
+    return bias
+
+
+#: positions as POSITIONS, and keys 10^4 and 3 * 10^4 away (float32 angles would be off)
+SANDWICH_POSITIONS = [*POSITIONS, ([0, 7], [0, 10_000, 30_001])]
+
+
+@pytest.mark.parametrize(("heads", "dim", "base"), [(4, 16, 10000.0), (3, 6, 50.0)])
+@pytest.mark.parametrize(("q_pos", "k_pos"), SANDWICH_POSITIONS)
+def test_sandwich_equals_the_papers_bias(heads, dim, base, q_pos, k_pos):
+    module = SandwichBias(heads, dim, base=base)
+    got = module.score_bias(torch.tensor([q_pos]), torch.tensor([k_pos]))[0]
+    assert got.dtype == torch.float32
+    expected = _loop(_sandwich(heads, dim, base), heads, q_pos, k_pos)
+    # a float32 rounding of values of at most dim in size (the sum of dim / 2 cosines)
+    torch.testing.assert_close(got.double(), expected, rtol=2**-23, atol=dim * 2**-24)
+
+
+def test_sandwich_is_zero_at_distance_zero_negative_elsewhere_and_compressed_per_head():
+    bias = SandwichBias(4, 32)(1, 4000)[:, 0]  # [h, 4000]: distances 0 .. 3999
+    assert torch.all(bias[:, 0] == 0) and torch.all(bias[:, 1:] < 0)
+    for h in range(4):  # head h (from 0) is head 0's bias divided by h + 1
+        torch.testing.assert_close(bias[h] * (h + 1), bias[0])
+    assert not list(SandwichBias(4, 32).parameters()) and SandwichBias(4, 32).state_dict() == {}
+
+
+def test_sandwich_errors():
+    with pytest.raises(ValueError, match=r"dim must be even \(a sinusoid pairs a sine with"):
+        SandwichBias(2, 7)
+    with pytest.raises(TypeError, match="dim must be an int, got 8.0"):
+        SandwichBias(2, 8.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="base must be a finite number > 0, got -1.0"):
+        SandwichBias(2, 8, base=-1.0)
+    with pytest.raises(ValueError, match="SandwichBias was built for heads=2"):
+        MultiHeadAttention(12, 3, position=SandwichBias(2, 4))
 
 
 # ----- FIRE (Li et al. 2023) ----------------------------------------------------------------

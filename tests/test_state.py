@@ -68,6 +68,7 @@ TABLES: dict[str, dict[str, tuple[int, ...]]] = {
     "alibi-learned": {"log_slopes": (HEADS,)},
     "kerple-log": {"r1": (HEADS,), "r2": (HEADS,)},
     "kerple-power": {"r1": (HEADS,), "r2": (HEADS,)},
+    "sandwich": {},
     "fire": {  # FIREBias(HEADS): hidden=32; c and L_multiplier are scalars
         "mlp.0.weight": (32, 1),
         "mlp.0.bias": (32,),

@@ -28,7 +28,7 @@ from .bias import (
     resize_relative_position_table,
 )
 from .bias_continuous import ContinuousPositionBias
-from .bias_research import FIREBias, KerpleBias
+from .bias_research import FIREBias, KerpleBias, SandwichBias
 from .cache import KVCache
 from .dense import as_attn_mask
 from .embedding import AbsoluteQueryEmbedding, RelativeQueryEmbedding, RelativeQueryEmbedding2D
@@ -83,6 +83,7 @@ __all__ = [
     "RotaryMixed",
     "RotaryND",
     "RotaryScaling",
+    "SandwichBias",
     "ShawRelativePosition",
     "SinusoidalEncoding",
     "SinusoidalEncoding2D",

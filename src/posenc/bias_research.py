@@ -3,18 +3,23 @@
 - :class:`KerpleBias`: a learned conditionally positive definite kernel of the distance,
   logarithmic ``-r1 * log(1 + r2 * |j - i|)`` or power ``-r1 * |j - i| ** r2`` (Chi et al.
   2022, "KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation").
+- :class:`SandwichBias`: the inner product of two sinusoidal position embeddings, a
+  function of their distance alone, shifted to zero at distance 0 and compressed per head
+  (Chi et al. 2023, "Dissecting Transformer Length Extrapolation via the Lens of Receptive
+  Field Analysis"); no parameters.
 - :class:`FIREBias`: a learned MLP of the log distance divided by the log of the query's
   position (Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long
   Context Transformers"); the maths in :func:`fire_inputs` and :func:`fire_mlp`.
 
 The learned-slope variant of ALiBi is ``ALiBi(heads, learned=True)`` in :mod:`posenc.bias`.
-KERPLE is an :class:`~posenc.families.OffsetBias`: it writes the bias of an offset, and the
+KERPLE and Sandwich are :class:`~posenc.families.OffsetBias` es: it writes the bias of an offset, and the
 family derives every hook (the per-offset fast path, the dense bias, the FlexAttention
 ``score_mod``) from it. FIRE's bias depends on the query's position too, not on the offset
 alone, so it writes the hooks itself (``score_bias``, ``flex_score_mod``).
 
 Shape legend: ``S`` any shape of offsets, ``h`` heads, ``k`` hidden units of FIRE's MLP,
-``B'`` the batch of the positions (1 when shared, else ``b``), ``n_q`` queries, ``n_k`` keys.
+``B'`` the batch of the positions (1 when shared, else ``b``), ``n_q`` queries, ``n_k`` keys,
+``f`` Sandwich's frequencies.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from .families import OffsetBias
 from .families.common import check_heads, lengths_positions, module_device
 from .indices import score_mod_positions
 
-__all__ = ["FIREBias", "KerpleBias", "fire_inputs", "fire_mlp"]
+__all__ = ["FIREBias", "KerpleBias", "SandwichBias", "fire_inputs", "fire_mlp", "sandwich_bias"]
 
 #: KERPLE's kernels, and the upper bound of ``r2`` of each (None: unbounded)
 _KINDS: dict[str, float | None] = {"log": None, "power": 2.0}
@@ -133,6 +138,89 @@ class KerpleBias(OffsetBias):
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, kind={self.kind!r}, eps={self.eps}"
+
+
+def sandwich_bias(offsets: Tensor, heads: int, dim: int, base: float = 10000.0) -> Tensor:
+    """Sandwich's bias of each offset: ``(sum_f cos(r w_f) - dim / 2) / (8 h / H)``.
+
+    ``p_m . p_n = sum_{f=1}^{dim/2} cos((m - n) w_f)``, ``w_f = base ** (-2 f / dim)``, is
+    the inner product of two sinusoidal position embeddings of dimension ``dim``; it is
+    ``dim / 2`` at distance 0, so subtracting ``dim / 2`` makes the bias 0 there and
+    negative elsewhere, decaying like a logarithm of the distance. Head ``h`` (1 to ``H``)
+    divides it by ``8 h / H``, as ALiBi's slopes ``2 ** (-8 h / H)`` make each head look
+    further than the one before. Angles in float64 (a float32 angle past distance 10^4
+    would be off by 10^-3 rad), the sum in float64, the result float32.
+
+    Args:
+        offsets: integer ``[*S]``, key position minus query position (the sign does not
+            matter: the bias is even).
+        heads: ``H``.
+        dim: ``dim``, even.
+        base: the sinusoid's base.
+
+    Returns:
+        ``[*S, heads]`` float32.
+    """
+    index = torch.arange(1, dim // 2 + 1, dtype=torch.float64, device=offsets.device)  # [f]
+    frequencies = base ** (-2.0 * index / dim)  # [f]
+    angles = offsets.to(torch.float64).unsqueeze(-1) * frequencies  # [*S, f]
+    inner = angles.cos().sum(-1, keepdim=True) - dim / 2  # [*S, 1]
+    head = torch.arange(1, heads + 1, dtype=torch.float64, device=offsets.device)  # [H]
+    return (inner / (8.0 * head / heads)).to(torch.float32)  # [*S, H]
+
+
+class SandwichBias(OffsetBias):
+    """Sandwich: the sinusoids' inner product as a relative bias (Chi et al. 2023, ACL).
+
+    Chi, Fan, Rudnicky and Ramadge 2023, "Dissecting Transformer Length Extrapolation via
+    the Lens of Receptive Field Analysis" (arXiv 2212.10356): with no parameters,
+
+        ``B[h, i, j] = (p_i . p_j - dim / 2) / (8 h / H)``,
+        ``p_i . p_j = sum_{f=1}^{dim/2} cos((i - j) / base ** (2 f / dim))``
+
+    (:func:`sandwich_bias`). The bias is 0 at distance 0 and falls off about like
+    ``log |i - j|`` at first, as KERPLE's and T5's learned biases do; once the distance
+    passes the slowest wavelength's scale it oscillates around ``-dim / 2`` instead of
+    falling further, which bounds the penalty (unlike ALiBi's) and is where the paper locates
+    its use of lengths past training. ``dim`` sets the depth and the reach of the decay:
+    the paper uses a sinusoid dimension of its own, which need not be the head's.
+
+    Which head is compressed by what, and the frequency index running from 1 (not 0), are
+    those of the one public implementation, NVIDIA NeMo's
+    ``SandwichRelativePositionEmbedding`` (head ``h`` of ``H`` divided by ``8 h / H``, the
+    ``8 / H`` step of ALiBi's slopes): the paper's own text of the per-head compression was
+    not available to check against, and secondary descriptions of it disagree (dividing or
+    multiplying by ``8 h / H``).
+
+    Args:
+        heads: number of heads.
+        dim: the sinusoid's dimension, even (NeMo passes the head dimension).
+        base: the sinusoid's base.
+
+    Raises:
+        TypeError / ValueError: a bad head count, ``dim`` not an even positive int, or
+            ``base`` not > 0.
+    """
+
+    def __init__(self, heads: int, dim: int, *, base: float = 10000.0) -> None:
+        super().__init__()
+        self.heads = check.positive_int("heads", heads)
+        self.dim = check.even_int("dim", dim, why="a sinusoid pairs a sine with a cosine")
+        self.base = check.positive_float("base", base)
+
+    def bias(self, offsets: Tensor) -> Tensor:
+        """Sandwich's bias of each offset ``j - i``.
+
+        Args:
+            offsets: integer ``[*S]``.
+
+        Returns:
+            ``[*S, heads]`` float32.
+        """
+        return sandwich_bias(offsets, self.heads, self.dim, self.base)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, dim={self.dim}, base={self.base}"
 
 
 def fire_inputs(

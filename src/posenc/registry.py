@@ -28,7 +28,7 @@ from typing import Any
 from .absolute import LearnedEncoding, SinusoidalEncoding, SinusoidalEncoding2D
 from .bias import ALiBi, RelativePositionBias, T5RelativeBias
 from .bias_continuous import ContinuousPositionBias
-from .bias_research import FIREBias, KerpleBias
+from .bias_research import FIREBias, KerpleBias, SandwichBias
 from .embedding import AbsoluteQueryEmbedding, RelativeQueryEmbedding, RelativeQueryEmbedding2D
 from .embedding_research import CoPE
 from .rotary import DynamicNTKScaling, Rotary, Rotary2D
@@ -292,6 +292,14 @@ SCHEMES: dict[str, Entry] = {
         "KERPLE learned power kernel -r1 |j-i|^r2, per layer",
         3,
         default_in=(),  # a variant: run when named
+    ),
+    "sandwich": Entry(
+        lambda s: SandwichBias(s.heads, s.head_dim),
+        "Sandwich: sinusoids' inner product minus dim/2, per head / (8h/H), no parameters",
+        3,
+        learned=False,
+        shared=True,
+        default_in=(),  # research: run when named
     ),
     "fire": Entry(
         lambda s: FIREBias(s.heads),

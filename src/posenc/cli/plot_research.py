@@ -25,7 +25,7 @@ from ._figures import pyplot, save
 from ._plot_options import int_option, window_option
 
 #: the 1-D score biases ``distance`` draws, those of the registry, in this order
-DISTANCE_SCHEMES = ("alibi", "t5", "kerple-log", "kerple-power", "fire")
+DISTANCE_SCHEMES = ("alibi", "t5", "kerple-log", "kerple-power", "sandwich", "fire")
 
 
 @torch.no_grad()
