@@ -211,6 +211,8 @@ def _prepare(
             f"positions covers the {n_q} queries but there are {n_k} keys: pass "
             f"key_positions [{n_k}] or [{b}, {n_k}] too"
         )
+    elif n_q == n_k:  # the default query positions, arange(n_k): one tensor for both
+        k_pos = q_pos
     else:
         k_pos = torch.arange(n_k, device=device)[None]  # [1, n_k]
     return dict(

@@ -263,8 +263,14 @@ class Rotary(nn.Module):
             ends = [p.amax(-1, keepdim=True) for p in (q_pos, k_pos) if p.shape[-1]]
             if ends:
                 length = (torch.maximum(*ends) if len(ends) == 2 else ends[0]) + 1  # [B', 1]
-        cos_q, sin_q = self.cos_sin(q_pos, length=length)  # [B', n_q, r/2]
-        cos_k, sin_k = self.cos_sin(k_pos, length=length)  # [B', n_k, r/2]
+        work = torch.promote_types(q.dtype, torch.float32)  # what apply_rotary computes in
+        cos_q, sin_q = (t.to(work) for t in self.cos_sin(q_pos, length=length))  # [B', n_q, r/2]
+        if k_pos is q_pos:  # self-attention at the same positions: the same angles
+            cos_k, sin_k = cos_q, sin_q
+        else:
+            cos_k, sin_k = (
+                t.to(work) for t in self.cos_sin(k_pos, length=length)
+            )  # [B', n_k, r/2]
         if layout == "bnhd":  # [B', n, r/2] -> [B', n, 1, r/2], the heads after the sequence
             cos_q, sin_q, cos_k, sin_k = (t.unsqueeze(2) for t in (cos_q, sin_q, cos_k, sin_k))
         return (
