@@ -621,22 +621,36 @@ def test_explain_names_the_path_and_why_not_the_others(monkeypatch):
 
 
 def test_explain_agrees_with_the_path_taken(monkeypatch):
-    """The path explain names is the one attention then runs."""
-    from posenc import ALiBi, RelativeQueryEmbedding, T5RelativeBias, attention, explain
+    """The path explain names is the one attention then runs, with and without gradients."""
     from posenc.engine import dispatch, tuning
 
     taken = []
-    walk = dispatch._walk
+    walk, fast = dispatch._walk, dispatch._fast
 
-    def spy(paths, call, backend="lean"):
+    def spy_walk(paths, call, backend="lean"):  # the walk's own plan, run as it is
         name, run, reasons = walk(paths, call, backend)
         return name, (lambda: taken.append(name) or run()), reasons
 
-    monkeypatch.setattr(dispatch, "_walk", spy)
-    q = k = v = torch.randn(2, 2, 12, 8)
+    def spy_fast(*args, path, **kwargs):  # the path planned again (under autograd's wrapper)
+        taken.append(path.name)
+        return fast(*args, path=path, **kwargs)
+
+    monkeypatch.setattr(dispatch, "_walk", spy_walk)
+    monkeypatch.setattr(dispatch, "_fast", spy_fast)
     told = set()
-    for budget in (tuning.MATERIALISED_SCORES, 0):  # SDPA's few scores; a long sequence's
-        monkeypatch.setattr(tuning, "MATERIALISED_SCORES", budget)
+    budget = tuning.MATERIALISED_SCORES
+    for q in (torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8, requires_grad=True)):
+        _explain_each_call(monkeypatch, q, budget, taken, told)
+    assert {"sdpa", "materialised", "offset-bias", "offset-term", "lean-fused"} <= told
+
+
+def _explain_each_call(monkeypatch, q, budget, taken, told):
+    from posenc import ALiBi, RelativeQueryEmbedding, T5RelativeBias, attention, explain
+    from posenc.engine import tuning
+
+    k = v = q
+    for scores in (budget, 0):  # SDPA's few scores; a long sequence's
+        monkeypatch.setattr(tuning, "MATERIALISED_SCORES", scores)
         for scheme in (None, ALiBi(2), T5RelativeBias(2), RelativeQueryEmbedding(12, 8)):
             for kwargs in ({}, {"causal": True}, {"valid_lens": torch.tensor([12, 7])}):
                 path = explain(q, k, v, position=scheme, **kwargs).path
@@ -644,7 +658,6 @@ def test_explain_agrees_with_the_path_taken(monkeypatch):
                 attention(q, k, v, position=scheme, **kwargs)
                 assert taken[0] == path, (scheme, kwargs)
                 told.add(path)
-    assert {"sdpa", "materialised", "offset-bias", "offset-term", "lean-fused"} <= told
 
 
 def test_functional_attention_errors_name_the_fix():

@@ -6,9 +6,10 @@ gradients of ``q, k, v`` and of the scheme's tables) and forward only (no grad) 
 
 - ``floor``: :func:`torch.nn.functional.scaled_dot_product_attention` without positions
   (its own ``is_causal``);
-- ``materialised``: ``backend="sdpa"``: the scheme's ``[b, h, n, n]`` bias or term written
-  out and added as SDPA's float ``attn_mask``, one fused call: what the ``materialised``
-  path of ``auto`` runs;
+- ``materialised``: ``backend="auto"`` with every ``MATERIALISED_*`` limit lifted, so that
+  it takes its ``materialised`` path: the scheme's ``[b, h, n, n]`` bias or term written
+  out (with gradients or a value term, the formula op by op; without, SDPA with it as the
+  float ``attn_mask``);
 - ``lean``: ``backend="lean"``: the lean path (named in the table) that ``auto`` takes
   above the crossover.
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 
 import posenc
 from posenc import registry
+from posenc.engine import tuning
 
 #: the issue's shapes ``(b, h, n, d)``: Swin windows, BERT-size, small, mid, long
 SHAPES = [
@@ -50,7 +52,11 @@ SHAPES = [
     (2, 8, 1024, 64),
     (2, 8, 2048, 64),
 ]
-SCHEMES = ["t5", "swin-1d", "alibi", "relative", "shaw-keys-only", "swin-2d", "relative-2d"]
+SCHEMES = [
+    "t5", "swin-1d", "alibi", "relative", "shaw-keys-only", "shaw", "swin-2d", "relative-2d"
+]  # fmt: skip
+#: the limits of the materialised path, lifted for its variant
+LIMITS = [name for name in dir(tuning) if name.startswith("MATERIALISED_")]
 VARIANTS = ("floor", "materialised", "lean")
 
 
@@ -62,10 +68,22 @@ def _scheme(name: str, h: int, d: int, n: int, causal: bool):
 def _call(variant: str, scheme, causal: bool) -> Callable:
     if variant == "floor":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    backend = "sdpa" if variant == "materialised" else "lean"
-    return lambda q, k, v: posenc.attention(
-        q, k, v, position=scheme, causal=causal, backend=backend
-    )
+    if variant == "lean":
+        return lambda q, k, v: posenc.attention(
+            q, k, v, position=scheme, causal=causal, backend="lean"
+        )
+
+    def materialised(q, k, v):
+        saved = {name: getattr(tuning, name) for name in LIMITS}
+        try:
+            for name in LIMITS:
+                setattr(tuning, name, 1 << 62)
+            return posenc.attention(q, k, v, position=scheme, causal=causal)
+        finally:
+            for name, value in saved.items():
+                setattr(tuning, name, value)
+
+    return materialised
 
 
 def _timer(fn: Callable, q, k, v, params, backward: bool) -> Callable[[int], float]:

@@ -60,9 +60,9 @@ def test_fast_paths_take_inputs_in_projection_layout(monkeypatch, name):
 
 
 def test_auto_choice(monkeypatch):
-    """auto: SDPA with nothing positional (or with dropout), a bias written out for SDPA
-    where the scores are few, the lean engine for a bias above that or a value term, the
-    math reference for a value term with dropout."""
+    """auto: SDPA with nothing positional (or with dropout), a bias or a value term written
+    out where the scores are few, the lean engine above that, the math reference for a
+    value term with dropout."""
     pos = torch.arange(4)[None]
     q = torch.zeros(1, 1, 4, 2)
 
@@ -72,9 +72,10 @@ def test_auto_choice(monkeypatch):
 
     assert path(None) == "sdpa"
     assert path(TableBias(1)) == "materialised"
-    assert path(ValueTable(2)) == "lean"
+    assert path(ValueTable(2)) == "materialised"
     monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 0)  # the size of a long sequence
     assert path(TableBias(1)) == "lean-fused"
+    assert path(ValueTable(2)) == "lean"
     assert path(TableBias(1), dropout_p=0.1) == "sdpa"
     assert path(ValueTable(2), dropout_p=0.1) == "math"
     with pytest.raises(ValueError, match="backend='lean' has no attention dropout"):

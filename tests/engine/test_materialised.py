@@ -1,5 +1,6 @@
-"""The materialised path of ``auto`` (engine/plans.py ``_plan_materialised``): the bias or
-term written out as SDPA's float mask where the scores are few, the lean paths above."""
+"""The materialised path of ``auto`` (engine/plans.py ``_plan_materialised``): the bias,
+term or value term written out where the scores are few (with gradients, the formula op by
+op; without, SDPA with a float mask), the lean paths above."""
 
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ import posenc
 from posenc.engine import plans, tuning
 
 
-def _spy_sdpa(monkeypatch):
-    """A list that grows by one each time the materialised path runs SDPA."""
+def _spy_kernels(monkeypatch):
+    """A list that grows by ``"sdpa"`` or ``"ops"`` each time the materialised path runs
+    SDPA or the formula op by op (which must use the scheme's fast hooks)."""
     calls = []
-    sdpa = plans._sdpa
-    monkeypatch.setattr(plans, "_sdpa", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    sdpa, ops = plans._sdpa, plans._math
+
+    def spied_ops(*args, **kwargs):
+        assert kwargs == {"reference": False}, kwargs  # the fast hooks, not the literal ones
+        calls.append("ops")
+        return ops(*args, **kwargs)
+
+    monkeypatch.setattr(plans, "_sdpa", lambda *a, **kw: calls.append("sdpa") or sdpa(*a, **kw))
+    monkeypatch.setattr(plans, "_math", spied_ops)
     return calls
 
 
@@ -59,7 +68,19 @@ def test_explain_picks_materialised_when_small_and_a_lean_path_when_large(monkey
     assert told.path == "offset-term"
     assert told.reasons["materialised"] == (
         "65536 scores [b, h, n_q, n_k], above the crossover 32768 (MATERIALISED_TERM_SCORES) "
-        "from which the lean paths run a score term with gradients faster"  # its table's
+        "from which the lean paths run a score term faster"
+    )
+    # under a causal mask, whose hidden pairs the lean paths skip, a term has its own
+    assert posenc.explain(small, small, small, position=relative, causal=True).path == (
+        "materialised"
+    )
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**15)
+    told = posenc.explain(small, small, small, position=relative, causal=True)
+    assert told.path == "offset-term"
+    assert told.reasons["materialised"] == (
+        "65536 scores [b, h, n_q, n_k], above the crossover 32768 "
+        "(MATERIALISED_CAUSAL_TERM_SCORES) from which the lean paths run a causal score term "
+        "faster"
     )
     assert posenc.explain(small, small, small, position=t5).path == "materialised"
 
@@ -97,15 +118,27 @@ def test_a_bias_without_gradients_is_written_out_up_to_the_budget(monkeypatch):
         assert step.path == "materialised"
 
 
-def test_what_the_materialised_path_refuses_and_why():
-    """A value term (Shaw's a^V) and a contextual term (CoPE) never take it; half precision
-    does not (SDPA would round the bias); neither does a call with nothing positional."""
+def test_a_value_term_has_its_own_crossover(monkeypatch):
+    """Shaw's a^V takes the path op by op, with or without gradients, up to
+    MATERIALISED_VALUE_SCORES."""
     q = torch.randn(2, 2, 16, 8)
-    shaw = posenc.explain(q, q, q, position=posenc.ShawRelativePosition(8, 3))
-    assert shaw.path == "offset-term"
-    assert shaw.reasons["materialised"] == (
-        "a value term (Shaw's a^V needs the attention weights): SDPA cannot add it"
-    )
+    shaw = posenc.ShawRelativePosition(8, 3)
+    assert posenc.explain(q, q, q, position=shaw).path == "materialised"
+    monkeypatch.setattr(tuning, "MATERIALISED_VALUE_SCORES", 2**9)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            told = posenc.explain(q, q, q, position=shaw)
+        assert told.path == "offset-term"
+        assert told.reasons["materialised"] == (
+            "1024 scores [b, h, n_q, n_k], above the crossover 512 (MATERIALISED_VALUE_SCORES) "
+            "from which the lean paths run a value term faster"
+        )
+
+
+def test_what_the_materialised_path_refuses_and_why():
+    """A contextual term (CoPE) never takes it; half precision does not (SDPA would round
+    the bias); neither does a call with nothing positional."""
+    q = torch.randn(2, 2, 16, 8)
     cope = posenc.CoPE(2, 8, 17)
     for kwargs in ({}, {"causal": True}):
         assert posenc.explain(q, q, q, position=cope, **kwargs).path == "math"
@@ -139,30 +172,42 @@ CASES = {  # scheme, n, the call's keyword arguments
         12,
         {"causal": True},
     ),
+    "value term, padding": (lambda: posenc.ShawRelativePosition(8, 3), 12, _masked_batch(12)),
+    "value term, scattered positions": (
+        lambda: posenc.ShawRelativePosition(8, 3),
+        12,
+        {"positions": torch.tensor([[0, 3, 4, 9, 10, 11, 20, 21, 22, 23, 30, 31]])},
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_materialised_equals_math_outputs_and_gradients(monkeypatch, case):
     """float64: the output and the gradients of q, k, v and the scheme's tables equal the
-    math reference's, and the materialised path is the one that ran."""
+    math reference's, op by op with a plain autograd graph (no wrapper); without gradients
+    the output too, by SDPA (op by op for a value term)."""
     build, n, kwargs = CASES[case]
     scheme = _randomised(build())
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64) for _ in range(3))
     assert posenc.explain(q, k, v, position=scheme, **kwargs).path == "materialised"
-    calls = _spy_sdpa(monkeypatch)
+    calls = _spy_kernels(monkeypatch)
     weights = torch.linspace(-1, 1, 8, dtype=torch.float64)
     results = {}
     for backend in ("math", "auto"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         scheme.zero_grad(set_to_none=True)
         out = posenc.attention(*leaves, position=scheme, backend=backend, **kwargs)
+        assert "TwiceDifferentiable" not in type(out.grad_fn).__name__
         (out * weights).sum().backward()
         results[backend] = [out, *(t.grad for t in leaves), *(p.grad for p in scheme.parameters())]
-    assert calls == [1]
+    assert calls == ["ops"]
     for a, c in zip(results["math"], results["auto"], strict=True):
         torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
+    with torch.no_grad():
+        out = posenc.attention(q, k, v, position=scheme, **kwargs)
+    assert calls == ["ops", "ops" if case.startswith("value term") else "sdpa"]
+    torch.testing.assert_close(out, results["math"][0], rtol=1e-10, atol=1e-10)
 
 
 def test_second_order_gradients_through_the_materialised_path(monkeypatch):
@@ -171,7 +216,7 @@ def test_second_order_gradients_through_the_materialised_path(monkeypatch):
     scheme = _randomised(posenc.T5RelativeBias(2, num_buckets=8, max_distance=16))
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 10, 4, dtype=torch.float64) for _ in range(3))
-    calls = _spy_sdpa(monkeypatch)
+    calls = _spy_kernels(monkeypatch)
     results = {}
     for backend in ("math", "auto"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -180,7 +225,7 @@ def test_second_order_gradients_through_the_materialised_path(monkeypatch):
         (dq,) = torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)
         dq.square().sum().backward()
         results[backend] = [dq, *(t.grad for t in leaves), scheme.embedding.weight.grad]
-    assert calls == [1]
+    assert calls == ["ops"]
     for a, c in zip(results["math"], results["auto"], strict=True):
         torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
 

@@ -163,23 +163,29 @@ def _attend(
     if need_weights or backend == "math" or _learned_mask(mask):
         out, weights = _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)
         return out, (weights if need_weights else None)
+    call = Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme)
+    planned = _planned(call)
+    name, run, _ = _walk(PATHS[backend], planned, backend)
     fast = functools.partial(
         _fast, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale,
-        dropout_p=dropout_p, backend=backend, scheme=scheme,
+        dropout_p=dropout_p, path=next(p for p in PATHS[backend] if p.name == name),
+        scheme=scheme,
     )  # fmt: skip
-    params = _scheme_parameters(scheme)
-    if (
-        torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and any(x.requires_grad for x in (q, k, v, *params))
-    ):
+    if name not in _DIFFERENTIABLE_TWICE and not torch.compiler.is_compiling() and planned.grad:
         # the fast paths' backwards are not differentiable: a gradient asked for with
         # create_graph=True is taken through the math reference instead
         reference = functools.partial(
             _math, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale, dropout_p=0.0
         )
+        params = planned.params
         return _TwiceDifferentiable.apply(fast, reference, dropout_p, q, k, v, *params), None
-    return fast(q, k, v), None
+    # the walk's own plan where it planned the call as it runs (no key shift to fold in)
+    return (run() if planned is call else fast(q, k, v)), None
+
+
+#: paths of plain autograd ops when they compute gradients: their backward is
+#: differentiable as it is (``materialised`` with gradients runs the formula op by op)
+_DIFFERENTIABLE_TWICE = frozenset({"math", "materialised"})
 
 
 class _TwiceDifferentiable(torch.autograd.Function):
@@ -437,6 +443,15 @@ def _prepared(call: Call) -> Call:
     return call
 
 
+def _planned(call: Call) -> Call:
+    """The call as :func:`_prepared` makes it, for choosing a path: the hooks it leaves, the
+    keys unshifted (same shape and dtype; the shift is computed once, by the path)."""
+    hooks = call.hooks
+    if hooks.key_shift is not None and hooks.score_term is not None:
+        return replace(call, hooks=replace(hooks, score_term=None, key_shift=None))
+    return call
+
+
 def _fast(
     q: Tensor,
     k: Tensor,
@@ -448,13 +463,16 @@ def _fast(
     mask: Mask,
     scale: float,
     dropout_p: float,
-    backend: str,
+    path: Path,
     scheme: Any,
 ) -> Tensor:
-    """Every path but the math reference (``backend`` ``"auto"``, ``"sdpa"``, ``"flex"`` or
-    ``"lean"``): ``[b, h, n_q, d]``."""
+    """``path`` (which :func:`_walk` chose for these arguments) on ``q, k, v``:
+    ``[b, h, n_q, d]``."""
     call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
-    return _walk(PATHS[backend], call, backend)[1]()
+    plan = path.plan(call)
+    if isinstance(plan, str):  # the same call as the walk's but for leaves of the same kind
+        raise RuntimeError(f"path {path.name!r} refused the call it was chosen for: {plan}")
+    return plan()
 
 
 def explain_call(
@@ -477,5 +495,5 @@ def explain_call(
     if backend != "math" and _learned_mask(mask):
         return Explanation("math", {backend: "a float attn_mask that requires grad"})
     call = Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme)
-    name, _, reasons = _walk(PATHS[backend], _prepared(call), backend)
+    name, _, reasons = _walk(PATHS[backend], _planned(call), backend)
     return Explanation(name, reasons)

@@ -8,6 +8,7 @@ positions ``[B', n]`` with ``B'`` 1 or ``b``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -24,6 +25,7 @@ from .lean import _LeanAttention, _LeanFusedAttention
 from .mask import Mask
 from .offset_bias import _offset_kernel_values, _OffsetFusedAttention
 from .offset_term import _expand_rows, _offset_rows, _OffsetTermAttention, _same_index
+from .reference import _math
 from .sdpa import _sdpa
 
 
@@ -41,6 +43,19 @@ class Call:
     scale: float
     dropout_p: float
     scheme: Any
+
+    @functools.cached_property
+    def params(self) -> list[Tensor]:
+        """The scheme's parameters that require grad (read once per call)."""
+        return _scheme_parameters(self.scheme)
+
+    @functools.cached_property
+    def grad(self) -> bool:
+        """Whether the call computes gradients: grad mode, and an input or a parameter of
+        the scheme that requires grad."""
+        return torch.is_grad_enabled() and any(
+            x.requires_grad for x in (self.q, self.k, self.v, *self.params)
+        )
 
 
 #: a path's answer: a function that runs the call, or why it cannot
@@ -195,21 +210,19 @@ def _plan_lean_fused(call: Call) -> Plan:
         return "the fused CPU kernels do not run here (device, dtype, value term)"
     q, k, v = _dense_last(call.q, call.k, call.v)
     span = math.inf if hooks.score_term is not None else _bias_span(q, k, call.scale)
-    params = _scheme_parameters(call.scheme)
     rows = _block_rows(call)
     return lambda: _LeanFusedAttention.apply(
-        q, k, v, hooks, call.q_pos, call.k_pos, call.mask, call.scale, rows, span, *params
+        q, k, v, hooks, call.q_pos, call.k_pos, call.mask, call.scale, rows, span, *call.params
     )
 
 
 def _plan_lean(call: Call) -> Plan:
     if call.hooks.contextual_term is not None:
         return _CONTEXTUAL
-    params = _scheme_parameters(call.scheme)
     rows = _block_rows(call)
     return lambda: _LeanAttention.apply(
         call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.mask, call.scale,
-        rows, math.inf, *params,
+        rows, math.inf, *call.params,
     )  # fmt: skip
 
 
@@ -219,24 +232,32 @@ def _mib(elements: int, dtype: torch.dtype) -> str:
 
 
 def _plan_materialised(call: Call) -> Plan:
-    """SDPA with the scheme's bias and term written out as its float ``attn_mask``: one fused
-    call over ``[b, h, n_q, n_k]`` scores, where they are few enough that the lean paths'
-    fixed costs (blocks in Python, many small kernel calls, buffers) outweigh what they save.
+    """The bias, term and value term written out over the ``[b, h, n_q, n_k]`` scores, where
+    they are few enough that the lean paths' fixed costs (blocks in Python, many small
+    kernel calls, buffers) outweigh what they save. Two kernels:
+
+    - a call that asks for gradients, or has a value term: the formula in plain autograd
+      ops (scores, softmax, the weights times the values, plus the value term from the
+      weights), with the scheme's fast hooks (:func:`~.reference._math`,
+      ``reference=False``). On CPU it runs faster than SDPA with a float ``attn_mask`` that
+      requires grad, holds what that holds, and is differentiable twice by itself;
+    - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call.
 
     At most :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) and
     :data:`tuning.MATERIALISED_PAIRS` query-key pairs per head; below the measured
-    crossovers: :data:`tuning.MATERIALISED_TERM_SCORES` scores for a score term,
-    :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients
-    (its backward writes out the bias's gradient too); for a bias without, the budget alone,
-    and under a causal mask :data:`tuning.MATERIALISED_CAUSAL_PAIRS` pairs per head (the
-    lean forward skips the hidden pairs and is cheap; a decoding step stays below it).
+    crossovers: :data:`tuning.MATERIALISED_VALUE_SCORES` scores for a value term,
+    :data:`tuning.MATERIALISED_TERM_SCORES` for a score term
+    (:data:`tuning.MATERIALISED_CAUSAL_TERM_SCORES` under a causal mask, whose hidden pairs
+    the lean paths skip),
+    :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients;
+    for a bias without, the budget alone, and under a causal mask
+    :data:`tuning.MATERIALISED_CAUSAL_PAIRS` pairs per head (the lean forward skips the
+    hidden pairs and is cheap; a decoding step stays below it).
     """
     hooks = call.hooks
     if hooks.contextual_term is not None:
         return _CONTEXTUAL
-    if hooks.value_term is not None:
-        return "a value term (Shaw's a^V needs the attention weights): SDPA cannot add it"
-    if hooks.score_bias is None and hooks.score_term is None:
+    if hooks.score_bias is None and hooks.score_term is None and hooks.value_term is None:
         return "no bias or term to write out"
     dtype = call.q.dtype
     if dtype not in (torch.float32, torch.float64):
@@ -257,15 +278,22 @@ def _plan_materialised(call: Call) -> Plan:
             f"{n_q} x {n_k} query-key pairs per head, above MATERIALISED_PAIRS = "
             f"{tuning.MATERIALISED_PAIRS}, from which the lean paths are faster at any batch"
         )
-    params = _scheme_parameters(call.scheme)
-    grad = torch.is_grad_enabled() and any(
-        x.requires_grad for x in (call.q, call.k, call.v, *params)
-    )
-    term = hooks.score_term is not None
-    crossover = tuning.MATERIALISED_TERM_SCORES if term else tuning.MATERIALISED_BIAS_SCORES
-    if scores > crossover and (term or grad):
-        name = "MATERIALISED_TERM_SCORES" if term else "MATERIALISED_BIAS_SCORES"
-        what = ("a score term" if term else "a bias") + (" with gradients" if grad else "")
+    grad = call.grad
+    value = hooks.value_term is not None
+    term = value or hooks.score_term is not None
+    if value:
+        name = "MATERIALISED_VALUE_SCORES"
+    elif term:
+        name = "MATERIALISED_CAUSAL_TERM_SCORES" if call.mask.causal else "MATERIALISED_TERM_SCORES"
+    else:
+        name = "MATERIALISED_BIAS_SCORES" if grad else "MATERIALISED_SCORES"
+    crossover = getattr(tuning, name)
+    if scores > crossover:
+        what = (
+            "a value term" if value
+            else ("a causal score term" if call.mask.causal else "a score term") if term
+            else "a bias with gradients"
+        )  # fmt: skip
         return (
             f"{scores} scores [b, h, n_q, n_k], above the crossover {crossover} ({name}) "
             f"from which the lean paths run {what} faster"
@@ -276,6 +304,11 @@ def _plan_materialised(call: Call) -> Plan:
             f"MATERIALISED_CAUSAL_PAIRS = {tuning.MATERIALISED_CAUSAL_PAIRS}: the lean paths "
             "skip the hidden pairs, which SDPA with a float mask computes"
         )
+    if grad or value:
+        return lambda: _math(
+            call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
+            call.dropout_p, reference=False,
+        )[0]  # fmt: skip
     return lambda: _sdpa(
         call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
         call.dropout_p,

@@ -91,9 +91,14 @@ def _math(
     mask: Mask,
     scale: float,
     dropout_p: float,
+    *,
+    reference: bool = True,
 ) -> tuple[Tensor, Tensor]:
+    """The attention formula, one autograd op at a time: ``(out [b, h, n_q, d], weights
+    [b, h, n_q, n_k])``. ``reference``: the scheme's literal hooks where it has them (Shaw's
+    ``[n_q, n_k, d]`` relation tensors); False: its fast hooks, the same values."""
     scores = q @ k.transpose(-2, -1)  # [b, h, n_q, n_k]
-    term = hooks.reference_score_term or hooks.score_term
+    term = (hooks.reference_score_term if reference else None) or hooks.score_term
     if term is not None:
         scores = scores + term(q, q_pos, k_pos)
     scores = scores * scale
@@ -113,7 +118,7 @@ def _math(
     weights = weights.to(v.dtype)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = dropped @ v  # [b, h, n_q, d]
-    value_term = hooks.reference_value_term or hooks.value_term
+    value_term = (hooks.reference_value_term if reference else None) or hooks.value_term
     if value_term is not None:
         out = out + value_term(dropped, q_pos, k_pos)
     return out, weights

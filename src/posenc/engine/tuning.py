@@ -38,6 +38,10 @@ MATERIALISED_PAIRS = 1 << 16
 #: scores at most on the materialised path for a bias with gradients (the crossover)
 MATERIALISED_BIAS_SCORES = 1 << 21
 #: scores at most on the materialised path for a score term (the crossover)
-MATERIALISED_TERM_SCORES = 1 << 18
+MATERIALISED_TERM_SCORES = 3 << 19
+#: scores at most on the materialised path for a score term under a causal mask
+MATERIALISED_CAUSAL_TERM_SCORES = 1 << 18
+#: scores at most on the materialised path for a value term (the crossover)
+MATERIALISED_VALUE_SCORES = 1 << 21
 #: pairs per head at most on the materialised path for a causal bias without gradients
 MATERIALISED_CAUSAL_PAIRS = 1 << 12
