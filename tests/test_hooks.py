@@ -166,3 +166,35 @@ def test_checked_hooks_check_the_contextual_term():
         ValueError, match=r"contextual_term hook returned shape \(2, 4, 3, 2\), expected "
     ):
         wrong.contextual_term(logits, q, pos, pos)
+
+
+def test_hooks_are_found_on_the_class_the_instance_a_submodule_or_a_getattr():
+    """hooks_of reads the hook names once per class, and still finds a hook set on the
+    instance, a submodule of a hook's name, and a hook a class's own ``__getattr__`` gives;
+    a hook a property declines (Shaw's value_term with values=False) is absent."""
+    from posenc import ALiBi, ShawRelativePosition
+
+    def bias(q_pos, k_pos):
+        return torch.zeros(1, 1, q_pos.shape[-1], k_pos.shape[-1])
+
+    class Bias(nn.Module):
+        def forward(self, q_pos, k_pos):
+            return bias(q_pos, k_pos)
+
+    class Dynamic:
+        def __getattr__(self, name):
+            if name == "score_bias":
+                return bias
+            raise AttributeError(name)
+
+    assert hooks_of(ALiBi(2)).score_bias is not None and hooks_of(ALiBi(2)).score_term is None
+    on_instance = nn.Module()
+    assert hooks_of(on_instance).score_bias is None  # the class is read, and cached
+    on_instance.score_bias = bias
+    assert hooks_of(on_instance).score_bias is bias
+    as_module = nn.Module()
+    as_module.score_bias = Bias()
+    assert isinstance(hooks_of(as_module).score_bias, Bias)
+    assert hooks_of(Dynamic()).score_bias is bias
+    assert hooks_of(ShawRelativePosition(8, 2, values=False)).value_term is None
+    assert hooks_of(ShawRelativePosition(8, 2)).value_term is not None

@@ -41,6 +41,23 @@ def test_offset_run_detects_consecutive_positions_only():
     assert offset_run(torch.tensor([[0, 2, 3]]), torch.arange(3)[None]) is None  # a gap
     assert offset_run(torch.arange(3).expand(2, 3), torch.arange(3).expand(2, 3)) is None
     assert offset_run(torch.arange(3.0)[None], torch.arange(3.0)[None]) is None
+    # ends n - 1 apart but out of order; a run read through a strided view; one tensor twice
+    assert offset_run(torch.tensor([[0, 2, 1, 3]]), torch.arange(4)[None]) is None
+    assert offset_run(torch.arange(4)[None], torch.tensor([[3, 1, 2, 4]])) is None
+    assert offset_run(torch.arange(10)[None, ::2], torch.arange(3)[None]) is None  # step 2
+    strided = torch.arange(4).repeat_interleave(2)[::2][None]  # [[0, 1, 2, 3]], stride 2
+    assert not strided.is_contiguous() and offset_run(strided, strided) == 0 - 3
+    run = torch.arange(5, 9)[None]
+    assert offset_run(run, run) == 5 - 8
+    assert offset_run(torch.tensor([[7]]), torch.tensor([[3]])) == 3 - 7
+
+
+def test_position_extremes_per_row():
+    from posenc.indices import position_extremes
+
+    assert position_extremes(torch.tensor([[5, 2, 9]])) == (2, 9)  # one CPU row: ints
+    low, high = position_extremes(torch.tensor([[5, 2, 9], [1, 1, 0]]))
+    assert low.tolist() == [2, 0] and high.tolist() == [9, 1]
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,13 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from .families import GridBias, OffsetBias
-from .indices import t5_bucket, toeplitz, window_relative_index, window_size
+from .indices import (
+    position_extremes,
+    t5_bucket,
+    toeplitz,
+    window_relative_index,
+    window_size,
+)
 
 __all__ = [
     "ALiBi",
@@ -248,13 +254,17 @@ class RelativePositionBias1D(RelativePositionBias, OffsetBias):
         (each sequence is checked on its own: sequences of a batch may lie far apart)."""
         if not (check._can_inspect(q_pos) and check._can_inspect(k_pos)):
             return
-        spans = torch.maximum(
-            q_pos.amax(-1) - k_pos.amin(-1), k_pos.amax(-1) - q_pos.amin(-1)
-        )  # [B'] (shared positions broadcast)
-        row = int(spans.argmax())
-        span = int(spans.flatten()[row])
+        (q_low, q_high), (k_low, k_high) = position_extremes(q_pos), position_extremes(k_pos)
+        behind, ahead = q_high - k_low, k_high - q_low  # [B'] tensors, or ints for one row
+        rows = 1
+        if isinstance(behind, int) and isinstance(ahead, int):
+            row, span = 0, max(behind, ahead)
+        else:
+            spans = torch.maximum(torch.as_tensor(behind), torch.as_tensor(ahead))  # [B']
+            rows, row = spans.numel(), int(spans.argmax())
+            span = int(spans.flatten()[row])
         if span >= self.window[0]:
-            where = f" in sequence {row} of the batch" if spans.numel() > 1 else ""
+            where = f" in sequence {row} of the batch" if rows > 1 else ""
             raise ValueError(
                 f"positions are up to {span} apart{where} but this 1-D RelativePositionBias "
                 f"has window={self.window[0]} (offsets up to {self.window[0] - 1}); build it "

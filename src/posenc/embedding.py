@@ -42,7 +42,7 @@ from .families import (
     relative_query_term_2d,
     table_logits,
 )
-from .indices import relative_to_absolute
+from .indices import position_extremes, relative_to_absolute
 
 __all__ = [
     "AbsoluteQueryEmbedding",
@@ -84,8 +84,12 @@ def _check_offsets(q_pos: Tensor, k_pos: Tensor, max_len: int, scheme: str) -> N
     """
     if not (check._can_inspect(q_pos) and check._can_inspect(k_pos)):
         return
-    largest = int((k_pos.amax(-1) - q_pos.amin(-1)).max())  # [B'] -> scalar
-    smallest = int((k_pos.amin(-1) - q_pos.amax(-1)).min())  # [B'] -> scalar
+    (q_low, q_high), (k_low, k_high) = position_extremes(q_pos), position_extremes(k_pos)
+    largest, smallest = k_high - q_low, k_low - q_high  # [B'] tensors, or ints
+    if isinstance(largest, Tensor):
+        largest = int(largest.max())
+    if isinstance(smallest, Tensor):
+        smallest = int(smallest.min())
     if largest >= max_len or smallest <= -max_len:
         raise ValueError(
             f"offsets k_pos - q_pos range from {smallest} to {largest}, but this table has rows "

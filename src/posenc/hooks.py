@@ -53,12 +53,13 @@ Masks are the attention's job, never a hook's.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @runtime_checkable
@@ -225,6 +226,30 @@ def _defined_by(scheme: Any, name: str) -> type | None:
     return None
 
 
+#: per class, the hook names it (or a class above) defines: read once, not per call
+_CLASS_HOOKS: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _hook_candidates(scheme: Any) -> tuple[str, ...]:
+    """The hook names ``getattr`` may find on ``scheme``: those its class defines, set on the
+    instance, or submodules of that name; every name for a class with its own
+    ``__getattr__`` (which may answer any)."""
+    cls = type(scheme)
+    if getattr(cls, "__getattr__", nn.Module.__getattr__) is not nn.Module.__getattr__:
+        return tuple(Hooks.__dataclass_fields__)
+    defined = _CLASS_HOOKS.get(cls)
+    if defined is None:
+        defined = frozenset(name for name in Hooks.__dataclass_fields__ if hasattr(cls, name))
+        _CLASS_HOOKS[cls] = defined
+    own = getattr(scheme, "__dict__", {})
+    modules = own.get("_modules") or {}
+    return tuple(
+        name
+        for name in Hooks.__dataclass_fields__
+        if name in defined or name in own or name in modules
+    )
+
+
 def hooks_of(scheme: Any) -> Hooks:
     """Collect the hooks that ``scheme`` defines (``getattr`` that is not None).
 
@@ -234,7 +259,7 @@ def hooks_of(scheme: Any) -> Hooks:
     """
     if scheme is None:
         return Hooks()
-    found = {name: getattr(scheme, name, None) for name in Hooks.__dataclass_fields__}
+    found = {name: getattr(scheme, name, None) for name in _hook_candidates(scheme)}
     hooks = {name: fn for name, fn in found.items() if callable(fn)}
     for extra, base in DERIVED_HOOKS.items():
         if extra in hooks and base in hooks:

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -171,14 +172,46 @@ def offset_run(q_pos: Tensor, k_pos: Tensor) -> int | None:
         ``k_pos_0 - q_pos_(n_q-1)``, or None when the pattern does not hold or cannot be
         checked cheaply.
     """
-    for pos in (q_pos, k_pos):
+    firsts, lasts = [], []
+    for pos in (q_pos, k_pos) if k_pos is not q_pos else (q_pos,):
         if pos.ndim != 2 or pos.shape[0] != 1 or pos.device.type != "cpu":
             return None
         if not check._can_inspect(pos) or pos.is_floating_point():
             return None
-        if pos.shape[1] > 1 and not bool((pos[0, 1:] - pos[0, :-1] == 1).all()):
+        row = host_row(pos)  # [n] on the host, no copy
+        if row is None:
+            if pos.shape[1] > 1 and not bool((pos[0, 1:] - pos[0, :-1] == 1).all()):
+                return None
+            firsts.append(int(pos[0, 0]))
+            lasts.append(int(pos[0, -1]))
+            continue
+        first, last = int(row[0]), int(row[-1])
+        if last - first != row.size - 1 or (row.size > 2 and not (row[1:] - row[:-1] == 1).all()):
             return None
-    return int(k_pos[0, 0] - q_pos[0, -1])
+        firsts.append(first)
+        lasts.append(last)
+    return firsts[-1] - lasts[0]  # k_pos_0 - q_pos_(n_q-1)
+
+
+def position_extremes(pos: Tensor) -> tuple[Tensor, Tensor] | tuple[int, int]:
+    """``(min, max)`` of each row of ``pos [B', n]`` (``n >= 1``): ints for one row on the
+    CPU (read through NumPy), else ``[B']`` tensors."""
+    row = (
+        host_row(pos) if pos.ndim == 2 and pos.shape[0] == 1 and pos.device.type == "cpu" else None
+    )
+    if row is not None:
+        return int(row.min()), int(row.max())
+    return pos.amin(-1), pos.amax(-1)
+
+
+def host_row(pos: Tensor) -> np.ndarray | None:
+    """Row 0 of an integer CPU tensor ``[1, n]`` as a NumPy view (no copy), or None where
+    NumPy cannot view it (a tensor subclass, a functorch wrapper). NumPy reads a short row
+    in a fraction of the time of the tensor ops that would check it."""
+    try:
+        return pos.numpy()[0]
+    except (RuntimeError, TypeError):
+        return None
 
 
 def run_offsets(q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
