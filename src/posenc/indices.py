@@ -264,7 +264,9 @@ def toeplitz(values: Tensor, n_q: int, n_k: int) -> Tensor:
             f"values must have n_q + n_k - 1 = {n_q + n_k - 1} entries in its last dimension "
             f"(one per offset), got shape {tuple(values.shape)}"
         )
-    return _Toeplitz.apply(values, n_q, n_k)
+    if torch.is_grad_enabled() and values.requires_grad:
+        return _Toeplitz.apply(values, n_q, n_k)
+    return _toeplitz(values, n_q, n_k)  # no graph to record: the forward alone
 
 
 def _diagonals(x: Tensor, n_q: int, count: int) -> Tensor:
@@ -294,6 +296,22 @@ def _diagonal_sums(grad: Tensor, n_q: int) -> Tensor:
     return shifted.sum(dim=-2)[..., :width]  # [..., n_q + n_k - 1]
 
 
+def _toeplitz(values: Tensor, n_q: int, n_k: int) -> Tensor:
+    """:func:`toeplitz`'s forward (see :class:`_Toeplitz`): ``[..., n_q, n_k]``."""
+    values = values.contiguous()  # [..., n_q + n_k - 1]: broadcast reads 3x faster
+    count = n_k - n_q + 1  # offsets every row meets
+    if count < n_q:  # no long middle: the skew over the whole block
+        return _spread(values, n_q, n_k).contiguous()  # [..., n_q, n_k]
+    out = values.new_empty(*values.shape[:-1], n_q, n_k)  # [..., n_q, n_k]
+    middle = values[..., n_q - 1 : n_k].unsqueeze(-2)  # [..., 1, count]
+    _diagonals(out, n_q, count).copy_(middle.expand(*middle.shape[:-2], n_q, count))
+    corner = n_q - 1
+    if corner:
+        out[..., :corner].copy_(_spread(values[..., : 2 * corner], n_q, corner))
+        out[..., n_k - corner :].copy_(_spread(values[..., n_k - corner :], n_q, corner))
+    return out
+
+
 class _Toeplitz(torch.autograd.Function):
     """:func:`toeplitz`: one pass over ``[n_q, n_k]`` each way, no index, no ``[n_q, n_k]`` pad.
 
@@ -305,18 +323,7 @@ class _Toeplitz(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, values: Tensor, n_q: int, n_k: int) -> Tensor:  # type: ignore[override]
-        values = values.contiguous()  # [..., n_q + n_k - 1]: broadcast reads 3x faster
-        count = n_k - n_q + 1  # offsets every row meets
-        if count < n_q:  # no long middle: the skew over the whole block
-            return _spread(values, n_q, n_k).contiguous()  # [..., n_q, n_k]
-        out = values.new_empty(*values.shape[:-1], n_q, n_k)  # [..., n_q, n_k]
-        middle = values[..., n_q - 1 : n_k].unsqueeze(-2)  # [..., 1, count]
-        _diagonals(out, n_q, count).copy_(middle.expand(*middle.shape[:-2], n_q, count))
-        corner = n_q - 1
-        if corner:
-            out[..., :corner].copy_(_spread(values[..., : 2 * corner], n_q, corner))
-            out[..., n_k - corner :].copy_(_spread(values[..., n_k - corner :], n_q, corner))
-        return out
+        return _toeplitz(values, n_q, n_k)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]

@@ -55,10 +55,14 @@ class Mask:
     @property
     def empty(self) -> bool:
         """True when nothing is masked nor added."""
+        return not self.causal and self.causal_at_most
+
+    @property
+    def causal_at_most(self) -> bool:
+        """True when nothing is masked nor added but, perhaps, the causal mask."""
         return (
             self.key_padding is None
             and self.lengths is None
-            and not self.causal
             and self.q_doc is None
             and self.behind is None
             and self.ahead is None

@@ -83,7 +83,7 @@ def _causal_only(call: Call) -> bool:
     paths take it as hidden offsets."""
     n_q, n_k = call.q.shape[2], call.k.shape[2]
     mask = call.mask
-    return replace(mask, causal=False).empty and (not mask.causal or n_q <= n_k)
+    return mask.causal_at_most and (not mask.causal or n_q <= n_k)
 
 
 def _refusal(call: Call, extra: str, what: str, beside: str, *, causal_ok: bool) -> str | None:

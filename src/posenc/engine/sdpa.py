@@ -8,7 +8,6 @@ Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` hea
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -56,7 +55,7 @@ def _sdpa(
         and extra is None
         and mask.causal
         and mask.n_q == mask.n_k
-        and replace(mask, causal=False).empty
+        and mask.causal_at_most
     ):
         keep, is_causal = None, True  # SDPA's own causal flag: its fastest path
     if keep is not None:
