@@ -631,9 +631,9 @@ def test_explain_agrees_with_the_path_taken(monkeypatch):
         name, run, reasons = walk(paths, call, backend)
         return name, (lambda: taken.append(name) or run()), reasons
 
-    def spy_fast(*args, path, **kwargs):  # the path planned again (under autograd's wrapper)
-        taken.append(path.name)
-        return fast(*args, path=path, **kwargs)
+    def spy_fast(*args, name, **kwargs):  # the path planned again (under autograd's wrapper)
+        taken.append(name)
+        return fast(*args, name=name, **kwargs)
 
     monkeypatch.setattr(dispatch, "_walk", spy_walk)
     monkeypatch.setattr(dispatch, "_fast", spy_fast)
@@ -684,3 +684,24 @@ def test_functional_attention_errors_name_the_fix():
         attention(q, q, q, backend="fast")
     with pytest.raises(ValueError, match=r"scale must be a finite number > 0"):
         attention(q, q, q, scale=0.0)
+
+
+def test_a_rotations_parameters_get_the_same_gradient_with_create_graph():
+    """A rotation's parameters (RoPE-Mixed's learned frequencies) reach q and k before the
+    attention call: their first-order gradient with create_graph=True equals the one
+    without, on the wrapped fast path as on the math path (they must not count twice)."""
+    from posenc import RotaryMixed, attention, explain
+
+    torch.manual_seed(0)
+    scheme = RotaryMixed(8, 4, size=(2, 3)).double()
+    q, k, v = (torch.randn(1, 4, 6, 8, dtype=torch.float64) for _ in range(3))
+    assert explain(q, k, v, position=scheme).path == "sdpa"
+    grads = {}
+    for backend in ("math", "auto"):
+        for create_graph in (False, True):
+            out = attention(q, k, v, position=scheme, backend=backend)
+            (grads[backend, create_graph],) = torch.autograd.grad(
+                out.sum(), list(scheme.parameters()), create_graph=create_graph
+            )
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, grads["math", False], rtol=1e-10, atol=1e-12, msg=str(key))

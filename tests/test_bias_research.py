@@ -20,7 +20,7 @@ from posenc import (
     SandwichBias,
     alibi_slopes,
 )
-from posenc.bias_research import fire_inputs
+from posenc.bias_research import fire_inputs, sandwich_bias
 from tolerances import assert_close, recorded_logits
 
 
@@ -232,6 +232,10 @@ def test_sandwich_errors():
         SandwichBias(2, 8, base=-1.0)
     with pytest.raises(ValueError, match="SandwichBias was built for heads=2"):
         MultiHeadAttention(12, 3, position=SandwichBias(2, 4))
+    with pytest.raises(ValueError, match="dim must be even"):
+        sandwich_bias(torch.arange(3), 2, 5)
+    with pytest.raises(TypeError, match="offsets must be an integer tensor, got torch.float32"):
+        sandwich_bias(torch.arange(3.0), 2, 4)
 
 
 # ----- FIRE (Li et al. 2023) ----------------------------------------------------------------

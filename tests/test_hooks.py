@@ -198,3 +198,21 @@ def test_hooks_are_found_on_the_class_the_instance_a_submodule_or_a_getattr():
     assert hooks_of(Dynamic()).score_bias is bias
     assert hooks_of(ShawRelativePosition(8, 2, values=False)).value_term is None
     assert hooks_of(ShawRelativePosition(8, 2)).value_term is not None
+
+
+def test_a_hook_added_to_a_class_after_its_first_use_is_found():
+    """Hooks are read from the classes as they are at each call: a hook patched onto a class
+    (or a base class) after a first call is used, not silently skipped."""
+
+    def bias(q_pos, k_pos):
+        return torch.zeros(1, 1, q_pos.shape[-1], k_pos.shape[-1])
+
+    class Base(nn.Module):
+        pass
+
+    class Child(Base):
+        pass
+
+    assert hooks_of(Child()).score_bias is None
+    Base.score_bias = staticmethod(bias)
+    assert hooks_of(Child()).score_bias is bias

@@ -12,9 +12,9 @@
   Context Transformers"); the maths in :func:`fire_inputs` and :func:`fire_mlp`.
 
 The learned-slope variant of ALiBi is ``ALiBi(heads, learned=True)`` in :mod:`posenc.bias`.
-KERPLE and Sandwich are :class:`~posenc.families.OffsetBias` es: it writes the bias of an offset, and the
-family derives every hook (the per-offset fast path, the dense bias, the FlexAttention
-``score_mod``) from it. FIRE's bias depends on the query's position too, not on the offset
+KERPLE and Sandwich are :class:`~posenc.families.OffsetBias` subclasses: each writes the bias
+of an offset, and the family derives every hook (the per-offset fast path, the dense bias,
+the FlexAttention ``score_mod``) from it. FIRE's bias depends on the query's position too, not on the offset
 alone, so it writes the hooks itself (``score_bias``, ``flex_score_mod``).
 
 Shape legend: ``S`` any shape of offsets, ``h`` heads, ``k`` hidden units of FIRE's MLP,
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _validate as check
+from .absolute import angle_dtype
 from .families import OffsetBias
 from .families.common import check_heads, lengths_positions, module_device
 from .indices import score_mod_positions
@@ -149,7 +150,8 @@ def sandwich_bias(offsets: Tensor, heads: int, dim: int, base: float = 10000.0) 
     negative elsewhere, decaying like a logarithm of the distance. Head ``h`` (1 to ``H``)
     divides it by ``8 h / H``, as ALiBi's slopes ``2 ** (-8 h / H)`` make each head look
     further than the one before. Angles in float64 (a float32 angle past distance 10^4
-    would be off by 10^-3 rad), the sum in float64, the result float32.
+    would be off by 10^-3 rad; float32 on MPS, which has no float64), the sum likewise,
+    the result float32.
 
     Args:
         offsets: integer ``[*S]``, key position minus query position (the sign does not
@@ -160,12 +162,21 @@ def sandwich_bias(offsets: Tensor, heads: int, dim: int, base: float = 10000.0) 
 
     Returns:
         ``[*S, heads]`` float32.
+
+    Raises:
+        TypeError / ValueError: a bad head count, ``dim`` not an even positive int, or
+            offsets that are not integers.
     """
-    index = torch.arange(1, dim // 2 + 1, dtype=torch.float64, device=offsets.device)  # [f]
+    check.positive_int("heads", heads)
+    check.even_int("dim", dim, why="a sinusoid pairs a sine with a cosine")
+    if offsets.is_floating_point() or offsets.dtype == torch.bool:
+        raise TypeError(f"offsets must be an integer tensor, got {offsets.dtype}")
+    wide = angle_dtype(offsets.device)  # float64 (float32 where the device has no float64)
+    index = torch.arange(1, dim // 2 + 1, dtype=wide, device=offsets.device)  # [f]
     frequencies = base ** (-2.0 * index / dim)  # [f]
-    angles = offsets.to(torch.float64).unsqueeze(-1) * frequencies  # [*S, f]
+    angles = offsets.to(wide).unsqueeze(-1) * frequencies  # [*S, f]
     inner = angles.cos().sum(-1, keepdim=True) - dim / 2  # [*S, 1]
-    head = torch.arange(1, heads + 1, dtype=torch.float64, device=offsets.device)  # [H]
+    head = torch.arange(1, heads + 1, dtype=wide, device=offsets.device)  # [H]
     return (inner / (8.0 * head / heads)).to(torch.float32)  # [*S, H]
 
 

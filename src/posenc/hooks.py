@@ -53,7 +53,6 @@ Masks are the attention's job, never a hook's.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
@@ -226,27 +225,28 @@ def _defined_by(scheme: Any, name: str) -> type | None:
     return None
 
 
-#: per class, the hook names it (or a class above) defines: read once, not per call
-_CLASS_HOOKS: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
-
-
 def _hook_candidates(scheme: Any) -> tuple[str, ...]:
-    """The hook names ``getattr`` may find on ``scheme``: those its class defines, set on the
-    instance, or submodules of that name; every name for a class with its own
-    ``__getattr__`` (which may answer any)."""
+    """The hook names ``getattr`` may find on ``scheme``: those a class of its MRO defines
+    (read from the class dicts, as they are now), set on the instance, or submodules of
+    that name; every name for a class with its own attribute lookup (``__getattr__`` other
+    than ``nn.Module``'s, or ``__getattribute__``), which may answer any, and inside
+    ``torch.compile`` (as eager code saw it). A missing name costs ``nn.Module.__getattr__``
+    an exception; a dict lookup is cheaper."""
     cls = type(scheme)
+    every = tuple(Hooks.__dataclass_fields__)
+    if torch.compiler.is_compiling():
+        return every
     if getattr(cls, "__getattr__", nn.Module.__getattr__) is not nn.Module.__getattr__:
-        return tuple(Hooks.__dataclass_fields__)
-    defined = _CLASS_HOOKS.get(cls)
-    if defined is None:
-        defined = frozenset(name for name in Hooks.__dataclass_fields__ if hasattr(cls, name))
-        _CLASS_HOOKS[cls] = defined
+        return every
+    if cls.__getattribute__ is not object.__getattribute__:
+        return every
+    classes = [vars(c) for c in cls.__mro__]
     own = getattr(scheme, "__dict__", {})
     modules = own.get("_modules") or {}
     return tuple(
         name
-        for name in Hooks.__dataclass_fields__
-        if name in defined or name in own or name in modules
+        for name in every
+        if name in own or name in modules or any(name in found for found in classes)
     )
 
 

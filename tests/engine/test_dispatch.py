@@ -173,3 +173,52 @@ def test_every_path_but_math_and_sdpa_refuses_a_contextual_term_and_says_why():
     assert posenc.explain(q, k, v, position=scheme, backend="lean").path == "math"
     with pytest.raises(ValueError, match="backend='flex' cannot add a contextual term"):
         posenc.explain(q, k, v, position=scheme, backend="flex")
+
+
+class _ShiftedKeysAndBias(nn.Module):
+    """A per-offset bias peaked at offset +200 and an absolute key term ``q . R[k_pos]``
+    that the fast paths fold into the keys (``key_shift``)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.heads = 1
+        self.table = table  # [n, d]
+
+    def offset_bias(self, q_pos, k_pos):
+        offsets = torch.arange(
+            int(k_pos[0, 0] - q_pos[0, -1]), int(k_pos[0, -1] - q_pos[0, 0]) + 1
+        )  # [n_q + n_k - 1]
+        return -(offsets - 200).abs().to(torch.float32)[None]  # [1, W]
+
+    def score_bias(self, q_pos, k_pos):
+        offsets = k_pos[:, None, :] - q_pos[:, :, None]  # [B', n_q, n_k]
+        return -(offsets - 200).abs().to(torch.float32)[:, None]  # [B', 1, n_q, n_k]
+
+    def score_term(self, q, q_pos, k_pos):
+        return torch.einsum("bhqd,pkd->bhqk", q, self.table[k_pos].to(q.dtype))
+
+    def key_shift(self, q, q_pos, k_pos):
+        return self.table[k_pos].to(q.dtype).unsqueeze(1)  # [B', 1, n_k, d]
+
+
+def test_the_path_is_chosen_for_the_keys_with_their_shift_folded_in():
+    """A path whose condition reads the keys' values (the per-offset bias's span) is chosen
+    for ``k + key_shift``, the keys it runs on: huge keys that the shift cancels take the
+    path their shifted values allow, explain names it, and it equals the math path."""
+    torch.manual_seed(0)
+    n, d = 300, 8
+    q, v = torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
+    k = torch.randn(1, 1, n, d) * 0.1
+    k[..., 0] += 1000.0
+    table = -k[0, 0].clone()
+    table[:, 0] = -1000.0  # k + shift: small keys, but for a first channel of 0
+    scheme = _ShiftedKeysAndBias(table)
+    pos = torch.arange(n)[None]
+    told = explain_call(q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(n, n)).path
+    for grad in (False, True):
+        leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        args = dict(scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(n, n))
+        out, _ = attend(*leaves, **args)
+        ref, _ = attend(*leaves, backend="math", **args)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert told == "lean-fused"  # the span of k + shift, not of k, keeps offset-bias out

@@ -236,3 +236,69 @@ def test_under_torch_compile_auto_keeps_sdpa(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     q = torch.randn(1, 2, 16, 8)
     assert posenc.explain(q, q, q, position=posenc.T5RelativeBias(2)).path == "sdpa"
+
+
+class _OnceDifferentiableTerm(torch.autograd.Function):
+    """``q @ table^T`` whose backward is not differentiable again."""
+
+    @staticmethod
+    def forward(ctx, q, table):
+        ctx.save_for_backward(q, table)
+        return q @ table.t()  # [b, h, n, n]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, table = ctx.saved_tensors
+        return grad @ table, (grad.transpose(-2, -1) @ q).sum((0, 1))
+
+
+class _UserTerm(nn.Module):
+    """A user's scheme: a fast ``score_term`` differentiable once, beside a literal
+    ``reference_score_term`` (the hook protocol's pair)."""
+
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(n, d, dtype=torch.float64))
+
+    def score_term(self, q, q_pos, k_pos):
+        return _OnceDifferentiableTerm.apply(q, self.table[k_pos[0]])
+
+    def reference_score_term(self, q, q_pos, k_pos):
+        return q @ self.table[k_pos[0]].t()
+
+
+def test_second_order_gradients_of_a_users_once_differentiable_hook_go_through_its_reference():
+    """The materialised path differentiates its own graph twice only for hooks known to be
+    plain ops (posenc's, or a scheme without literal reference hooks); a user's fast hook
+    beside a reference hook takes the math reference for create_graph=True, as before."""
+    torch.manual_seed(0)
+    scheme = _UserTerm(10, 4)
+    q, k, v = (torch.randn(1, 2, 10, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    assert posenc.explain(q, k, v, position=scheme).path == "materialised"
+    second = {}
+    for backend in ("math", "auto"):
+        out = posenc.attention(q, k, v, position=scheme, backend=backend)
+        (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        (second[backend],) = torch.autograd.grad(dq.square().sum(), scheme.table)
+    torch.testing.assert_close(second["auto"], second["math"], rtol=1e-10, atol=1e-10)
+
+
+def test_second_order_gradients_through_shaws_value_term_op_by_op():
+    """Shaw's fast value term (scatter_add into the clipped offsets) on the op-by-op kernel,
+    with no wrapper: its second derivatives equal the math reference's (literal a^V)."""
+    scheme = _randomised(posenc.ShawRelativePosition(4, 2))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    results = {}
+    for backend in ("math", "auto"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        scheme.zero_grad(set_to_none=True)
+        out = posenc.attention(*leaves, position=scheme, causal=True, backend=backend)
+        if backend == "auto":
+            assert "TwiceDifferentiable" not in type(out.grad_fn).__name__
+        (dv,) = torch.autograd.grad(out.square().sum(), leaves[2], create_graph=True)
+        dv.square().sum().backward()
+        results[backend] = [dv, *(t.grad for t in leaves), scheme.keys.grad, scheme.values.grad]
+    for a, c in zip(results["math"], results["auto"], strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)

@@ -20,7 +20,6 @@ from torch import Tensor
 from ..hooks import Hooks, checked_hooks, hooks_of
 from . import common
 from .blocks import _by_blocks, _mask_blocks
-from .common import _scheme_parameters
 from .flex import _flex
 from .mask import Mask
 from .plans import (
@@ -163,29 +162,39 @@ def _attend(
     if need_weights or backend == "math" or _learned_mask(mask):
         out, weights = _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)
         return out, (weights if need_weights else None)
-    call = Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme)
-    planned = _planned(call)
-    name, run, _ = _walk(PATHS[backend], planned, backend)
+    call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
+    name, run, _ = _walk(PATHS[backend], call, backend)
+    if torch.compiler.is_compiling() or not call.grad or _exact_twice(name, hooks, scheme):
+        return run(), None
+    # the fast paths' backwards are not differentiable: a gradient asked for with
+    # create_graph=True is taken through the math reference instead (the path planned once
+    # more on leaves of the same values inside the wrapper)
     fast = functools.partial(
         _fast, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale,
-        dropout_p=dropout_p, path=next(p for p in PATHS[backend] if p.name == name),
-        scheme=scheme,
+        dropout_p=dropout_p, paths=PATHS[backend], name=name, scheme=scheme,
     )  # fmt: skip
-    if name not in _DIFFERENTIABLE_TWICE and not torch.compiler.is_compiling() and planned.grad:
-        # the fast paths' backwards are not differentiable: a gradient asked for with
-        # create_graph=True is taken through the math reference instead
-        reference = functools.partial(
-            _math, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale, dropout_p=0.0
-        )
-        params = planned.params
-        return _TwiceDifferentiable.apply(fast, reference, dropout_p, q, k, v, *params), None
-    # the walk's own plan where it planned the call as it runs (no key shift to fold in)
-    return (run() if planned is call else fast(q, k, v)), None
+    reference = functools.partial(
+        _math, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale, dropout_p=0.0
+    )
+    # a scheme's parameters enter the wrapper only when the hooks use them: those of a
+    # rotation reach q and k before the call, and the reference's gradient through the
+    # saved q and k already carries them (passed here too, they would count twice)
+    params = call.params if _positional(hooks) else []
+    return _TwiceDifferentiable.apply(fast, reference, dropout_p, q, k, v, *params), None
 
 
-#: paths of plain autograd ops when they compute gradients: their backward is
-#: differentiable as it is (``materialised`` with gradients runs the formula op by op)
-_DIFFERENTIABLE_TWICE = frozenset({"math", "materialised"})
+def _exact_twice(name: str, hooks: Hooks, scheme: Any) -> bool:
+    """Whether path ``name``'s own graph gives the definition's second derivatives, so that
+    no wrapper is needed: the math path (the reference hooks, op by op), and the
+    materialised path with gradients (op by op too, with the fast hooks: for a scheme that
+    has literal reference hooks beside them, only posenc's own, whose fast hooks are plain
+    differentiable ops; a user's fast hook may be once-differentiable)."""
+    if name == "math":
+        return True
+    if name != "materialised":
+        return False
+    literal = hooks.reference_score_term is not None or hooks.reference_value_term is not None
+    return not literal or type(scheme).__module__.partition(".")[0] == "posenc"
 
 
 class _TwiceDifferentiable(torch.autograd.Function):
@@ -272,7 +281,7 @@ def _plan_flex(call: Call) -> Plan:
         return "cannot add a contextual term (CoPE reads each query's whole row of logits)"
     return lambda: _flex(
         call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.mask, call.scale,
-        call.dropout_p, tuple(_scheme_parameters(call.scheme)),
+        call.dropout_p, tuple(call.params),
     )  # fmt: skip
 
 
@@ -443,15 +452,6 @@ def _prepared(call: Call) -> Call:
     return call
 
 
-def _planned(call: Call) -> Call:
-    """The call as :func:`_prepared` makes it, for choosing a path: the hooks it leaves, the
-    keys unshifted (same shape and dtype; the shift is computed once, by the path)."""
-    hooks = call.hooks
-    if hooks.key_shift is not None and hooks.score_term is not None:
-        return replace(call, hooks=replace(hooks, score_term=None, key_shift=None))
-    return call
-
-
 def _fast(
     q: Tensor,
     k: Tensor,
@@ -463,16 +463,15 @@ def _fast(
     mask: Mask,
     scale: float,
     dropout_p: float,
-    path: Path,
+    paths: tuple[Path, ...],
+    name: str,
     scheme: Any,
 ) -> Tensor:
-    """``path`` (which :func:`_walk` chose for these arguments) on ``q, k, v``:
-    ``[b, h, n_q, d]``."""
+    """The path ``name`` of ``paths`` (which :func:`_walk` chose for these values) on
+    ``q, k, v``, or the first after it that takes the call: ``[b, h, n_q, d]``."""
     call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
-    plan = path.plan(call)
-    if isinstance(plan, str):  # the same call as the walk's but for leaves of the same kind
-        raise RuntimeError(f"path {path.name!r} refused the call it was chosen for: {plan}")
-    return plan()
+    start = next(i for i, path in enumerate(paths) if path.name == name)
+    return _walk(paths[start:], call)[1]()
 
 
 def explain_call(
@@ -495,5 +494,5 @@ def explain_call(
     if backend != "math" and _learned_mask(mask):
         return Explanation("math", {backend: "a float attn_mask that requires grad"})
     call = Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme)
-    name, _, reasons = _walk(PATHS[backend], _planned(call), backend)
+    name, _, reasons = _walk(PATHS[backend], _prepared(call), backend)
     return Explanation(name, reasons)

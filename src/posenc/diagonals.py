@@ -1,0 +1,206 @@
+"""Per-offset values and per-pair layouts: the Toeplitz spread, its adjoint, the skew.
+
+A relative scheme over consecutive positions has one value per offset ``j - i``; these
+functions move between that ``[..., n_q + n_k - 1]`` form and the ``[..., n_q, n_k]``
+pairs by strided views and broadcast copies, never an ``[n_q, n_k]`` index (Huang et al.
+2018's skew). :mod:`posenc.indices` re-exports them.
+
+Shape legend: ``n_q`` queries, ``n_k`` keys, ``W = n_q + n_k - 1`` offsets, ``L`` the
+length of a square relative matrix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _validate as check
+
+__all__ = ["diagonal_sums", "relative_to_absolute", "skew_rows", "toeplitz"]
+
+
+def toeplitz(values: Tensor, n_q: int, n_k: int) -> Tensor:
+    """A per-offset value spread over the pairs: ``out[..., i, j] = values[..., j - i + n_q - 1]``.
+
+    The bias of a relative scheme for consecutive positions (see :func:`offset_run`), from
+    its ``n_q + n_k - 1`` values per offset, with no ``[n_q, n_k]`` index: the diagonals
+    are written by broadcast copies into strided views. The gradient sums along them.
+
+    Args:
+        values: ``[..., n_q + n_k - 1]``, offsets in increasing order; differentiable.
+        n_q: number of query rows.
+        n_k: number of key columns.
+
+    Returns:
+        ``[..., n_q, n_k]``, a new tensor.
+
+    Raises:
+        ValueError: the last dimension of ``values`` is not ``n_q + n_k - 1``.
+    """
+    if values.shape[-1] != n_q + n_k - 1:
+        raise ValueError(
+            f"values must have n_q + n_k - 1 = {n_q + n_k - 1} entries in its last dimension "
+            f"(one per offset), got shape {tuple(values.shape)}"
+        )
+    if torch.is_grad_enabled() and values.requires_grad:
+        return _Toeplitz.apply(values, n_q, n_k)
+    return _toeplitz(values, n_q, n_k)  # no graph to record: the forward alone
+
+
+def _diagonals(x: Tensor, n_q: int, count: int) -> Tensor:
+    """``view[..., i, t] = x[..., i, i + t]`` for ``t < count``: the diagonals ``0 .. count - 1``
+    of a contiguous ``x [..., n_q, n_k]`` (``count <= n_k - n_q + 1``), as a strided view."""
+    n_k = x.shape[-1]
+    sizes = (*x.shape[:-2], n_q, count)
+    return x.as_strided(sizes, (*x.stride()[:-2], n_k + 1, 1), x.storage_offset())
+
+
+def _spread(values: Tensor, n_q: int, n_k: int) -> Tensor:
+    """:func:`toeplitz`'s values by the skew: every row a copy of ``values``, read skewed
+    (a view ``[..., n_q, n_k]``); for small blocks, it writes ``n_q * (n_q + n_k - 1)``."""
+    rows = values.unsqueeze(-2).expand(*values.shape[:-1], n_q, values.shape[-1])
+    return skew_rows(rows.contiguous(), n_k)  # [..., n_q, n_k]
+
+
+def _diagonal_sums(grad: Tensor, n_q: int) -> Tensor:
+    """``out[..., m] = sum_i grad[..., i, m - (n_q - 1) + i]`` for a small ``grad``: shift
+    row i right by ``n_q - 1 - i`` in a zero buffer and sum the rows (skew_rows reversed)."""
+    n_k = grad.shape[-1]
+    width = n_q + n_k - 1
+    buffer = grad.new_zeros(*grad.shape[:-2], n_q * (width + 1))  # [..., n_q * (width + 1)]
+    written = buffer[..., n_q - 1 : n_q - 1 + n_q * width].unflatten(-1, (n_q, width))
+    written[..., :n_k].copy_(grad)  # [..., n_q, n_k] at column n_q - 1 of rows width long
+    shifted = buffer.unflatten(-1, (n_q, width + 1))  # row i starts at n_q - 1 - i
+    return shifted.sum(dim=-2)[..., :width]  # [..., n_q + n_k - 1]
+
+
+def _toeplitz(values: Tensor, n_q: int, n_k: int) -> Tensor:
+    """:func:`toeplitz`'s forward (see :class:`_Toeplitz`): ``[..., n_q, n_k]``."""
+    values = values.contiguous()  # [..., n_q + n_k - 1]: broadcast reads 3x faster
+    count = n_k - n_q + 1  # offsets every row meets
+    if count < n_q:  # no long middle: the skew over the whole block
+        return _spread(values, n_q, n_k).contiguous()  # [..., n_q, n_k]
+    out = values.new_empty(*values.shape[:-1], n_q, n_k)  # [..., n_q, n_k]
+    middle = values[..., n_q - 1 : n_k].unsqueeze(-2)  # [..., 1, count]
+    _diagonals(out, n_q, count).copy_(middle.expand(*middle.shape[:-2], n_q, count))
+    corner = n_q - 1
+    if corner:
+        out[..., :corner].copy_(_spread(values[..., : 2 * corner], n_q, corner))
+        out[..., n_k - corner :].copy_(_spread(values[..., n_k - corner :], n_q, corner))
+    return out
+
+
+class _Toeplitz(torch.autograd.Function):
+    """:func:`toeplitz`: one pass over ``[n_q, n_k]`` each way, no index, no ``[n_q, n_k]`` pad.
+
+    Every row of a block with ``n_k >= n_q`` meets the offsets ``0 .. n_k - n_q``: a strided
+    view of the output (row stride ``n_k + 1``) holds them, written by one broadcast copy
+    and, for the gradient, summed over its rows in place. The two corners left (offsets
+    below 0 and above ``n_k - n_q``, ``n_q - 1`` columns each) take the skew.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor, n_q: int, n_k: int) -> Tensor:  # type: ignore[override]
+        return _toeplitz(values, n_q, n_k)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        return diagonal_sums(grad), None, None
+
+
+def diagonal_sums(x: Tensor) -> Tensor:
+    """The adjoint of :func:`toeplitz`: ``out[..., m] = sum_i x[..., i, m - (n_q - 1) + i]``.
+
+    Sums ``x [..., n_q, n_k]`` along each diagonal ``j - i = m - (n_q - 1)``: the gradient of
+    a per-offset value from the gradient of its pairs. One pass over ``x``: the offsets every
+    row meets are a strided view of ``x`` summed over its rows; the two corners take a
+    padded skew.
+
+    Args:
+        x: ``[..., n_q, n_k]``.
+
+    Returns:
+        ``[..., n_q + n_k - 1]``, offsets in increasing order.
+    """
+    n_q, n_k = x.shape[-2], x.shape[-1]
+    count = n_k - n_q + 1
+    if count < n_q:
+        return _diagonal_sums(x, n_q)
+    x = x.contiguous()  # [..., n_q, n_k]
+    out = x.new_empty(*x.shape[:-2], n_q + n_k - 1)  # [..., n_q + n_k - 1]
+    out[..., n_q - 1 : n_k] = _diagonals(x, n_q, count).sum(dim=-2)
+    corner = n_q - 1
+    if corner:
+        # offsets below 0 lie in the first n_q - 1 columns, above n_k - n_q in the last
+        out[..., :corner] = _diagonal_sums(x[..., :corner], n_q)[..., :corner]
+        out[..., n_k:] = _diagonal_sums(x[..., n_k - corner :], n_q)[..., corner:]
+    return out
+
+
+def skew_rows(x: Tensor, n_k: int) -> Tensor:
+    """The skew for a block of queries: ``out[..., i, j] = x[..., i, j - i + n_q - 1]``.
+
+    Row ``i`` of ``x`` holds one logit per offset (column ``m`` is offset
+    ``first + m``, see :func:`offset_run`); the pair ``(i, j)`` needs column
+    ``j - i + n_q - 1``. Reading the flat buffer from element ``n_q - 1`` in rows of
+    ``n_q + n_k - 2`` shifts row ``i`` left by ``i``: a view, no copy and no index
+    (Huang et al. 2018's skew, for a rectangle of queries and keys).
+
+    Args:
+        x: ``[..., n_q, n_q + n_k - 1]``; differentiable.
+        n_k: number of keys.
+
+    Returns:
+        ``[..., n_q, n_k]`` (a view of ``x`` when ``x`` is contiguous).
+
+    Raises:
+        ValueError: the last dimension of ``x`` is not ``n_q + n_k - 1``.
+    """
+    n_q = x.shape[-2]
+    width = n_q + n_k - 1
+    if x.shape[-1] != width:
+        raise ValueError(
+            f"x must have n_q + n_k - 1 = {width} columns (one per offset), got shape "
+            f"{tuple(x.shape)}"
+        )
+    if n_q == 1:
+        return x
+    flat = x.contiguous().flatten(-2)  # [..., n_q * width]
+    rows = flat[..., n_q - 1 : n_q - 1 + n_q * (width - 1)]  # [..., n_q * (width - 1)]
+    return rows.unflatten(-1, (n_q, width - 1))[..., :n_k]  # [..., n_q, n_k]
+
+
+def relative_to_absolute(x: Tensor) -> Tensor:
+    """The skew: relative logits ``[..., L, 2L-1]`` to absolute ``[..., L, L]``.
+
+    ``out[..., i, j] = x[..., i, j - i + L - 1]``: column ``m`` of ``x`` holds relative
+    offset ``m - (L - 1)``, from ``-(L-1)`` to ``L-1``. Done by padding and reshaping
+    (Huang et al. 2018, Music Transformer; Bello et al. 2019), with no ``[L, L]`` index:
+    after one column of padding each row is ``2L`` long, so reading the flat buffer with
+    rows of ``2L - 1`` shifts row ``i`` left by ``i``.
+
+    Args:
+        x: ``[..., L, 2L-1]``, any dtype; differentiable.
+
+    Returns:
+        ``[..., L, L]``.
+
+    Raises:
+        ValueError: the last dimension is not ``2L - 1``.
+    """
+    check.tensor("x", x)
+    if x.ndim < 2 or x.shape[-1] != 2 * x.shape[-2] - 1:
+        raise ValueError(
+            f"x must have shape [..., L, 2L-1] (one column per relative offset -(L-1)..L-1), "
+            f"got shape {tuple(x.shape)}"
+        )
+    length = x.shape[-2]
+    lead = x.shape[:-2]
+    x = F.pad(x, (0, 1))  # [..., L, 2L]
+    x = x.reshape(*lead, 2 * length * length)  # [..., 2L*L]
+    x = F.pad(x, (0, length - 1))  # [..., (L+1) * (2L-1)]
+    x = x.reshape(*lead, length + 1, 2 * length - 1)  # [..., L+1, 2L-1]
+    return x[..., :length, length - 1 :]  # [..., L, L]

@@ -1,0 +1,55 @@
+"""diagonals.py: the Toeplitz spread, its adjoint and the skew against their definitions
+written out pair by pair, with gradients (gradcheck)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize(
+    ("n_q", "n_k"), [(1, 1), (1, 5), (3, 5), (3, 6), (2, 9), (7, 2), (4, 4), (5, 12)]
+)
+def test_toeplitz_and_skew_rows_match_the_definition(n_q, n_k):
+    from posenc.diagonals import skew_rows, toeplitz
+
+    # two leading dimensions, offsets not innermost in memory (as T5's table.t() gives)
+    values = torch.randn(n_q + n_k - 1, 2, 3, dtype=torch.float64).permute(1, 2, 0)
+    values.requires_grad_(True)
+    expected = torch.empty(2, 3, n_q, n_k, dtype=torch.float64)
+    for i in range(n_q):
+        for j in range(n_k):
+            expected[..., i, j] = values[..., j - i + n_q - 1]
+    torch.testing.assert_close(toeplitz(values, n_q, n_k), expected)
+    with torch.no_grad():  # no graph to record: the forward without its autograd Function
+        torch.testing.assert_close(toeplitz(values, n_q, n_k), expected)
+    assert torch.autograd.gradcheck(lambda v: toeplitz(v, n_q, n_k), (values,))
+    x = torch.randn(3, n_q, n_q + n_k - 1, dtype=torch.float64, requires_grad=True)
+    skewed = torch.empty(3, n_q, n_k, dtype=torch.float64)
+    for i in range(n_q):
+        for j in range(n_k):
+            skewed[:, i, j] = x[:, i, j - i + n_q - 1]
+    torch.testing.assert_close(skew_rows(x, n_k), skewed)
+    assert torch.autograd.gradcheck(lambda t: skew_rows(t, n_k), (x,))
+
+
+@pytest.mark.parametrize(("n_q", "n_k"), [(1, 4), (3, 3), (3, 8), (6, 2), (5, 12)])
+def test_diagonal_sums_is_the_adjoint_of_toeplitz(n_q, n_k):
+    from posenc.diagonals import diagonal_sums
+
+    x = torch.randn(2, n_q, n_k, dtype=torch.float64)
+    expected = torch.zeros(2, n_q + n_k - 1, dtype=torch.float64)
+    for i in range(n_q):
+        for j in range(n_k):
+            expected[:, j - i + n_q - 1] += x[:, i, j]
+    torch.testing.assert_close(diagonal_sums(x), expected)
+    torch.testing.assert_close(diagonal_sums(x.transpose(-1, -2).contiguous().mT), expected)
+
+
+def test_toeplitz_and_skew_rows_reject_wrong_widths():
+    from posenc.diagonals import skew_rows, toeplitz
+
+    with pytest.raises(ValueError, match="n_q \\+ n_k - 1 = 6 entries"):
+        toeplitz(torch.zeros(5), 2, 5)
+    with pytest.raises(ValueError, match="n_q \\+ n_k - 1 = 6 columns"):
+        skew_rows(torch.zeros(2, 5), 5)
