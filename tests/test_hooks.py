@@ -216,3 +216,25 @@ def test_a_hook_added_to_a_class_after_its_first_use_is_found():
     assert hooks_of(Child()).score_bias is None
     Base.score_bias = staticmethod(bias)
     assert hooks_of(Child()).score_bias is bias
+
+
+def test_a_hook_behind_a_descriptor_that_needs_an_instance_is_found():
+    """Hook names are read from the class dicts, not by running the class's descriptors
+    without an instance (one that reads the instance would raise there, and the hook would
+    be dropped: attention without the scheme)."""
+
+    def bias(q_pos, k_pos):
+        return torch.zeros(1, 1, q_pos.shape[-1], k_pos.shape[-1])
+
+    class FromInstance:
+        def __get__(self, obj, owner=None):
+            return obj.implementation  # no branch for obj None: raises on the class
+
+    class Scheme(nn.Module):
+        score_bias = FromInstance()
+
+        def __init__(self):
+            super().__init__()
+            self.implementation = bias
+
+    assert hooks_of(Scheme()).score_bias is bias

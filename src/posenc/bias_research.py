@@ -14,8 +14,8 @@
 The learned-slope variant of ALiBi is ``ALiBi(heads, learned=True)`` in :mod:`posenc.bias`.
 KERPLE and Sandwich are :class:`~posenc.families.OffsetBias` subclasses: each writes the bias
 of an offset, and the family derives every hook (the per-offset fast path, the dense bias,
-the FlexAttention ``score_mod``) from it. FIRE's bias depends on the query's position too, not on the offset
-alone, so it writes the hooks itself (``score_bias``, ``flex_score_mod``).
+the FlexAttention ``score_mod``) from it. FIRE's bias depends on the query's position too,
+not on the offset alone, so it writes the hooks itself (``score_bias``, ``flex_score_mod``).
 
 Shape legend: ``S`` any shape of offsets, ``h`` heads, ``k`` hidden units of FIRE's MLP,
 ``B'`` the batch of the positions (1 when shared, else ``b``), ``n_q`` queries, ``n_k`` keys,
@@ -164,11 +164,12 @@ def sandwich_bias(offsets: Tensor, heads: int, dim: int, base: float = 10000.0) 
         ``[*S, heads]`` float32.
 
     Raises:
-        TypeError / ValueError: a bad head count, ``dim`` not an even positive int, or
-            offsets that are not integers.
+        TypeError / ValueError: a bad head count, ``dim`` not an even positive int,
+            ``base`` not a finite number > 0, or offsets that are not integers.
     """
     check.positive_int("heads", heads)
     check.even_int("dim", dim, why="a sinusoid pairs a sine with a cosine")
+    check.positive_float("base", base)
     if offsets.is_floating_point() or offsets.dtype == torch.bool:
         raise TypeError(f"offsets must be an integer tensor, got {offsets.dtype}")
     wide = angle_dtype(offsets.device)  # float64 (float32 where the device has no float64)

@@ -226,11 +226,11 @@ def _defined_by(scheme: Any, name: str) -> type | None:
 
 
 def _hook_candidates(scheme: Any) -> tuple[str, ...]:
-    """The hook names ``getattr`` may find on ``scheme``: those its class has (looked up on
-    the class as it is now, which Python's type cache makes cheap), set on the instance, or
-    submodules of that name; every name for a class with its own attribute lookup
-    (``__getattr__`` other than ``nn.Module``'s, or ``__getattribute__``), which may answer
-    any, and inside ``torch.compile`` (as eager code saw it). A name missing from an
+    """The hook names ``getattr`` may find on ``scheme``: those a class of its MRO defines
+    (read from the class dicts: a descriptor is not run without an instance), set on the
+    instance, or submodules of that name; every name for a class with its own attribute
+    lookup (``__getattr__`` other than ``nn.Module``'s, or ``__getattribute__``), which may
+    answer any, and inside ``torch.compile`` (as eager code saw it). A name missing from an
     instance costs ``nn.Module.__getattr__`` an exception; these lookups are cheaper."""
     cls = type(scheme)
     every = tuple(Hooks.__dataclass_fields__)
@@ -240,9 +240,14 @@ def _hook_candidates(scheme: Any) -> tuple[str, ...]:
         return every
     if cls.__getattribute__ is not object.__getattribute__:
         return every
+    classes = [vars(c) for c in cls.__mro__]  # read as they are now: no cache to go stale
     own = getattr(scheme, "__dict__", {})
     modules = own.get("_modules") or {}
-    return tuple(name for name in every if name in own or name in modules or hasattr(cls, name))
+    return tuple(
+        name
+        for name in every
+        if name in own or name in modules or any(name in found for found in classes)
+    )
 
 
 def hooks_of(scheme: Any) -> Hooks:

@@ -195,7 +195,8 @@ class _ShiftedKeysAndBias(nn.Module):
         return -(offsets - 200).abs().to(torch.float32)[:, None]  # [B', 1, n_q, n_k]
 
     def score_term(self, q, q_pos, k_pos):
-        return torch.einsum("bhqd,pkd->bhqk", q, self.table[k_pos].to(q.dtype))
+        rows = self.table[k_pos].to(q.dtype).unsqueeze(1)  # [B', 1, n_k, d]
+        return q @ rows.transpose(-2, -1)  # [b, h, n_q, n_k]
 
     def key_shift(self, q, q_pos, k_pos):
         return self.table[k_pos].to(q.dtype).unsqueeze(1)  # [B', 1, n_k, d]
@@ -215,10 +216,65 @@ def test_the_path_is_chosen_for_the_keys_with_their_shift_folded_in():
     scheme = _ShiftedKeysAndBias(table)
     pos = torch.arange(n)[None]
     told = explain_call(q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(n, n)).path
-    for grad in (False, True):
-        leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
-        args = dict(scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(n, n))
-        out, _ = attend(*leaves, **args)
-        ref, _ = attend(*leaves, backend="math", **args)
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    q, k, v, table = (t.double() for t in (q, k, v, table))
+    scheme.table = table
+    args = dict(scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(n, n))
+    results = {}
+    for backend in ("auto", "math"):
+        with torch.no_grad():
+            plain, _ = attend(q, k, v, backend=backend, **args)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = attend(*leaves, backend=backend, **args)
+        results[backend] = [plain, out, *torch.autograd.grad(out.square().sum(), leaves)]
+    for a, c in zip(results["auto"], results["math"], strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-9)
     assert told == "lean-fused"  # the span of k + shift, not of k, keeps offset-bias out
+
+
+class _RotationAndBias(nn.Module):
+    """Learned rotation frequencies and a learned ALiBi-like slope in one scheme."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.heads = None
+        self.theta = nn.Parameter(torch.linspace(0.1, 1.0, d // 2, dtype=torch.float64))
+        self.slope = nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+
+    def score_bias(self, q_pos, k_pos):
+        return -(k_pos[:, None, None, :] - q_pos[:, None, :, None]).abs() * self.slope
+
+    def rotate(self, q, k, q_pos, k_pos):
+        def turned(x, pos):
+            angles = pos.to(x.dtype)[:, None, :, None] * self.theta  # [B', 1, n, d/2]
+            even, odd = x[..., 0::2], x[..., 1::2]
+            cos, sin = angles.cos(), angles.sin()
+            return torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2)
+
+        return turned(q, q_pos), turned(k, k_pos)
+
+
+@pytest.mark.parametrize("n", [12, 300])  # the materialised path; a wrapped lean path
+def test_gradients_with_create_graph_count_each_path_once(n):
+    """create_graph=True takes the math reference inside the wrapper: a parameter that feeds
+    both the rotation (before the call) and nothing else, one that feeds the bias, and one
+    tensor passed as q, k and v each get the gradient they get without create_graph, and
+    the math path's, not twice or three times."""
+    import posenc
+
+    torch.manual_seed(0)
+    scheme = _RotationAndBias(8)
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for _ in range(3))
+    x = q.clone().requires_grad_()
+    grads = {}
+    for backend in ("math", "auto"):
+        for create_graph in (False, True):
+            out = posenc.attention(q, k, v, position=scheme, backend=backend, causal=True)
+            grads[backend, create_graph] = torch.autograd.grad(
+                out.square().sum(), [scheme.theta, scheme.slope], create_graph=create_graph
+            )
+            out = posenc.attention(x, x, x, position=scheme, backend=backend, causal=True)
+            (same,) = torch.autograd.grad(out.square().sum(), x, create_graph=create_graph)
+            grads[backend, create_graph] += (same,)
+    for key, found in grads.items():
+        for a, c in zip(found, grads["math", False], strict=True):
+            torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-12, msg=str(key))

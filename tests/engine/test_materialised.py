@@ -302,3 +302,70 @@ def test_second_order_gradients_through_shaws_value_term_op_by_op():
         results[backend] = [dv, *(t.grad for t in leaves), scheme.keys.grad, scheme.values.grad]
     for a, c in zip(results["math"], results["auto"], strict=True):
         torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
+
+
+class _Cube(torch.autograd.Function):
+    """``x ** 3`` whose backward is not differentiable again."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * grad
+
+
+class _UserKeyShift(nn.Module):
+    """``q_i . R_j^3``: the term in plain ops, its key-shift form (which the fast paths fold
+    into the keys) differentiable once only, and a fixed bias."""
+
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(n, d, dtype=torch.float64) * 0.7)
+
+    def score_term(self, q, q_pos, k_pos):
+        rows = self.table[k_pos] ** 3  # [B', n_k, d]
+        return q @ rows.to(q.dtype).unsqueeze(1).transpose(-2, -1)  # [b, h, n_q, n_k]
+
+    def key_shift(self, q, q_pos, k_pos):
+        return _Cube.apply(self.table[k_pos]).to(q.dtype).unsqueeze(1)  # [B', 1, n_k, d]
+
+    def score_bias(self, q_pos, k_pos):
+        return -(k_pos[:, None, None, :] - q_pos[:, None, :, None]).abs().double() * 0.1
+
+
+def _second_order(scheme, q, k, v, backend):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = posenc.attention(*leaves, position=scheme, backend=backend)
+    params = list(scheme.parameters())
+    first = torch.autograd.grad(
+        out.square().sum(), leaves + params, create_graph=True, allow_unused=True
+    )
+    penalty = sum(g.square().sum() for g in first if g is not None)
+    second = torch.autograd.grad(penalty, leaves + params, allow_unused=True)
+    inputs = leaves + params
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, second, strict=True)]
+
+
+def test_second_order_through_a_users_key_shift_or_a_hook_set_on_an_instance():
+    """Two more fast forms the materialised path runs where the math path runs another: a
+    user's key shift (beside its term) and a fast/reference pair set on a posenc instance;
+    once-differentiable, each takes the math reference for create_graph=True."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 10, 4, dtype=torch.float64) for _ in range(3))
+    shifted = _UserKeyShift(10, 4)
+    shaw = _randomised(posenc.ShawRelativePosition(4, 2))
+    user = _UserTerm(10, 4)
+    shaw.score_term = user.score_term  # once-differentiable, on the instance
+    shaw.reference_score_term = user.reference_score_term
+    shaw.table = user.table
+    for scheme in (shifted, shaw):
+        assert posenc.explain(q.requires_grad_(), k, v, position=scheme).path == "materialised"
+        q = q.detach()
+        found = _second_order(scheme, q, k, v, "auto")
+        for a, c in zip(found, _second_order(scheme, q, k, v, "math"), strict=True):
+            torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-9)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..hooks import Hooks, checked_hooks, hooks_of
+from ..hooks import Hooks, _defined_by, checked_hooks, hooks_of
 from . import common
 from .blocks import _by_blocks, _mask_blocks
 from .flex import _flex
@@ -176,25 +176,35 @@ def _attend(
     reference = functools.partial(
         _math, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale, dropout_p=0.0
     )
-    # a scheme's parameters enter the wrapper only when the hooks use them: those of a
-    # rotation reach q and k before the call, and the reference's gradient through the
-    # saved q and k already carries them (passed here too, they would count twice)
-    params = call.params if _positional(hooks) else []
-    return _TwiceDifferentiable.apply(fast, reference, dropout_p, q, k, v, *params), None
+    return _TwiceDifferentiable.apply(fast, reference, dropout_p, q, k, v, *call.params), None
+
+
+#: the fast forms the materialised path runs where the math path runs another form: a
+#: fast hook beside its literal reference, and a key shift beside the term it folds
+_TWO_FORMS = (
+    ("score_term", "reference_score_term"),
+    ("value_term", "reference_value_term"),
+    ("key_shift", "score_term"),
+)
 
 
 def _exact_twice(name: str, hooks: Hooks, scheme: Any) -> bool:
     """Whether path ``name``'s own graph gives the definition's second derivatives, so that
     no wrapper is needed: the math path (the reference hooks, op by op), and the
-    materialised path with gradients (op by op too, with the fast hooks: for a scheme that
-    has literal reference hooks beside them, only posenc's own, whose fast hooks are plain
-    differentiable ops; a user's fast hook may be once-differentiable)."""
+    materialised path with gradients (op by op too, with the fast hooks) when each fast
+    hook it runs in place of another form is posenc's own (plain differentiable ops): a
+    user's, or one set on the instance, may be differentiable once only."""
     if name == "math":
         return True
     if name != "materialised":
         return False
-    literal = hooks.reference_score_term is not None or hooks.reference_value_term is not None
-    return not literal or type(scheme).__module__.partition(".")[0] == "posenc"
+    for fast, other in _TWO_FORMS:
+        if getattr(hooks, fast) is None or getattr(hooks, other) is None:
+            continue
+        owner = _defined_by(scheme, fast)  # None: set on the instance
+        if owner is None or owner.__module__.partition(".")[0] != "posenc":
+            return False
+    return True
 
 
 class _TwiceDifferentiable(torch.autograd.Function):
@@ -238,19 +248,51 @@ class _TwiceDifferentiable(torch.autograd.Function):
                     "same dropout mask twice; use backend='math' (its dropout is part of the "
                     "graph) or set dropout=0"
                 )
-            inputs = [*ctx.saved_tensors, *params]
-            wrt = [x for x in inputs if x.requires_grad]
-            ref = ctx.reference(*ctx.saved_tensors)[0]
-            grads = iter(
-                torch.autograd.grad(ref, wrt, grad_out, create_graph=True, allow_unused=True)
+            return (
+                None,
+                None,
+                None,
+                *_reference_gradients(ctx.reference, ctx.saved_tensors, params, grad_out),
             )
-        else:
-            inputs = [*leaves, *params]
-            wrt = [x for x in inputs if x.requires_grad]
-            grads = iter(
-                torch.autograd.grad(out, wrt, grad_out, retain_graph=True, allow_unused=True)
-            )
+        inputs = [*leaves, *params]
+        wrt = [x for x in inputs if x.requires_grad]
+        grads = iter(torch.autograd.grad(out, wrt, grad_out, retain_graph=True, allow_unused=True))
         return None, None, None, *(next(grads) if x.requires_grad else None for x in inputs)
+
+
+def _reference_gradients(
+    reference: Callable[..., tuple[Tensor, Tensor]],
+    saved: tuple[Tensor, ...],
+    params: tuple[Tensor, ...],
+    grad_out: Tensor,
+) -> list[Tensor | None]:
+    """The gradients of ``q, k, v`` and ``params`` through the math reference, with a graph.
+
+    Each of ``q, k, v`` enters the reference as a view of its own, so that its gradient is
+    the partial of that argument alone (``attention(x, x, x)`` passes one tensor three
+    times, and autograd adds the three), with the history to differentiate again. A
+    parameter's gradient keeps only its direct part: the part that flows through the
+    history of ``q, k, v`` (a rotation's learned frequencies) is autograd's to add when it
+    carries their gradients back, so it is taken out here rather than counted twice.
+    """
+    slots = [x.view_as(x) for x in saved]  # one tensor per argument, same history
+    ref = reference(*slots)[0]
+    inputs = [*slots, *params]
+    wrt = [x for x in inputs if x.requires_grad]
+    found = torch.autograd.grad(ref, wrt, grad_out, create_graph=True, allow_unused=True)
+    grads: dict[int, Tensor | None] = dict(zip(map(id, wrt), found, strict=True))
+    carried = [(x, grads[id(x)]) for x in slots if x.requires_grad and grads[id(x)] is not None]
+    wanted = [p for p in params if p.requires_grad]
+    if carried and wanted:
+        through = torch.autograd.grad(
+            [x for x, _ in carried], wanted, [g for _, g in carried],
+            create_graph=True, allow_unused=True,
+        )  # fmt: skip
+        for p, part in zip(wanted, through, strict=True):
+            if part is not None:
+                total = grads[id(p)]
+                grads[id(p)] = -part if total is None else total - part
+    return [grads.get(id(x)) if x.requires_grad else None for x in inputs]
 
 
 def _positional(hooks: Hooks) -> bool:

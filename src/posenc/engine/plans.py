@@ -240,7 +240,9 @@ def _plan_materialised(call: Call) -> Plan:
       ops (scores, softmax, the weights times the values, plus the value term from the
       weights), with the scheme's fast hooks (:func:`~.reference._math`,
       ``reference=False``). On CPU it runs faster than SDPA with a float ``attn_mask`` that
-      requires grad, holds what that holds, and is differentiable twice by itself;
+      requires grad and holds what that holds; with posenc's hooks its graph is
+      differentiable twice by itself (``dispatch._exact_twice`` says when no wrapper is
+      needed);
     - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call.
 
     At most :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) and
