@@ -120,7 +120,7 @@ def test_a_bias_without_gradients_is_written_out_up_to_the_budget(monkeypatch):
 
 def test_a_value_term_has_its_own_crossover(monkeypatch):
     """Shaw's a^V takes the path op by op, with or without gradients, up to
-    MATERIALISED_VALUE_SCORES."""
+    MATERIALISED_VALUE_SCORES (MATERIALISED_CAUSAL_VALUE_SCORES under a causal mask)."""
     q = torch.randn(2, 2, 16, 8)
     shaw = posenc.ShawRelativePosition(8, 3)
     assert posenc.explain(q, q, q, position=shaw).path == "materialised"
@@ -133,6 +133,15 @@ def test_a_value_term_has_its_own_crossover(monkeypatch):
             "1024 scores [b, h, n_q, n_k], above the crossover 512 (MATERIALISED_VALUE_SCORES) "
             "from which the lean paths run a value term faster"
         )
+    assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_VALUE_SCORES", 2**9)
+    told = posenc.explain(q, q, q, position=shaw, causal=True)
+    assert told.path == "offset-term"
+    assert told.reasons["materialised"] == (
+        "1024 scores [b, h, n_q, n_k], above the crossover 512 "
+        "(MATERIALISED_CAUSAL_VALUE_SCORES) from which the lean paths run a causal value term "
+        "faster"
+    )
 
 
 def test_what_the_materialised_path_refuses_and_why():

@@ -247,7 +247,8 @@ def _plan_materialised(call: Call) -> Plan:
 
     At most :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) and
     :data:`tuning.MATERIALISED_PAIRS` query-key pairs per head; below the measured
-    crossovers: :data:`tuning.MATERIALISED_VALUE_SCORES` scores for a value term,
+    crossovers: :data:`tuning.MATERIALISED_VALUE_SCORES` scores for a value term
+    (:data:`tuning.MATERIALISED_CAUSAL_VALUE_SCORES` under a causal mask),
     :data:`tuning.MATERIALISED_TERM_SCORES` for a score term
     (:data:`tuning.MATERIALISED_CAUSAL_TERM_SCORES` under a causal mask, whose hidden pairs
     the lean paths skip),
@@ -284,7 +285,9 @@ def _plan_materialised(call: Call) -> Plan:
     value = hooks.value_term is not None
     term = value or hooks.score_term is not None
     if value:
-        name = "MATERIALISED_VALUE_SCORES"
+        name = (
+            "MATERIALISED_CAUSAL_VALUE_SCORES" if call.mask.causal else "MATERIALISED_VALUE_SCORES"
+        )
     elif term:
         name = "MATERIALISED_CAUSAL_TERM_SCORES" if call.mask.causal else "MATERIALISED_TERM_SCORES"
     else:
@@ -292,7 +295,7 @@ def _plan_materialised(call: Call) -> Plan:
     crossover = getattr(tuning, name)
     if scores > crossover:
         what = (
-            "a value term" if value
+            ("a causal value term" if call.mask.causal else "a value term") if value
             else ("a causal score term" if call.mask.causal else "a score term") if term
             else "a bias with gradients"
         )  # fmt: skip

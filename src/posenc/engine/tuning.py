@@ -42,6 +42,8 @@ MATERIALISED_TERM_SCORES = 3 << 19
 #: scores at most on the materialised path for a score term under a causal mask
 MATERIALISED_CAUSAL_TERM_SCORES = 1 << 18
 #: scores at most on the materialised path for a value term (the crossover)
-MATERIALISED_VALUE_SCORES = 1 << 21
+MATERIALISED_VALUE_SCORES = 3 << 21
+#: scores at most on the materialised path for a value term under a causal mask
+MATERIALISED_CAUSAL_VALUE_SCORES = 1 << 21
 #: pairs per head at most on the materialised path for a causal bias without gradients
 MATERIALISED_CAUSAL_PAIRS = 1 << 12
