@@ -28,6 +28,12 @@ def _spy_kernels(monkeypatch):
     return calls
 
 
+def _refused(told, path: str, *reason: str) -> None:
+    """The call took ``path``, and the materialised path said why not: ``reason``."""
+    assert told.path == path, told
+    assert told.reasons["materialised"] == "".join(reason)
+
+
 def _randomised(scheme):
     torch.manual_seed(1)
     scheme = scheme.double()
@@ -49,38 +55,38 @@ def test_explain_picks_materialised_when_small_and_a_lean_path_when_large(monkey
         lean = posenc.explain(small, small, small, position=scheme, backend="lean")
         assert lean.path in ("offset-bias", "offset-term") and "materialised" not in lean.reasons
     large = torch.randn(2, 8, 2048, 64)  # 2^26 scores, 256 MiB in float32
-    told = posenc.explain(large, large, large, position=t5)
-    assert told.path == "offset-bias"
-    assert told.reasons["materialised"] == (
+    _refused(
+        posenc.explain(large, large, large, position=t5),
+        "offset-bias",
         "the [b, h, n_q, n_k] scores would be 256.0 MiB, above the budget 32.0 MiB "
-        "(MATERIALISED_SCORES)"
+        "(MATERIALISED_SCORES)",
     )
     one = torch.randn(1, 1, 512, 64)  # 2^18 scores, all in one head
-    told = posenc.explain(one, one, one, position=posenc.T5RelativeBias(1))
-    assert told.path == "offset-bias"
-    assert told.reasons["materialised"] == (
+    _refused(
+        posenc.explain(one, one, one, position=posenc.T5RelativeBias(1)),
+        "offset-bias",
         "512 x 512 query-key pairs per head, above MATERIALISED_PAIRS = 65536, from which "
-        "the lean paths are faster at any batch"
+        "the lean paths are faster at any batch",
     )
     # within the budget, above a measured crossover: a term's is its own
     monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**15)
-    told = posenc.explain(small, small, small, position=relative)
-    assert told.path == "offset-term"
-    assert told.reasons["materialised"] == (
+    _refused(
+        posenc.explain(small, small, small, position=relative),
+        "offset-term",
         "65536 scores [b, h, n_q, n_k], above the crossover 32768 (MATERIALISED_TERM_SCORES) "
-        "from which the lean paths run a score term faster"
+        "from which the lean paths run a score term faster",
     )
     # under a causal mask, whose hidden pairs the lean paths skip, a term has its own
     assert posenc.explain(small, small, small, position=relative, causal=True).path == (
         "materialised"
     )
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**15)
-    told = posenc.explain(small, small, small, position=relative, causal=True)
-    assert told.path == "offset-term"
-    assert told.reasons["materialised"] == (
+    _refused(
+        posenc.explain(small, small, small, position=relative, causal=True),
+        "offset-term",
         "65536 scores [b, h, n_q, n_k], above the crossover 32768 "
         "(MATERIALISED_CAUSAL_TERM_SCORES) from which the lean paths run a causal score term "
-        "faster"
+        "faster",
     )
     assert posenc.explain(small, small, small, position=t5).path == "materialised"
 
@@ -107,12 +113,12 @@ def test_a_bias_without_gradients_is_written_out_up_to_the_budget(monkeypatch):
         assert posenc.explain(q, q, q, position=t5).path == "materialised"
         # causal: the lean forward skips the hidden pairs; a decoding step stays below
         long = torch.randn(1, 2, 128, 8)
-        told = posenc.explain(long, long, long, position=t5, causal=True)
-        assert told.path == "offset-bias"
-        assert told.reasons["materialised"] == (
+        _refused(
+            posenc.explain(long, long, long, position=t5, causal=True),
+            "offset-bias",
             "a causal bias without gradients over 128 x 128 pairs per head, above "
             "MATERIALISED_CAUSAL_PAIRS = 4096: the lean paths skip the hidden pairs, which "
-            "SDPA with a float mask computes"
+            "SDPA with a float mask computes",
         )
         step = posenc.explain(long[:, :, -1:], long, long, position=t5, causal=True)
         assert step.path == "materialised"
@@ -127,20 +133,20 @@ def test_a_value_term_has_its_own_crossover(monkeypatch):
     monkeypatch.setattr(tuning, "MATERIALISED_VALUE_SCORES", 2**9)
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
-            told = posenc.explain(q, q, q, position=shaw)
-        assert told.path == "offset-term"
-        assert told.reasons["materialised"] == (
-            "1024 scores [b, h, n_q, n_k], above the crossover 512 (MATERIALISED_VALUE_SCORES) "
-            "from which the lean paths run a value term faster"
-        )
+            _refused(
+                posenc.explain(q, q, q, position=shaw),
+                "offset-term",
+                "1024 scores [b, h, n_q, n_k], above the crossover 512 (MATERIALISED_VALUE_SCORES) "
+                "from which the lean paths run a value term faster",
+            )
     assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_VALUE_SCORES", 2**9)
-    told = posenc.explain(q, q, q, position=shaw, causal=True)
-    assert told.path == "offset-term"
-    assert told.reasons["materialised"] == (
+    _refused(
+        posenc.explain(q, q, q, position=shaw, causal=True),
+        "offset-term",
         "1024 scores [b, h, n_q, n_k], above the crossover 512 "
         "(MATERIALISED_CAUSAL_VALUE_SCORES) from which the lean paths run a causal value term "
-        "faster"
+        "faster",
     )
 
 
