@@ -497,3 +497,80 @@ def test_score_mod_computing_the_bias_per_pair_equals_the_dense_bias(monkeypatch
     expected = score + scheme.score_bias(positions, positions)
     atol = 2 * torch.finfo(torch.float32).eps * float(expected.detach().abs().max())
     torch.testing.assert_close(got.detach(), expected.detach(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["t5", "t5-decoder", "alibi"])
+def test_the_per_offset_bias_of_a_run_is_kept_and_equals_the_familys(monkeypatch, scheme):
+    """T5's buckets and ALiBi's bias (the paper's slopes) of a run of offsets are kept
+    between calls: the values equal the family's form (the primitive on each offset), for
+    runs that start before, at and after the query; a run longer than the kept ones is
+    built in each call, the same."""
+    import posenc.bias as bias_module
+    from posenc.families import OffsetBias
+
+    bucketed = []  # the runs T5 computes buckets for
+    bucket = bias_module.t5_bucket
+    monkeypatch.setattr(
+        bias_module,
+        "t5_bucket",
+        lambda rel, **kw: bucketed.append(rel.numel()) or bucket(rel, **kw),
+    )
+    bias_module._run_buckets.cache_clear()
+    bias_module._paper_run_bias.cache_clear()
+
+    def built(run):  # the kept tensor of a run, or a new one
+        if scheme == "alibi":
+            return run.data_ptr()
+        return len(bucketed)
+
+    module = {
+        "t5": T5RelativeBias(4, num_buckets=8, max_distance=20),
+        "t5-decoder": T5RelativeBias(4, num_buckets=8, max_distance=20, bidirectional=False),
+        "alibi": ALiBi(4),
+    }[scheme]
+    for q_start, k_start, n_q, n_k in ((0, 0, 7, 7), (30, 0, 1, 31), (5, 40, 3, 9)):
+        q_pos = torch.arange(q_start, q_start + n_q)[None]
+        k_pos = torch.arange(k_start, k_start + n_k)[None]
+        got = module.offset_bias(q_pos, k_pos)
+        assert torch.equal(got, OffsetBias.offset_bias(module, q_pos, k_pos))
+        before = built(got)
+        assert built(module.offset_bias(q_pos.clone(), k_pos.clone())) == before
+    long = torch.arange(5000)[None]  # 9999 offsets: above the kept runs
+    got = module.offset_bias(long, long)
+    assert torch.equal(got, OffsetBias.offset_bias(module, long, long))
+    before = built(got)
+    assert built(module.offset_bias(long, long)) != before
+
+
+def test_a_learned_or_subclassed_bias_is_not_kept():
+    """Learned ALiBi slopes change in training, and a subclass's own ``slopes`` or ``bias``
+    is its own: each takes the family's form, which reads them in each call."""
+
+    class Steeper(ALiBi):
+        def bias(self, offsets):
+            return 2 * super().bias(offsets)
+
+    class Capped(T5RelativeBias):
+        def bias(self, offsets):
+            return super().bias(offsets).clamp(max=0.0)
+
+    class Halved(ALiBi):
+        def slopes(self, device=None):
+            return super().slopes(device) / 2
+
+    pos = torch.arange(6)[None]
+    assert torch.equal(Steeper(2).offset_bias(pos, pos), 2 * ALiBi(2).offset_bias(pos, pos))
+    for form in ("offset_bias", "score_bias"):
+        halved = getattr(Halved(2), form)(pos, pos)
+        assert torch.equal(halved, getattr(ALiBi(2), form)(pos, pos) / 2)
+        assert torch.equal(Halved(2).bias(pos[0] - 2), ALiBi(2).bias(pos[0] - 2) / 2)
+    capped = Capped(2, num_buckets=8, max_distance=20)
+    plain = T5RelativeBias(2, num_buckets=8, max_distance=20)
+    plain.load_state_dict(capped.state_dict())
+    assert torch.equal(capped.offset_bias(pos, pos), plain.offset_bias(pos, pos).clamp(max=0.0))
+    learned = ALiBi(2, learned=True)
+    with torch.no_grad():
+        learned.log_slopes.add_(1.0)
+    assert torch.equal(learned.offset_bias(pos, pos), math.e * ALiBi(2).offset_bias(pos, pos))
+    learned.offset_bias(pos, pos).sum().backward()
+    assert learned.log_slopes.grad is not None

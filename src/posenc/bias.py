@@ -30,8 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _validate as check
+from ._memo import memo
 from .families import GridBias, OffsetBias
 from .indices import (
+    offset_run,
     position_extremes,
     t5_bucket,
     toeplitz,
@@ -362,6 +364,28 @@ def load_relative_position_bias(
 # ----- T5 ------------------------------------------------------------------------------------------
 
 
+#: the longest run of offsets whose buckets or bias is kept between calls (longer ones are
+#: built in each call: their attention costs far more, and they would hold memory)
+_KEPT_RUN = 4096
+
+
+@memo(maxsize=16)
+def _run_buckets(
+    first: int,
+    count: int,
+    bidirectional: bool,
+    num_buckets: int,
+    max_distance: int,
+    device: torch.device,
+) -> Tensor:
+    """:func:`~posenc.t5_bucket` of the offsets ``first .. first + count - 1``: ``[count]``
+    int64, kept per run and configuration (shared: read, never written)."""
+    offsets = torch.arange(first, first + count, device=device)  # [count]
+    return t5_bucket(
+        offsets, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
+
+
 class T5RelativeBias(OffsetBias):
     """T5's bucketed relative position bias: ``B[h, i, j] = embedding[bucket(j - i), h]``.
 
@@ -430,6 +454,28 @@ class T5RelativeBias(OffsetBias):
         """
         return self.embedding(t5_bucket(offsets, **self._bucket_args()))  # [*S, h]
 
+    def offset_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """The bias per offset of a consecutive run of positions (see
+        :meth:`~posenc.families.OffsetBias.offset_bias`): ``[h, n_q + n_k - 1]``, or None.
+
+        The buckets of a run depend on its first offset and its length alone: they are
+        kept between calls (:func:`_run_buckets`), and each call reads the table once. A
+        subclass with its own :meth:`bias` takes the family's form, which calls it.
+        """
+        if type(self).bias is not T5RelativeBias.bias:
+            return super().offset_bias(q_pos, k_pos)
+        first = offset_run(q_pos, k_pos)
+        if first is None:
+            return None
+        self.check_positions(q_pos, k_pos)
+        count = q_pos.shape[-1] + k_pos.shape[-1] - 1
+        build = _run_buckets if count <= _KEPT_RUN else _run_buckets.__wrapped__
+        buckets = build(
+            first, count, self.bidirectional, self.num_buckets, self.max_distance,
+            self.embedding.weight.device,
+        )  # fmt: skip
+        return self.embedding(buckets).t().contiguous()  # [W, h] -> [h, W]
+
     def offset_table(self) -> Tensor:
         """The bias of each offset ``-max_distance .. max_distance``: ``[2 * max_distance + 1, h]``.
 
@@ -479,6 +525,20 @@ def alibi_slopes(heads: int, *, device: torch.device | str | None = None) -> Ten
     return torch.tensor(slopes, dtype=torch.float64, device=device).float()
 
 
+@memo(maxsize=64)
+def _paper_slopes(heads: int, device: torch.device) -> Tensor:
+    """:func:`alibi_slopes` kept per head count and device (shared: read, never written)."""
+    return alibi_slopes(heads, device=device)
+
+
+@memo(maxsize=16)
+def _paper_run_bias(heads: int, first: int, count: int, device: torch.device) -> Tensor:
+    """ALiBi's bias with the paper's slopes for the offsets ``first .. first + count - 1``:
+    ``[heads, count]`` float32, kept per run (shared: read, never written)."""
+    offsets = torch.arange(first, first + count, device=device)  # [count]
+    return -_paper_slopes(heads, device)[:, None] * offsets.abs().float()  # [heads, count]
+
+
 class ALiBi(OffsetBias):
     """Attention with linear biases: ``B[h, i, j] = -slope_h * |j - i|``.
 
@@ -519,6 +579,10 @@ class ALiBi(OffsetBias):
                 slopes = alibi_slopes(self.heads, device=self.log_slopes.device)
                 self.log_slopes.copy_(slopes.double().log())
 
+    def _has_paper_slopes(self) -> bool:
+        """Whether the slopes are the paper's: not learned, :meth:`slopes` not overridden."""
+        return not self.learned and type(self).slopes is ALiBi.slopes
+
     def slopes(self, device: torch.device | None = None) -> Tensor:
         """``[heads]`` slopes: float32 (learned: ``exp(log_slopes)`` in at least float32,
         with its gradient)."""
@@ -527,6 +591,24 @@ class ALiBi(OffsetBias):
             log = log.to(device=device, dtype=torch.promote_types(log.dtype, torch.float32))
             return log.exp()
         return alibi_slopes(self.heads, device=device)
+
+    def offset_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """The bias per offset of a consecutive run of positions (see
+        :meth:`~posenc.families.OffsetBias.offset_bias`): ``[h, n_q + n_k - 1]``, or None.
+
+        With the paper's slopes it is a constant of the head count and the run (its first
+        offset and length): kept between calls (:func:`_paper_run_bias`). Learned slopes,
+        or a subclass with its own :meth:`slopes` or :meth:`bias`, take the family's form.
+        """
+        if not self._has_paper_slopes() or type(self).bias is not ALiBi.bias:
+            return super().offset_bias(q_pos, k_pos)
+        first = offset_run(q_pos, k_pos)
+        if first is None:
+            return None
+        self.check_positions(q_pos, k_pos)
+        count = q_pos.shape[-1] + k_pos.shape[-1] - 1
+        build = _paper_run_bias if count <= _KEPT_RUN else _paper_run_bias.__wrapped__
+        return build(self.heads, first, count, q_pos.device)
 
     def bias(self, offsets: Tensor) -> Tensor:
         """``-slope_h * |offset|`` for each offset ``j - i``, float32 (or the learned
@@ -538,7 +620,12 @@ class ALiBi(OffsetBias):
         Returns:
             ``[*S, heads]``.
         """
-        slopes = self.slopes(offsets.device)
+        # the paper's slopes are a constant of the head count: kept, not rebuilt per call
+        slopes = (
+            _paper_slopes(self.heads, offsets.device)
+            if self._has_paper_slopes()
+            else self.slopes(offsets.device)
+        )
         slopes = slopes.view(-1, *[1] * offsets.ndim)  # [h, 1, ...]
         # each head's biases contiguous in memory (as the dense [B', h, n_q, n_k] bias
         # wants them), heads last in the family's layout: [h, *S] -> [*S, h] (a view)

@@ -225,6 +225,11 @@ def _defined_by(scheme: Any, name: str) -> type | None:
     return None
 
 
+#: every hook name, in the order of :class:`Hooks`'s fields
+_HOOK_NAMES = tuple(Hooks.__dataclass_fields__)
+_HOOK_SET = frozenset(_HOOK_NAMES)
+
+
 def _hook_candidates(scheme: Any) -> tuple[str, ...]:
     """The hook names ``getattr`` may find on ``scheme``: those a class of its MRO defines
     (read from the class dicts: a descriptor is not run without an instance), set on the
@@ -233,21 +238,20 @@ def _hook_candidates(scheme: Any) -> tuple[str, ...]:
     answer any, and inside ``torch.compile`` (as eager code saw it). A name missing from an
     instance costs ``nn.Module.__getattr__`` an exception; these lookups are cheaper."""
     cls = type(scheme)
-    every = tuple(Hooks.__dataclass_fields__)
     if torch.compiler.is_compiling():
-        return every
+        return _HOOK_NAMES
     if getattr(cls, "__getattr__", nn.Module.__getattr__) is not nn.Module.__getattr__:
-        return every
+        return _HOOK_NAMES
     if cls.__getattribute__ is not object.__getattribute__:
-        return every
-    classes = [vars(c) for c in cls.__mro__]  # read as they are now: no cache to go stale
+        return _HOOK_NAMES
     own = getattr(scheme, "__dict__", {})
-    modules = own.get("_modules") or {}
-    return tuple(
-        name
-        for name in every
-        if name in own or name in modules or any(name in found for found in classes)
-    )
+    found = _HOOK_SET & own.keys()  # a set against a dict's keys: 17 lookups in C
+    modules = own.get("_modules")
+    if modules:
+        found |= _HOOK_SET & modules.keys()
+    for c in cls.__mro__:  # the class dicts as they are now: no cache to go stale
+        found |= _HOOK_SET & vars(c).keys()
+    return tuple(name for name in _HOOK_NAMES if name in found)
 
 
 def hooks_of(scheme: Any) -> Hooks:
