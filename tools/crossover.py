@@ -11,7 +11,10 @@ gradients of ``q, k, v`` and of the scheme's tables) and forward only (no grad) 
   out (with gradients or a value term, the formula op by op; without, SDPA with it as the
   float ``attn_mask``);
 - ``lean``: ``backend="lean"``: the lean path (named in the table) that ``auto`` takes
-  above the crossover.
+  above the crossover;
+- ``ops`` (forward only): ``materialised`` with ``OPS_FORWARD_SCORES`` lifted too, so that
+  its call without gradients runs op by op rather than through SDPA (``materialised``
+  sets it to 0): the last column, below 1 where op by op wins.
 
 Each time is the mean of enough calls to last ``--least`` seconds; each repeat times every
 variant once, in an order that turns from one repeat to the next. Prints a Markdown
@@ -58,6 +61,8 @@ SCHEMES = [
 #: the limits of the materialised path, lifted for its variant
 LIMITS = [name for name in dir(tuning) if name.startswith("MATERIALISED_")]
 VARIANTS = ("floor", "materialised", "lean")
+#: the forward's variants: the materialised path's two kernels for a call without gradients
+FORWARD_VARIANTS = (*VARIANTS, "ops")
 
 
 def _scheme(name: str, h: int, d: int, n: int, causal: bool):
@@ -73,11 +78,14 @@ def _call(variant: str, scheme, causal: bool) -> Callable:
             q, k, v, position=scheme, causal=causal, backend="lean"
         )
 
+    ops = 1 << 62 if variant == "ops" else 0  # the forward op by op, or through SDPA
+
     def materialised(q, k, v):
-        saved = {name: getattr(tuning, name) for name in LIMITS}
+        saved = {name: getattr(tuning, name) for name in (*LIMITS, "OPS_FORWARD_SCORES")}
         try:
             for name in LIMITS:
                 setattr(tuning, name, 1 << 62)
+            tuning.OPS_FORWARD_SCORES = ops
             return posenc.attention(q, k, v, position=scheme, causal=causal)
         finally:
             for name, value in saved.items():
@@ -118,21 +126,26 @@ def measure(name: str, shape: tuple[int, int, int, int], causal: bool, args) -> 
     path = posenc.explain(q, k, v, position=scheme, causal=causal, backend="lean").path
     result: dict = {"scheme": name, "shape": list(shape), "causal": causal, "lean_path": path}
     for mode, backward in (("fwd+bwd", True), ("fwd", False)):
+        variants = FORWARD_VARIANTS if mode == "fwd" else VARIANTS
         timers = {
             variant: _timer(_call(variant, scheme, causal), q, k, v, params, backward)
-            for variant in VARIANTS
+            for variant in variants
         }
         calls = {}
         for variant, timed in timers.items():  # warm up, then enough calls for --least s
             timed(1)
             calls[variant] = max(1, round(args.least / max(timed(1), 1e-6)))
-        times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+        times: dict[str, list[float]] = {variant: [] for variant in variants}
         for repeat in range(args.repeats):  # each repeat in another order
-            for variant in VARIANTS[repeat % 3 :] + VARIANTS[: repeat % 3]:
+            turn = repeat % len(variants)
+            for variant in variants[turn:] + variants[:turn]:
                 times[variant].append(timers[variant](calls[variant]))
+        pairs = [("materialised", "floor"), ("lean", "floor"), ("materialised", "lean")]
+        if mode == "fwd":
+            pairs.append(("ops", "materialised"))
         ratios = {  # the median of each repeat's ratio: a burst of load hits a repeat
             f"{a}/{c}": statistics.median(x / y for x, y in zip(times[a], times[c], strict=True))
-            for a, c in (("materialised", "floor"), ("lean", "floor"), ("materialised", "lean"))
+            for a, c in pairs
         }
         result[mode] = {v: statistics.median(ts) for v, ts in times.items()} | ratios
     return result
@@ -146,13 +159,15 @@ def _row(r: dict) -> str:
         t = r[mode]
         cells += [f"{t['materialised/floor']:.2f}", f"{t['lean/floor']:.2f}"]
         cells.append(f"**{t['materialised/lean']:.2f}**")
+    cells.append(f"**{r['fwd']['ops/materialised']:.2f}**")
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = (
     "| scheme | b x h x n x d | causal | scores | lean path | fwd+bwd: materialised / floor "
     "| lean / floor | materialised / lean | fwd: materialised / floor | lean / floor "
-    "| materialised / lean |\n|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"
+    "| materialised / lean | fwd: ops / SDPA kernel |"
+    "\n|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 

@@ -219,10 +219,57 @@ def test_materialised_equals_math_outputs_and_gradients(monkeypatch, case):
     assert calls == ["ops"]
     for a, c in zip(results["math"], results["auto"], strict=True):
         torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
+    value = case.startswith("value term")
+    plain = "padding" not in case  # no mask but, perhaps, the causal one
+    for limit, kernel in ((tuning.OPS_FORWARD_SCORES, "ops" if plain else "sdpa"), (0, "sdpa")):
+        monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", limit)
+        calls.clear()
+        with torch.no_grad():
+            out = posenc.attention(q, k, v, position=scheme, **kwargs)
+        assert calls == ["ops" if value else kernel]
+        torch.testing.assert_close(out, results["math"][0], rtol=1e-10, atol=1e-10)
+
+
+def test_a_call_without_gradients_runs_op_by_op_up_to_ops_forward_scores(monkeypatch):
+    """Without gradients, a bias or term runs op by op (not SDPA with a float mask) up to
+    OPS_FORWARD_SCORES scores, on CPU, with no mask but a causal one; the same values."""
+    calls = _spy_kernels(monkeypatch)
+    scheme = posenc.T5RelativeBias(2, num_buckets=8, max_distance=16)
+    q = torch.randn(2, 2, 16, 8)  # 2^10 scores
+    padding = torch.zeros(2, 16, dtype=torch.bool)
+    padding[0, -3:] = True
     with torch.no_grad():
-        out = posenc.attention(q, k, v, position=scheme, **kwargs)
-    assert calls == ["ops", "ops" if case.startswith("value term") else "sdpa"]
-    torch.testing.assert_close(out, results["math"][0], rtol=1e-10, atol=1e-10)
+        expected = posenc.attention(q, q, q, position=scheme, causal=True, backend="math")
+        for limit, masks, kernel in (
+            (2**10, ({}, {"causal": True}), "ops"),
+            (2**10 - 1, ({}, {"causal": True}), "sdpa"),
+            (2**10, ({"key_padding_mask": padding},), "sdpa"),
+        ):
+            monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", limit)
+            for kwargs in masks:
+                calls.clear()
+                out = posenc.attention(q, q, q, position=scheme, **kwargs)
+                assert calls == [kernel], (limit, kwargs)
+                if kwargs.get("causal"):
+                    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_math_path_zeroes_a_query_that_sees_no_key_under_a_causal_mask():
+    """More queries than keys under a causal mask (aligned at the end): the first queries
+    see no key and get 0; with at most as many queries every row keeps its weights."""
+    q, k = (torch.randn(1, 2, n, 4, dtype=torch.float64) for n in (6, 4))
+    out = posenc.attention(q, k, k, position=posenc.ALiBi(2), causal=True, backend="math")
+    assert out[:, :, :2].abs().max() == 0
+    slopes = posenc.alibi_slopes(2).double()
+    for i in range(2, 6):  # query i sees keys j <= i - 2, the slow obvious way
+        for h in range(2):
+            logits = [
+                float(q[0, h, i] @ k[0, h, j]) / 2 - float(slopes[h]) * abs(j - i)
+                for j in range(i - 1)
+            ]
+            weights = torch.tensor(logits, dtype=torch.float64).softmax(0)
+            expected = weights @ k[0, h, : i - 1]
+            torch.testing.assert_close(out[0, h, i], expected, rtol=1e-12, atol=1e-12)
 
 
 def test_second_order_gradients_through_the_materialised_path(monkeypatch):

@@ -231,6 +231,17 @@ def _mib(elements: int, dtype: torch.dtype) -> str:
     return f"{elements * dtype.itemsize / 2**20:.1f} MiB"
 
 
+def _ops_forward(call: Call, scores: int) -> bool:
+    """Whether a call without gradients runs op by op rather than through SDPA with a float
+    mask: on CPU, at most :data:`tuning.OPS_FORWARD_SCORES` scores, no mask but a causal
+    one."""
+    return (
+        scores <= tuning.OPS_FORWARD_SCORES
+        and call.q.device.type == "cpu"
+        and call.mask.causal_at_most
+    )
+
+
 def _plan_materialised(call: Call) -> Plan:
     """The bias, term and value term written out over the ``[b, h, n_q, n_k]`` scores, where
     they are few enough that the lean paths' fixed costs (blocks in Python, many small
@@ -243,6 +254,9 @@ def _plan_materialised(call: Call) -> Plan:
       requires grad and holds what that holds; with posenc's hooks its graph is
       differentiable twice by itself (``dispatch._exact_twice`` says when no wrapper is
       needed);
+    - otherwise, on CPU with at most :data:`tuning.OPS_FORWARD_SCORES` scores and no mask
+      but a causal one, the same ops: there SDPA's fused kernel costs more than the
+      separate ones;
     - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call.
 
     At most :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) and
@@ -309,7 +323,7 @@ def _plan_materialised(call: Call) -> Plan:
             f"MATERIALISED_CAUSAL_PAIRS = {tuning.MATERIALISED_CAUSAL_PAIRS}: the lean paths "
             "skip the hidden pairs, which SDPA with a float mask computes"
         )
-    if grad or value:
+    if grad or value or _ops_forward(call, scores):
         return lambda: _math(
             call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
             call.dropout_p, reference=False,

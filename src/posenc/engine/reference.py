@@ -112,8 +112,9 @@ def _math(
     if keep is not None:
         scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
     weights = scores.to(_wide(scores.dtype)).softmax(dim=-1)  # softmax in float32 at least
-    if keep is not None:
+    if keep is not None and not (mask.causal_at_most and mask.n_q <= mask.n_k):
         # a query with no visible key: its row was uniform over masked keys; make it 0
+        # (a causal mask alone, aligned at the end, leaves every query a key)
         weights = weights * keep.any(dim=-1, keepdim=True)
     weights = weights.to(v.dtype)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
