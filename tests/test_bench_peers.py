@@ -23,6 +23,9 @@ PEER_SCHEMES = [
     "t5",
     "t5-decoder",
     "swin-1d",
+    "swin-2d",
+    "alibi",
+    "alibi-learned",
     "shaw",
     "shaw-keys-only",
     "relative",
@@ -52,7 +55,9 @@ def test_peer_is_the_same_attention(name, masks):
         assert_close(got, expected, terms=16, logit=logit_size(q, k, scheme, pos, pos))
 
 
-@pytest.mark.parametrize("name", ["t5", "swin-1d", "shaw", "relative-per-head"])
+@pytest.mark.parametrize(
+    "name", ["t5", "swin-1d", "swin-2d", "alibi-learned", "shaw", "relative-per-head"]
+)
 def test_peer_gradient_reaches_posencs_table(name):
     """The peers read posenc's own tables (HF's T5Attention shares the parameter): the
     gradient of the same attention, float64 against posenc's literal path."""
@@ -83,18 +88,18 @@ def test_peer_baseline_columns_json_and_skip_reasons(tmp_path, capsys, monkeypat
     import posenc.cli._bench_peers as peers
 
     record = tmp_path / "bench.json"
-    argv = _tiny("--schemes", "t5,alibi,rotary", "--baselines", "peer", "--json", str(record))
+    argv = _tiny("--schemes", "t5,kerple-log,rotary", "--baselines", "peer", "--json", str(record))
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "to the scheme as other code computes it (peer)" in out
     header = next(line for line in out.splitlines() if line.startswith("| scheme"))
     assert header.endswith("| fwd+bwd time / peer | peak memory / peer |")
-    assert "peer skipped for alibi (n = 16): no peer is written for ALiBi" in out
+    assert "peer skipped for kerple-log (n = 16): no peer is written for KerpleBias" in out
     cases = {c["scheme"]: c for c in json.loads(record.read_text())["cases"]}
     for name in ("t5", "rotary"):
         assert set(cases[name]["fwd_bwd_s"]) == {"floor", "posenc", "reference", "peer"}
         assert cases[name]["ratios"]["time_vs_peer"] > 0
-    assert cases["alibi"]["ratios"]["time_vs_peer"] is None
+    assert cases["kerple-log"]["ratios"]["time_vs_peer"] is None
 
     installed = peers._installed
     monkeypatch.setattr(peers, "_installed", lambda name: False)
@@ -110,5 +115,5 @@ def test_peer_baseline_columns_json_and_skip_reasons(tmp_path, capsys, monkeypat
 
 
 def test_peer_of_a_scheme_without_one_is_refused():
-    with pytest.raises(ValueError, match="scheme ALiBi has no peer: no peer is written for"):
-        peer_of(bench.build_scheme("alibi", 2, 8, 16), lambda q: None)
+    with pytest.raises(ValueError, match="scheme KerpleBias has no peer: no peer is written for"):
+        peer_of(bench.build_scheme("kerple-log", 2, 8, 16), lambda q: None)

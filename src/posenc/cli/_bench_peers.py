@@ -9,6 +9,14 @@ outputs agree), computed the way a model without posenc does:
 - Swin's 1-D table (:class:`~posenc.bias.RelativePositionBias1D`): the table gathered by
   the relative index ``i - j + W - 1`` (built once per length, as Swin's
   ``relative_position_index`` buffer) into ``[1, h, n, n]``, as SDPA's ``attn_mask``;
+- Swin's 2-D table (:class:`~posenc.bias.RelativePositionBias2D`): timm's
+  ``WindowAttention``: the ``[N, N]`` relative position index of the window built once
+  (``coords_i - coords_j``, shifted and folded into one row number), the table gathered
+  by it into ``[1, h, N, N]`` in each call, as SDPA's ``attn_mask``;
+- ALiBi (:class:`~posenc.ALiBi`): the bias written out, ``-slope_h * |j - i|``
+  ``[1, h, n, n]``, as SDPA's ``attn_mask``; with the paper's slopes kept from one call
+  to the next for each length (x-transformers' ``AlibiPositionalBias`` keeps it in a
+  buffer), with learned slopes built in each call;
 - Shaw (:class:`~posenc.ShawRelativePosition`): the relation tensors ``a^K``, ``a^V``
   ``[n, n, d]`` gathered from the clipped offsets, ``q.a^K`` added to ``q k^T``, a plain
   softmax, ``weights @ a^V`` added to ``weights @ v`` (Shaw et al. 2018, eqs. 3-4);
@@ -41,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..bias import RelativePositionBias1D, T5RelativeBias
+from ..bias import ALiBi, RelativePositionBias1D, RelativePositionBias2D, T5RelativeBias
 from ..embedding import RelativeQueryEmbedding
 from ..rotary import Rotary
 from ..shaw import ShawRelativePosition
@@ -50,6 +58,8 @@ from ..shaw import ShawRelativePosition
 PEERS = {
     T5RelativeBias: "HF T5Attention.compute_bias + SDPA",
     RelativePositionBias1D: "the table gathered by relative index as attn_mask + SDPA",
+    RelativePositionBias2D: "timm's relative_position_index gather as attn_mask + SDPA",
+    ALiBi: "the [h, n, n] bias written out (kept per length) as attn_mask + SDPA",
     ShawRelativePosition: "a^K, a^V [n, n, d] gathered, einsum, softmax",
     RelativeQueryEmbedding: "q R^T and the skew (Music Transformer), softmax",
     Rotary: "rotary-embedding-torch + SDPA",
@@ -128,6 +138,52 @@ def _swin_peer(scheme: RelativePositionBias1D, keep: Keep) -> Run:
         rows = scheme.table[index[n, q.device]]  # [n n, h]
         bias = rows.view(n, n, -1).permute(2, 0, 1)[None].to(q.dtype)  # [1, h, n, n]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=_fold(bias, keep(q)))
+
+    return run
+
+
+def _swin_2d_peer(scheme: RelativePositionBias2D, keep: Keep) -> Run:
+    wh, ww = scheme.window
+    index: dict[torch.device, Tensor] = {}
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n = wh * ww
+        if q.device not in index:  # timm's relative_position_index buffer
+            rows, cols = torch.meshgrid(
+                torch.arange(wh, device=q.device), torch.arange(ww, device=q.device), indexing="ij"
+            )
+            coords = torch.stack((rows.flatten(), cols.flatten()))  # [2, N]
+            relative = coords[:, :, None] - coords[:, None, :]  # [2, N, N]: query minus key
+            index[q.device] = (
+                (relative[0] + wh - 1) * (2 * ww - 1) + relative[1] + ww - 1
+            ).flatten()  # [N N]
+        rows = scheme.table[index[q.device]]  # [N N, h]
+        bias = rows.view(n, n, -1).permute(2, 0, 1).contiguous()[None].to(q.dtype)  # [1, h, N, N]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_fold(bias, keep(q)))
+
+    return run
+
+
+def _alibi_peer(scheme: ALiBi, keep: Keep) -> Run:
+    kept: dict[tuple[int, torch.device], Tensor] = {}
+
+    def written(n: int, device: torch.device) -> Tensor:
+        i = torch.arange(n, device=device)
+        distance = (i[None, :] - i[:, None]).abs()  # [n, n]
+        slopes = scheme.slopes(device)  # [h]
+        return -slopes[:, None, None] * distance  # [h, n, n]
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n = q.shape[2]
+        if scheme.learned:
+            bias = written(n, q.device)
+        else:
+            if (n, q.device) not in kept:
+                kept[n, q.device] = written(n, q.device)
+            bias = kept[n, q.device]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=_fold(bias[None].to(q.dtype), keep(q))
+        )
 
     return run
 
@@ -214,6 +270,8 @@ def _softmax(logits: Tensor, keep: Tensor | None) -> Tensor:
 _BUILDERS: dict[type, Callable[[Any, Keep], Run]] = {
     T5RelativeBias: _t5_peer,
     RelativePositionBias1D: _swin_peer,
+    RelativePositionBias2D: _swin_2d_peer,
+    ALiBi: _alibi_peer,
     ShawRelativePosition: _shaw_peer,
     RelativeQueryEmbedding: _relative_peer,
     Rotary: _rotary_peer,

@@ -513,7 +513,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "CUDA: on CPU add --no-backward), materialised (SDPA with the scheme's dense bias "
         "as a float attn_mask, as Hugging Face-style code does; skipped for content terms), "
         "peer (the scheme as other code computes it: HF T5Attention.compute_bias for t5, "
-        "the gathered table for swin-1d, Shaw's [n, n, d] relation tensors, the Music "
+        "the gathered table for swin-1d, timm's relative_position_index for swin-2d, the "
+        "written-out bias for alibi, Shaw's [n, n, d] relation tensors, the Music "
         "Transformer skew for relative, rotary-embedding-torch for rotary; skipped with the "
         "reason for the others or when the package is missing)",
     )
