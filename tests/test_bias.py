@@ -515,13 +515,16 @@ def test_the_per_offset_bias_of_a_run_is_kept_and_equals_the_familys(monkeypatch
         "t5_bucket",
         lambda rel, **kw: bucketed.append(rel.numel()) or bucket(rel, **kw),
     )
+    sloped = []  # the times ALiBi's bias of a run (or a primitive) is computed
+    slopes = bias_module._paper_slopes
+    monkeypatch.setattr(
+        bias_module, "_paper_slopes", lambda *args: sloped.append(args) or slopes(*args)
+    )
     bias_module._run_buckets.cache_clear()
     bias_module._paper_run_bias.cache_clear()
 
-    def built(run):  # the kept tensor of a run, or a new one
-        if scheme == "alibi":
-            return run.data_ptr()
-        return len(bucketed)
+    def built(run):  # how many runs were computed so far
+        return len(sloped if scheme == "alibi" else bucketed)
 
     module = {
         "t5": T5RelativeBias(4, num_buckets=8, max_distance=20),
@@ -544,7 +547,9 @@ def test_the_per_offset_bias_of_a_run_is_kept_and_equals_the_familys(monkeypatch
 
 def test_a_learned_or_subclassed_bias_is_not_kept():
     """Learned ALiBi slopes change in training, and a subclass's own ``slopes`` or ``bias``
-    is its own: each takes the family's form, which reads them in each call."""
+    (or one set on the instance) is its own: each takes the family's form, which reads them
+    in each call. What a call returns is the caller's: writing into it changes nothing
+    kept."""
 
     class Steeper(ALiBi):
         def bias(self, offsets):
@@ -568,6 +573,15 @@ def test_a_learned_or_subclassed_bias_is_not_kept():
     plain = T5RelativeBias(2, num_buckets=8, max_distance=20)
     plain.load_state_dict(capped.state_dict())
     assert torch.equal(capped.offset_bias(pos, pos), plain.offset_bias(pos, pos).clamp(max=0.0))
+    on_instance = ALiBi(2)  # set on the instance: the same as a subclass's
+    on_instance.slopes = lambda device=None: torch.tensor([1.0, 2.0], device=device)
+    assert torch.equal(on_instance.offset_bias(pos, pos)[1, :3], torch.tensor([-10.0, -8, -6]))
+    table = T5RelativeBias(2, num_buckets=8, max_distance=20)
+    table.bias = lambda offsets: torch.zeros(*offsets.shape, 2)
+    assert table(4, 4).abs().max() == 0
+    kept = ALiBi(2).offset_bias(pos, pos)
+    kept.mul_(0)  # the caller's copy: nothing kept changes
+    assert torch.equal(ALiBi(2).offset_bias(pos, pos), Steeper(2).offset_bias(pos, pos) / 2)
     learned = ALiBi(2, learned=True)
     with torch.no_grad():
         learned.log_slopes.add_(1.0)

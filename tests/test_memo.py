@@ -41,10 +41,10 @@ def test_built_in_inference_mode_it_serves_autograd_later():
     assert torch.equal(x.grad, torch.arange(3.0))
 
 
-@pytest.mark.parametrize("mode", ["fake", "meta device", "compiling"])
+@pytest.mark.parametrize("mode", ["fake", "meta device", "compiling", "torch.func"])
 def test_not_kept_under_a_mode_or_torch_compile(monkeypatch, mode):
-    """Fake tensors (a dispatch mode), a default device (a function mode) and tracing build
-    tensors that must not serve a later eager call."""
+    """Fake tensors (a dispatch mode), a default device (a function mode), a ``torch.func``
+    transform and tracing build tensors that must not serve a later eager call."""
     ramp, built = _counted()
     cpu = torch.device("cpu")
     if mode == "fake":
@@ -53,10 +53,13 @@ def test_not_kept_under_a_mode_or_torch_compile(monkeypatch, mode):
     elif mode == "meta device":
         with torch.device("meta"):
             ramp(3, cpu)
+    elif mode == "torch.func":  # a functorch wrapper, with no storage, must not be kept
+        torch.func.grad(lambda x: (x * ramp(3, cpu)).sum())(torch.ones(()))
     else:
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         ramp(3, cpu)
         monkeypatch.undo()
     plain = ramp(3, cpu)
     assert built == [3, 3] and torch.equal(plain, torch.arange(3.0))
+    assert plain.data_ptr()  # a plain tensor with its storage
     assert ramp(3, cpu) is plain

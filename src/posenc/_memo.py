@@ -20,12 +20,13 @@ P = ParamSpec("P")
 
 def _plain() -> bool:
     """Whether tensors built now are plain eager tensors: not traced by ``torch.compile``,
-    not fake nor meta under a dispatch mode, nor redirected by a function mode (a default
-    device)."""
+    not fake nor meta under a dispatch mode, not redirected by a function mode (a default
+    device), not wrapped by a ``torch.func`` transform (grad, vmap, functionalize)."""
     return not (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack() > 0
         or torch._C._is_torch_function_mode_enabled()
+        or torch._C._are_functorch_transforms_active()
     )
 
 
@@ -34,8 +35,10 @@ def memo(maxsize: int) -> Callable[[Callable[P, Tensor]], Callable[P, Tensor]]:
     ``torch.device``) that returns a constant tensor, the ``maxsize`` most recently used.
 
     The kept tensor is built outside inference mode and autograd (usable in any later
-    call) and is shared: callers read it and never write into it. Under ``torch.compile``,
-    a dispatch mode or a function mode the function runs as it is, and nothing is kept.
+    call) and is shared: the functions of posenc that use it read it and never hand it to a
+    caller (one that returns it returns a copy). Under ``torch.compile``, a dispatch mode,
+    a function mode or a ``torch.func`` transform the function runs as it is, and nothing
+    is kept.
     """
 
     def wrap(fn: Callable[P, Tensor]) -> Callable[P, Tensor]:

@@ -364,6 +364,12 @@ def load_relative_position_bias(
 # ----- T5 ------------------------------------------------------------------------------------------
 
 
+def _own_bias(scheme: OffsetBias, cls: type) -> bool:
+    """Whether ``scheme`` computes its bias with a ``bias`` other than ``cls``'s (a
+    subclass's, or one set on the instance)."""
+    return type(scheme).bias is not cls.bias or "bias" in vars(scheme)
+
+
 #: the longest run of offsets whose buckets or bias is kept between calls (longer ones are
 #: built in each call: their attention costs far more, and they would hold memory)
 _KEPT_RUN = 4096
@@ -460,9 +466,10 @@ class T5RelativeBias(OffsetBias):
 
         The buckets of a run depend on its first offset and its length alone: they are
         kept between calls (:func:`_run_buckets`), and each call reads the table once. A
-        subclass with its own :meth:`bias` takes the family's form, which calls it.
+        :meth:`bias` of a subclass's or set on the instance takes the family's form, which
+        calls it.
         """
-        if type(self).bias is not T5RelativeBias.bias:
+        if _own_bias(self, T5RelativeBias):
             return super().offset_bias(q_pos, k_pos)
         first = offset_run(q_pos, k_pos)
         if first is None:
@@ -544,9 +551,10 @@ class ALiBi(OffsetBias):
 
     Press et al. 2022. Below the diagonal this is the paper's causal bias
     ``-slope * (i - j)``; above it the penalty is symmetric, which is the usual encoder
-    form. By default no parameters, and no stored slopes: they are recomputed from
-    ``heads`` in float32, so ``module.to(torch.bfloat16)`` cannot round them (a bf16 bias
-    at distance 1,000 would lose the difference between neighbouring keys).
+    form. By default no parameters nor buffers: the slopes come from ``heads`` in float32
+    (kept per head count outside the module), so ``module.to(torch.bfloat16)`` cannot
+    round them (a bf16 bias at distance 1,000 would lose the difference between
+    neighbouring keys).
 
     ``learned=True`` makes the slopes a parameter per head, trained with the model and
     initialised to the paper's (:func:`alibi_slopes`). It is the log-slope,
@@ -580,8 +588,9 @@ class ALiBi(OffsetBias):
                 self.log_slopes.copy_(slopes.double().log())
 
     def _has_paper_slopes(self) -> bool:
-        """Whether the slopes are the paper's: not learned, :meth:`slopes` not overridden."""
-        return not self.learned and type(self).slopes is ALiBi.slopes
+        """Whether the slopes are the paper's: not learned, :meth:`slopes` not overridden
+        (by a subclass, or set on the instance)."""
+        return not self.learned and type(self).slopes is ALiBi.slopes and "slopes" not in vars(self)
 
     def slopes(self, device: torch.device | None = None) -> Tensor:
         """``[heads]`` slopes: float32 (learned: ``exp(log_slopes)`` in at least float32,
@@ -597,18 +606,20 @@ class ALiBi(OffsetBias):
         :meth:`~posenc.families.OffsetBias.offset_bias`): ``[h, n_q + n_k - 1]``, or None.
 
         With the paper's slopes it is a constant of the head count and the run (its first
-        offset and length): kept between calls (:func:`_paper_run_bias`). Learned slopes,
-        or a subclass with its own :meth:`slopes` or :meth:`bias`, take the family's form.
+        offset and length): kept between calls (:func:`_paper_run_bias`; each call returns
+        a copy). Learned slopes, or a :meth:`slopes` or :meth:`bias` of a subclass's or set
+        on the instance, take the family's form.
         """
-        if not self._has_paper_slopes() or type(self).bias is not ALiBi.bias:
+        if not self._has_paper_slopes() or _own_bias(self, ALiBi):
             return super().offset_bias(q_pos, k_pos)
         first = offset_run(q_pos, k_pos)
         if first is None:
             return None
         self.check_positions(q_pos, k_pos)
         count = q_pos.shape[-1] + k_pos.shape[-1] - 1
-        build = _paper_run_bias if count <= _KEPT_RUN else _paper_run_bias.__wrapped__
-        return build(self.heads, first, count, q_pos.device)
+        if count > _KEPT_RUN:
+            return _paper_run_bias.__wrapped__(self.heads, first, count, q_pos.device)
+        return _paper_run_bias(self.heads, first, count, q_pos.device).clone()  # the caller's
 
     def bias(self, offsets: Tensor) -> Tensor:
         """``-slope_h * |offset|`` for each offset ``j - i``, float32 (or the learned
