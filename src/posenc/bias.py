@@ -370,6 +370,16 @@ def _own_bias(scheme: OffsetBias, cls: type) -> bool:
     return type(scheme).bias is not cls.bias or "bias" in vars(scheme)
 
 
+def _run_of(scheme: OffsetBias, q_pos: Tensor, k_pos: Tensor) -> tuple[int, int] | None:
+    """``(first offset, count)`` of consecutive positions (:func:`~posenc.indices.offset_run`),
+    checked by the scheme's ``check_positions``; None for other positions."""
+    first = offset_run(q_pos, k_pos)
+    if first is None:
+        return None
+    scheme.check_positions(q_pos, k_pos)
+    return first, q_pos.shape[-1] + k_pos.shape[-1] - 1
+
+
 #: the longest run of offsets whose buckets or bias is kept between calls (longer ones are
 #: built in each call: their attention costs far more, and they would hold memory)
 _KEPT_RUN = 4096
@@ -471,11 +481,10 @@ class T5RelativeBias(OffsetBias):
         """
         if _own_bias(self, T5RelativeBias):
             return super().offset_bias(q_pos, k_pos)
-        first = offset_run(q_pos, k_pos)
-        if first is None:
+        run = _run_of(self, q_pos, k_pos)
+        if run is None:
             return None
-        self.check_positions(q_pos, k_pos)
-        count = q_pos.shape[-1] + k_pos.shape[-1] - 1
+        first, count = run
         build = _run_buckets if count <= _KEPT_RUN else _run_buckets.__wrapped__
         buckets = build(
             first, count, self.bidirectional, self.num_buckets, self.max_distance,
@@ -612,11 +621,10 @@ class ALiBi(OffsetBias):
         """
         if not self._has_paper_slopes() or _own_bias(self, ALiBi):
             return super().offset_bias(q_pos, k_pos)
-        first = offset_run(q_pos, k_pos)
-        if first is None:
+        run = _run_of(self, q_pos, k_pos)
+        if run is None:
             return None
-        self.check_positions(q_pos, k_pos)
-        count = q_pos.shape[-1] + k_pos.shape[-1] - 1
+        first, count = run
         if count > _KEPT_RUN:
             return _paper_run_bias.__wrapped__(self.heads, first, count, q_pos.device)
         return _paper_run_bias(self.heads, first, count, q_pos.device).clone()  # the caller's
