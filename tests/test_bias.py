@@ -18,7 +18,6 @@ from posenc import (
     resize_relative_position_table,
     t5_bucket,
 )
-from tolerances import tolerance
 
 transformers = pytest.importorskip("transformers")
 
@@ -283,69 +282,6 @@ def test_t5_errors():
         T5RelativeBias(2)(3.0, 3)
 
 
-# ----- ALiBi ------------------------------------------------------------------------------------------
-
-
-def reference_slopes(n):
-    """The paper's rule, float64."""
-
-    def power_of_two(m):
-        start = 2 ** (-(2 ** -(math.log2(m) - 3)))
-        return [start * start**i for i in range(m)]
-
-    if math.log2(n).is_integer():
-        return power_of_two(n)
-    closest = 2 ** math.floor(math.log2(n))
-    return power_of_two(closest) + reference_slopes(2 * closest)[0::2][: n - closest]
-
-
-@pytest.mark.parametrize("heads", [1, 2, 4, 8, 16, 6, 12, 20, 3])
-def test_alibi_slopes_follow_the_paper(heads):
-    torch.testing.assert_close(
-        alibi_slopes(heads).double(),
-        torch.tensor(reference_slopes(heads), dtype=torch.float64),
-        rtol=tolerance(torch.float32, 1.0),
-        atol=0,
-    )
-
-
-def test_alibi_published_slopes_for_8_heads():
-    assert alibi_slopes(8).tolist() == [1 / 2**i for i in range(1, 9)]
-
-
-def test_alibi_bias_and_offset_decoding():
-    alibi = ALiBi(4)
-    dense = alibi(6, 6)
-    slopes = alibi_slopes(4)
-    for h in range(4):
-        for i in range(6):
-            for j in range(6):
-                assert dense[h, i, j] == pytest.approx(-float(slopes[h]) * abs(j - i))
-    for t in range(6):
-        torch.testing.assert_close(alibi(1, t + 1, offset=t)[:, 0], dense[:, t, : t + 1])
-    pos = torch.arange(6)[None]
-    torch.testing.assert_close(alibi.score_bias(pos + 77, pos + 77)[0], dense)
-    assert not list(alibi.state_dict())
-
-
-def test_alibi_survives_bf16_cast():
-    alibi = ALiBi(8).to(torch.bfloat16)
-    bias = alibi(1, 1001, offset=1000)
-    assert bias.dtype == torch.float32
-    assert bias[0, 0, 0] == pytest.approx(-0.5 * 1000) and bias[0, 0, 1] == pytest.approx(
-        -0.5 * 999
-    )
-
-
-def test_alibi_errors():
-    with pytest.raises(ValueError, match="heads must be >= 1, got 0"):
-        ALiBi(0)
-    with pytest.raises(
-        ValueError, match="ALiBi was built for heads=4 but the attention has heads=8"
-    ):
-        ALiBi(4).validate_attention(heads=8, head_dim=8)
-
-
 # ----- FlexAttention score_mods -----------------------------------------------------------------
 
 
@@ -505,6 +441,7 @@ def test_the_per_offset_bias_of_a_run_is_kept_and_equals_the_familys(monkeypatch
     between calls: the values equal the family's form (the primitive on each offset), for
     runs that start before, at and after the query; a run longer than the kept ones is
     built in each call, the same."""
+    import posenc.alibi as alibi_module
     import posenc.bias as bias_module
     from posenc.families import OffsetBias
 
@@ -516,12 +453,12 @@ def test_the_per_offset_bias_of_a_run_is_kept_and_equals_the_familys(monkeypatch
         lambda rel, **kw: bucketed.append(rel.numel()) or bucket(rel, **kw),
     )
     sloped = []  # the times ALiBi's bias of a run (or a primitive) is computed
-    slopes = bias_module._paper_slopes
+    slopes = alibi_module._paper_slopes
     monkeypatch.setattr(
-        bias_module, "_paper_slopes", lambda *args: sloped.append(args) or slopes(*args)
+        alibi_module, "_paper_slopes", lambda *args: sloped.append(args) or slopes(*args)
     )
     bias_module._run_buckets.cache_clear()
-    bias_module._paper_run_bias.cache_clear()
+    alibi_module._paper_run_bias.cache_clear()
 
     def built(run):  # how many runs were computed so far
         return len(sloped if scheme == "alibi" else bucketed)

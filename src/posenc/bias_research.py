@@ -11,7 +11,7 @@
   position (Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long
   Context Transformers"); the maths in :func:`fire_inputs` and :func:`fire_mlp`.
 
-The learned-slope variant of ALiBi is ``ALiBi(heads, learned=True)`` in :mod:`posenc.bias`.
+The learned-slope variant of ALiBi is ``ALiBi(heads, learned=True)`` in :mod:`posenc.alibi`.
 KERPLE and Sandwich are :class:`~posenc.families.OffsetBias` subclasses: each writes the bias
 of an offset, and the family derives every hook (the per-offset fast path, the dense bias,
 the FlexAttention ``score_mod``) from it. FIRE's bias depends on the query's position too,

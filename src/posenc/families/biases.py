@@ -18,6 +18,7 @@ from ..indices import (
     gather_rows,
     grid_offset_index,
     is_whole_map,
+    offset_run,
     relative_distance,
     run_offsets,
     score_mod_positions,
@@ -60,6 +61,27 @@ def _select_head(values: Tensor, h: Tensor) -> Tensor:
         return values[..., 0]  # shared by the heads
     heads = torch.arange(values.shape[-1], device=values.device)  # [h]
     return torch.where(heads == h.unsqueeze(-1), values, 0.0).sum(-1)
+
+
+def _own_bias(scheme: OffsetBias, cls: type) -> bool:
+    """Whether ``scheme`` computes its bias with a ``bias`` other than ``cls``'s (a
+    subclass's, or one set on the instance)."""
+    return type(scheme).bias is not cls.bias or "bias" in vars(scheme)
+
+
+def _run_of(scheme: OffsetBias, q_pos: Tensor, k_pos: Tensor) -> tuple[int, int] | None:
+    """``(first offset, count)`` of consecutive positions (:func:`~posenc.indices.offset_run`),
+    checked by the scheme's ``check_positions``; None for other positions."""
+    first = offset_run(q_pos, k_pos)
+    if first is None:
+        return None
+    scheme.check_positions(q_pos, k_pos)
+    return first, q_pos.shape[-1] + k_pos.shape[-1] - 1
+
+
+#: the longest run of offsets whose buckets or bias is kept between calls (longer ones are
+#: built in each call: their attention costs far more, and they would hold memory)
+_KEPT_RUN = 4096
 
 
 class OffsetBias(nn.Module):
