@@ -24,6 +24,15 @@ def test_toeplitz_and_skew_rows_match_the_definition(n_q, n_k):
     with torch.no_grad():  # no graph to record: the forward without its autograd Function
         torch.testing.assert_close(toeplitz(values, n_q, n_k), expected)
     assert torch.autograd.gradcheck(lambda v: toeplitz(v, n_q, n_k), (values,))
+    # a contiguous slice that starts inside its storage; the result is a tensor of its own
+    wide = torch.randn(2, 3, n_q + n_k + 4, dtype=torch.float64)
+    inner = wide.view(-1)[5 : 5 + 6 * (n_q + n_k - 1)].view(2, 3, n_q + n_k - 1)
+    spread = toeplitz(inner, n_q, n_k)
+    for i in range(n_q):
+        for j in range(n_k):
+            torch.testing.assert_close(spread[..., i, j], inner[..., j - i + n_q - 1])
+    spread.fill_(7.0)
+    assert not (inner == 7.0).any()
     x = torch.randn(3, n_q, n_q + n_k - 1, dtype=torch.float64, requires_grad=True)
     skewed = torch.empty(3, n_q, n_k, dtype=torch.float64)
     for i in range(n_q):

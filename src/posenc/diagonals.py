@@ -26,8 +26,9 @@ def toeplitz(values: Tensor, n_q: int, n_k: int) -> Tensor:
     """A per-offset value spread over the pairs: ``out[..., i, j] = values[..., j - i + n_q - 1]``.
 
     The bias of a relative scheme for consecutive positions (see :func:`offset_run`), from
-    its ``n_q + n_k - 1`` values per offset, with no ``[n_q, n_k]`` index: the diagonals
-    are written by broadcast copies into strided views. The gradient sums along them.
+    its ``n_q + n_k - 1`` values per offset, with no ``[n_q, n_k]`` index: the rows of a
+    Hankel view of ``values`` copied in reverse order. The gradient sums along the
+    diagonals.
 
     Args:
         values: ``[..., n_q + n_k - 1]``, offsets in increasing order; differentiable.
@@ -58,13 +59,6 @@ def _diagonals(x: Tensor, n_q: int, count: int) -> Tensor:
     return x.as_strided(sizes, (*x.stride()[:-2], n_k + 1, 1), x.storage_offset())
 
 
-def _spread(values: Tensor, n_q: int, n_k: int) -> Tensor:
-    """:func:`toeplitz`'s values by the skew: every row a copy of ``values``, read skewed
-    (a view ``[..., n_q, n_k]``); for small blocks, it writes ``n_q * (n_q + n_k - 1)``."""
-    rows = values.unsqueeze(-2).expand(*values.shape[:-1], n_q, values.shape[-1])
-    return skew_rows(rows.contiguous(), n_k)  # [..., n_q, n_k]
-
-
 def _diagonal_sums(grad: Tensor, n_q: int) -> Tensor:
     """``out[..., m] = sum_i grad[..., i, m - (n_q - 1) + i]`` for a small ``grad``: shift
     row i right by ``n_q - 1 - i`` in a zero buffer and sum the rows (skew_rows reversed)."""
@@ -78,28 +72,23 @@ def _diagonal_sums(grad: Tensor, n_q: int) -> Tensor:
 
 
 def _toeplitz(values: Tensor, n_q: int, n_k: int) -> Tensor:
-    """:func:`toeplitz`'s forward (see :class:`_Toeplitz`): ``[..., n_q, n_k]``."""
-    values = values.contiguous()  # [..., n_q + n_k - 1]: broadcast reads 3x faster
-    count = n_k - n_q + 1  # offsets every row meets
-    if count < n_q:  # no long middle: the skew over the whole block
-        return _spread(values, n_q, n_k).contiguous()  # [..., n_q, n_k]
-    out = values.new_empty(*values.shape[:-1], n_q, n_k)  # [..., n_q, n_k]
-    middle = values[..., n_q - 1 : n_k].unsqueeze(-2)  # [..., 1, count]
-    _diagonals(out, n_q, count).copy_(middle.expand(*middle.shape[:-2], n_q, count))
-    corner = n_q - 1
-    if corner:
-        out[..., :corner].copy_(_spread(values[..., : 2 * corner], n_q, corner))
-        out[..., n_k - corner :].copy_(_spread(values[..., n_k - corner :], n_q, corner))
-    return out
+    """:func:`toeplitz`'s forward (see :class:`_Toeplitz`): ``[..., n_q, n_k]``.
+
+    ``H[..., r, j] = values[..., r + j]`` is a Hankel matrix, a view of ``values`` with
+    strides ``(1, 1)``; its rows in reverse order are the Toeplitz matrix
+    (``out[i] = H[n_q - 1 - i]``): one copy, the flip, and no index."""
+    values = values.contiguous()  # [..., n_q + n_k - 1]
+    sizes, strides = (*values.shape[:-1], n_q, n_k), (*values.stride()[:-1], 1, 1)
+    hankel = values.as_strided(sizes, strides, values.storage_offset())  # [..., n_q, n_k]
+    return hankel.flip(-2)  # [..., n_q, n_k], row i = hankel row n_q - 1 - i
 
 
 class _Toeplitz(torch.autograd.Function):
-    """:func:`toeplitz`: one pass over ``[n_q, n_k]`` each way, no index, no ``[n_q, n_k]`` pad.
+    """:func:`toeplitz`: one pass over ``[n_q, n_k]`` each way, no index.
 
-    Every row of a block with ``n_k >= n_q`` meets the offsets ``0 .. n_k - n_q``: a strided
-    view of the output (row stride ``n_k + 1``) holds them, written by one broadcast copy
-    and, for the gradient, summed over its rows in place. The two corners left (offsets
-    below 0 and above ``n_k - n_q``, ``n_q - 1`` columns each) take the skew.
+    Forward: the flipped Hankel view of :func:`_toeplitz`. Backward: :func:`diagonal_sums`
+    (autograd's own gradient of the overlapping view would go through an ``as_strided``
+    scatter).
     """
 
     @staticmethod
