@@ -36,7 +36,7 @@ MATERIALISED_SCORES = 1 << 23
 #: query-key pairs per head at most on the materialised path (past it the lean paths win)
 MATERIALISED_PAIRS = 1 << 16
 #: scores at most on the materialised path for a bias with gradients (the crossover)
-MATERIALISED_BIAS_SCORES = 1 << 21
+MATERIALISED_BIAS_SCORES = 3 << 21
 #: scores at most on the materialised path for a score term (the crossover)
 MATERIALISED_TERM_SCORES = 3 << 19
 #: scores at most on the materialised path for a score term under a causal mask
