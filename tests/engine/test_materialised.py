@@ -431,3 +431,58 @@ def test_second_order_through_a_users_key_shift_or_a_hook_set_on_an_instance():
         found = _second_order(scheme, q, k, v, "auto")
         for a, c in zip(found, _second_order(scheme, q, k, v, "math"), strict=True):
             torch.testing.assert_close(a, c, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("build", "kwargs"),
+    [
+        (lambda: posenc.ALiBi(2), {}),
+        (lambda: posenc.ALiBi(2), _masked_batch(12)),
+        (
+            lambda: posenc.T5RelativeBias(2, num_buckets=8, max_distance=16).requires_grad_(False),
+            {},
+        ),
+    ],
+    ids=["alibi", "alibi causal and padding", "frozen t5"],
+)
+def test_a_constant_bias_with_gradients_takes_sdpas_fused_kernel(monkeypatch, build, kwargs):
+    """A bias that asks for no gradient itself, in a call with gradients for q, k, v: SDPA
+    with the bias as a float mask (its fused kernel and backward keep no [b, h, n, n]
+    weights) above OPS_FORWARD_SCORES, equal to math in float64 for the output and the
+    gradients; a gradient with create_graph=True goes through the math reference (SDPA's
+    backward is not differentiable twice); a learned table, or a term, keeps the formula op
+    by op; at most OPS_FORWARD_SCORES scores on CPU the constant bias runs op by op too."""
+    scheme = build().double()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 12, 8, dtype=torch.float64) for _ in range(3))
+    assert posenc.explain(q, k, v, position=scheme, **kwargs).path == "materialised"
+    calls = _spy_kernels(monkeypatch)
+    monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 0)  # where the separate ops are slower
+    weights = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    results = {}
+    for backend in ("math", "auto"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = posenc.attention(*leaves, position=scheme, backend=backend, **kwargs)
+        (dq,) = torch.autograd.grad((out * weights).sum(), leaves[0], create_graph=True)
+        dq.square().sum().backward()
+        results[backend] = [out, dq, *(t.grad for t in leaves)]
+    assert calls == ["sdpa"]
+    for a, c in zip(results["math"], results["auto"], strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
+    for learned in (posenc.T5RelativeBias(2), posenc.RelativeQueryEmbedding(12, 8)):
+        calls.clear()
+        leaves = [t.float().requires_grad_() for t in (q, k, v)]
+        posenc.attention(*leaves, position=learned.requires_grad_(True), **kwargs)
+        assert calls == ["ops"], learned
+    if not kwargs:  # small enough on CPU: the constant bias op by op too, the same values
+        monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 2 * 2 * 12 * 12)
+        firsts = {}
+        for backend in ("math", "auto"):
+            calls.clear()
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = posenc.attention(*leaves, position=scheme, backend=backend)
+            (out * weights).sum().backward()
+            firsts[backend] = [out, *(t.grad for t in leaves)]
+        assert calls == ["ops"] and "TwiceDifferentiable" not in type(out.grad_fn).__name__
+        for a, c in zip(firsts["math"], firsts["auto"], strict=True):
+            torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)

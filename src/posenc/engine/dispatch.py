@@ -27,6 +27,7 @@ from .plans import (
     Call,
     Path,
     Plan,
+    _op_by_op,
     _plan_grid_bias,
     _plan_grid_term,
     _plan_lean,
@@ -170,7 +171,7 @@ def _attend(
         return out, (weights if need_weights else None)
     call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
     name, run, _ = _walk(PATHS[backend], call, backend)
-    if torch.compiler.is_compiling() or not call.grad or _exact_twice(name, hooks, scheme):
+    if torch.compiler.is_compiling() or not call.grad or _exact_twice(name, call, hooks):
         return run(), None
     # the fast paths' backwards are not differentiable: a gradient asked for with
     # create_graph=True is taken through the math reference instead (the path planned once
@@ -194,16 +195,22 @@ _TWO_FORMS = (
 )
 
 
-def _exact_twice(name: str, hooks: Hooks, scheme: Any) -> bool:
+def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
     """Whether path ``name``'s own graph gives the definition's second derivatives, so that
     no wrapper is needed: the math path (the reference hooks, op by op), and the
-    materialised path with gradients (op by op too, with the fast hooks) when each fast
-    hook it runs in place of another form is posenc's own (plain differentiable ops): a
-    user's, or one set on the instance, may be differentiable once only."""
+    materialised path when it runs op by op too (with the fast hooks, not SDPA's kernel:
+    :func:`~.plans._op_by_op`) and each fast hook it runs in place of another form is
+    posenc's own (plain differentiable ops): a user's, or one set on the instance, may be
+    differentiable once only. ``call`` is the call as the path ran it, ``hooks`` the
+    scheme's before a key shift was folded into the keys."""
     if name == "math":
         return True
     if name != "materialised":
         return False
+    b, h, n_q, _ = call.q.shape
+    if not _op_by_op(call, b * h * n_q * call.k.shape[2]):
+        return False
+    scheme = call.scheme
     for fast, other in _TWO_FORMS:
         if getattr(hooks, fast) is None or getattr(hooks, other) is None:
             continue

@@ -232,9 +232,9 @@ def _mib(elements: int, dtype: torch.dtype) -> str:
 
 
 def _ops_forward(call: Call, scores: int) -> bool:
-    """Whether a call without gradients runs op by op rather than through SDPA with a float
-    mask: on CPU, at most :data:`tuning.OPS_FORWARD_SCORES` scores, no mask but a causal
-    one."""
+    """Whether a call that SDPA's fused kernel could run (no gradient for the bias or term)
+    runs op by op instead: on CPU, at most :data:`tuning.OPS_FORWARD_SCORES` scores, no
+    mask but a causal one."""
     return (
         scores <= tuning.OPS_FORWARD_SCORES
         and call.q.device.type == "cpu"
@@ -242,22 +242,40 @@ def _ops_forward(call: Call, scores: int) -> bool:
     )
 
 
+def _op_by_op(call: Call, scores: int) -> bool:
+    """Whether the materialised path runs the formula op by op rather than SDPA with the
+    bias and term as a float ``attn_mask``: for a value term (SDPA cannot add it); with
+    gradients when the bias or term asks for one itself (a score term of the queries, a
+    learned table: SDPA would fall back to its math kernel for a mask that requires grad);
+    otherwise (no gradients, or a constant bias such as ALiBi's with gradients for
+    ``q, k, v`` alone) where :func:`_ops_forward` says the separate kernels are faster.
+    Above that SDPA's fused kernel runs, and its backward keeps no ``[b, h, n_q, n_k]``
+    weights."""
+    hooks = call.hooks
+    if hooks.value_term is not None:
+        return True
+    if call.grad and (hooks.score_term is not None or bool(call.params)):
+        return True
+    return _ops_forward(call, scores)
+
+
 def _plan_materialised(call: Call) -> Plan:
     """The bias, term and value term written out over the ``[b, h, n_q, n_k]`` scores, where
     they are few enough that the lean paths' fixed costs (blocks in Python, many small
     kernel calls, buffers) outweigh what they save. Two kernels:
 
-    - a call that asks for gradients, or has a value term: the formula in plain autograd
-      ops (scores, softmax, the weights times the values, plus the value term from the
-      weights), with the scheme's fast hooks (:func:`~.reference._math`,
+    - a value term, or a call whose bias or term asks for a gradient itself: the formula
+      in plain autograd ops (scores, softmax, the weights times the values, plus the value
+      term from the weights), with the scheme's fast hooks (:func:`~.reference._math`,
       ``reference=False``). On CPU it runs faster than SDPA with a float ``attn_mask`` that
       requires grad and holds what that holds; with posenc's hooks its graph is
       differentiable twice by itself (``dispatch._exact_twice`` says when no wrapper is
       needed);
-    - otherwise, on CPU with at most :data:`tuning.OPS_FORWARD_SCORES` scores and no mask
-      but a causal one, the same ops: there SDPA's fused kernel costs more than the
-      separate ones;
-    - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call.
+    - otherwise (no gradients, or a constant bias with gradients for ``q, k, v`` alone), on
+      CPU with at most :data:`tuning.OPS_FORWARD_SCORES` scores and no mask but a causal
+      one, the same ops: there SDPA's fused kernel costs more than the separate ones;
+    - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call,
+      whose backward keeps no ``[b, h, n_q, n_k]`` weights (:func:`_op_by_op`).
 
     At most :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) and
     :data:`tuning.MATERIALISED_PAIRS` query-key pairs per head; below the measured
@@ -323,7 +341,7 @@ def _plan_materialised(call: Call) -> Plan:
             f"MATERIALISED_CAUSAL_PAIRS = {tuning.MATERIALISED_CAUSAL_PAIRS}: the lean paths "
             "skip the hidden pairs, which SDPA with a float mask computes"
         )
-    if grad or value or _ops_forward(call, scores):
+    if _op_by_op(call, scores):
         return lambda: _math(
             call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
             call.dropout_p, reference=False,

@@ -47,6 +47,7 @@ MATERIALISED_VALUE_SCORES = 3 << 21
 MATERIALISED_CAUSAL_VALUE_SCORES = 1 << 21
 #: pairs per head at most on the materialised path for a causal bias without gradients
 MATERIALISED_CAUSAL_PAIRS = 1 << 12
-#: scores at most for which the materialised path runs a call without gradients op by op
-#: (below it the separate kernels beat SDPA's fused kernel with a float mask on CPU)
+#: scores at most for which the materialised path runs op by op a call that SDPA's fused
+#: kernel could run (no gradients, or a constant bias with gradients for q, k, v alone):
+#: below it the separate kernels beat SDPA's fused kernel with a float mask on CPU
 OPS_FORWARD_SCORES = 3 << 19
