@@ -292,3 +292,32 @@ def test_finite_finds_one_non_finite_element_anywhere(dtype, bad):
         xs[which].view(-1)[at] = bad
         assert not _finite(*xs)
         assert not _finite(xs[0].transpose(-1, -2), xs[1])  # not contiguous
+
+
+def test_the_wrapped_fast_path_backwards_twice_with_retain_graph_and_lets_go_without():
+    """The fast path's graph inside the create_graph wrapper: with retain_graph=True it is
+    kept and a second backward gives the same gradients; without, the first backward lets
+    it go (q, k, v are not held through the rest of the backward, a rotation's for one),
+    and a second backward raises as autograd does."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, 16, 8, requires_grad=True)
+    pos = torch.arange(16)[None]
+
+    def attended():
+        out, _ = attend(x * 2, x * 3, x, q_pos=pos, k_pos=pos, mask=Mask(16, 16))
+        node = out.grad_fn  # the wrapper's node, its ctx
+        assert "TwiceDifferentiable" in type(node).__name__ and hasattr(node, "graph")
+        return out.square().sum(), node
+
+    loss, node = attended()
+    (first,) = torch.autograd.grad(loss, x, retain_graph=True)
+    assert hasattr(node, "graph")
+    (second,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    assert not hasattr(node, "graph")
+    loss, node = attended()
+    loss.backward()
+    assert not hasattr(node, "graph")
+    torch.testing.assert_close(x.grad, first, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()

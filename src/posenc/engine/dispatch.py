@@ -251,6 +251,12 @@ class _TwiceDifferentiable(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if not hasattr(ctx, "graph"):  # dropped by a backward that did not keep the graph
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (posenc's attention "
+                "let its fast path's graph go after the first backward). Specify "
+                "retain_graph=True if you need to backward through the graph a second time."
+            )
         out, leaves, params = ctx.graph
         if not out.requires_grad:  # nothing the output depends on asks for a gradient
             return (None,) * (6 + len(params))
@@ -269,8 +275,20 @@ class _TwiceDifferentiable(torch.autograd.Function):
             )
         inputs = [*leaves, *params]
         wrt = [x for x in inputs if x.requires_grad]
-        grads = iter(torch.autograd.grad(out, wrt, grad_out, retain_graph=True, allow_unused=True))
+        keep = _keeps_graph()
+        if not keep:  # the last backward through this node: let its inputs go as it ends
+            del ctx.graph
+        grads = iter(torch.autograd.grad(out, wrt, grad_out, retain_graph=keep, allow_unused=True))
         return None, None, None, *(next(grads) if x.requires_grad else None for x in inputs)
+
+
+def _keeps_graph() -> bool:
+    """Whether the backward running now keeps the graph (``retain_graph=True``): then this
+    node may run again and holds its fast path's graph; else it drops it as it runs, so
+    that ``q, k, v`` are not held through the rest of the backward (a rotation's, for one).
+    True where torch does not say."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep_graph is None else bool(keep_graph())
 
 
 def _reference_gradients(
