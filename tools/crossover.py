@@ -8,13 +8,15 @@ gradients of ``q, k, v`` and of the scheme's tables) and forward only (no grad) 
   (its own ``is_causal``);
 - ``materialised``: ``backend="auto"`` with every ``MATERIALISED_*`` limit lifted, so that
   it takes its ``materialised`` path: the scheme's ``[b, h, n, n]`` bias or term written
-  out (with gradients or a value term, the formula op by op; without, SDPA with it as the
-  float ``attn_mask``);
+  out (a value term, or a bias or term that asks for a gradient itself: the formula op by
+  op; otherwise SDPA with it as the float ``attn_mask``);
 - ``lean``: ``backend="lean"``: the lean path (named in the table) that ``auto`` takes
   above the crossover;
-- ``ops`` (forward only): ``materialised`` with ``OPS_FORWARD_SCORES`` lifted too, so that
-  its call without gradients runs op by op rather than through SDPA (``materialised``
-  sets it to 0): the last column, below 1 where op by op wins.
+- ``ops``: ``materialised`` with ``OPS_FORWARD_SCORES`` lifted too, so that a call SDPA's
+  fused kernel could run (no gradients; a constant bias such as ALiBi's with gradients for
+  ``q, k, v`` alone) runs op by op rather than through SDPA (``materialised`` sets it to
+  0): the last two columns, below 1 where op by op wins (about 1 where both run op by op:
+  a learned table or a term with gradients).
 
 Each time is the mean of enough calls to last ``--least`` seconds; each repeat times every
 variant once, in an order that turns from one repeat to the next. Prints a Markdown
@@ -60,9 +62,9 @@ SCHEMES = [
 ]  # fmt: skip
 #: the limits of the materialised path, lifted for its variant
 LIMITS = [name for name in dir(tuning) if name.startswith("MATERIALISED_")]
-VARIANTS = ("floor", "materialised", "lean")
-#: the forward's variants: the materialised path's two kernels for a call without gradients
-FORWARD_VARIANTS = (*VARIANTS, "ops")
+#: the materialised path's two kernels where SDPA's could run (no gradients, or a constant
+#: bias with gradients for q, k, v alone): "materialised" through SDPA, "ops" op by op
+VARIANTS = ("floor", "materialised", "lean", "ops")
 
 
 def _scheme(name: str, h: int, d: int, n: int, causal: bool):
@@ -126,7 +128,7 @@ def measure(name: str, shape: tuple[int, int, int, int], causal: bool, args) -> 
     path = posenc.explain(q, k, v, position=scheme, causal=causal, backend="lean").path
     result: dict = {"scheme": name, "shape": list(shape), "causal": causal, "lean_path": path}
     for mode, backward in (("fwd+bwd", True), ("fwd", False)):
-        variants = FORWARD_VARIANTS if mode == "fwd" else VARIANTS
+        variants = VARIANTS
         timers = {
             variant: _timer(_call(variant, scheme, causal), q, k, v, params, backward)
             for variant in variants
@@ -141,8 +143,7 @@ def measure(name: str, shape: tuple[int, int, int, int], causal: bool, args) -> 
             for variant in variants[turn:] + variants[:turn]:
                 times[variant].append(timers[variant](calls[variant]))
         pairs = [("materialised", "floor"), ("lean", "floor"), ("materialised", "lean")]
-        if mode == "fwd":
-            pairs.append(("ops", "materialised"))
+        pairs.append(("ops", "materialised"))
         ratios = {  # the median of each repeat's ratio: a burst of load hits a repeat
             f"{a}/{c}": statistics.median(x / y for x, y in zip(times[a], times[c], strict=True))
             for a, c in pairs
@@ -159,15 +160,15 @@ def _row(r: dict) -> str:
         t = r[mode]
         cells += [f"{t['materialised/floor']:.2f}", f"{t['lean/floor']:.2f}"]
         cells.append(f"**{t['materialised/lean']:.2f}**")
-    cells.append(f"**{r['fwd']['ops/materialised']:.2f}**")
+    cells += [f"**{r[mode]['ops/materialised']:.2f}**" for mode in ("fwd+bwd", "fwd")]
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = (
     "| scheme | b x h x n x d | causal | scores | lean path | fwd+bwd: materialised / floor "
     "| lean / floor | materialised / lean | fwd: materialised / floor | lean / floor "
-    "| materialised / lean | fwd: ops / SDPA kernel |"
-    "\n|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    "| materialised / lean | fwd+bwd: ops / SDPA kernel | fwd: ops / SDPA kernel |"
+    "\n|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
