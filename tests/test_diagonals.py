@@ -21,6 +21,7 @@ def test_toeplitz_and_skew_rows_match_the_definition(n_q, n_k):
         for j in range(n_k):
             expected[..., i, j] = values[..., j - i + n_q - 1]
     torch.testing.assert_close(toeplitz(values, n_q, n_k), expected)
+    assert toeplitz(values, n_q, n_k).is_contiguous()  # row-major whatever n_q and n_k
     with torch.no_grad():  # no graph to record: the forward without its autograd Function
         torch.testing.assert_close(toeplitz(values, n_q, n_k), expected)
     assert torch.autograd.gradcheck(lambda v: toeplitz(v, n_q, n_k), (values,))
@@ -62,3 +63,14 @@ def test_toeplitz_and_skew_rows_reject_wrong_widths():
         toeplitz(torch.zeros(5), 2, 5)
     with pytest.raises(ValueError, match="n_q \\+ n_k - 1 = 6 columns"):
         skew_rows(torch.zeros(2, 5), 5)
+
+
+@pytest.mark.compile
+def test_toeplitz_compiles_in_one_graph():
+    """torch.compile(fullgraph=True) of the spread (and of a 1-D table's dense bias, which
+    is one) gives the eager values."""
+    from posenc.diagonals import toeplitz
+
+    values = torch.randn(2, 3 + 6 - 1)
+    compiled = torch.compile(lambda v: toeplitz(v, 3, 6), fullgraph=True)
+    torch.testing.assert_close(compiled(values), toeplitz(values, 3, 6), rtol=0, atol=0)

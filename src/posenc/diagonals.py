@@ -72,15 +72,20 @@ def _diagonal_sums(grad: Tensor, n_q: int) -> Tensor:
 
 
 def _toeplitz(values: Tensor, n_q: int, n_k: int) -> Tensor:
-    """:func:`toeplitz`'s forward (see :class:`_Toeplitz`): ``[..., n_q, n_k]``.
+    """:func:`toeplitz`'s forward (see :class:`_Toeplitz`): ``[..., n_q, n_k]``, contiguous.
 
     ``H[..., r, j] = values[..., r + j]`` is a Hankel matrix, a view of ``values`` with
     strides ``(1, 1)``; its rows in reverse order are the Toeplitz matrix
-    (``out[i] = H[n_q - 1 - i]``): one copy, the flip, and no index."""
+    (``out[i] = H[n_q - 1 - i]``): one copy and no ``[n_q, n_k]`` index. With fewer rows
+    than columns ``flip`` would keep the view's column-major order, so the rows are
+    picked in reverse by ``index_select`` instead."""
     values = values.contiguous()  # [..., n_q + n_k - 1]
     sizes, strides = (*values.shape[:-1], n_q, n_k), (*values.stride()[:-1], 1, 1)
-    hankel = values.as_strided(sizes, strides, values.storage_offset())  # [..., n_q, n_k]
-    return hankel.flip(-2)  # [..., n_q, n_k], row i = hankel row n_q - 1 - i
+    hankel = values.as_strided(sizes, strides)  # [..., n_q, n_k], at values' storage offset
+    if n_q >= n_k:
+        return hankel.flip(-2)  # [..., n_q, n_k], row i = hankel row n_q - 1 - i
+    rows = torch.arange(n_q - 1, -1, -1, device=values.device)  # [n_q]
+    return hankel.index_select(-2, rows)  # [..., n_q, n_k]
 
 
 class _Toeplitz(torch.autograd.Function):

@@ -321,3 +321,32 @@ def test_the_wrapped_fast_path_backwards_twice_with_retain_graph_and_lets_go_wit
     torch.testing.assert_close(x.grad, first, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
+
+
+def test_the_wrapped_fast_path_keeps_history_it_shares_with_the_rest_of_the_model():
+    """A table parametrised and cached (computed once, read by two attention calls): the
+    first call's backward through the wrapper must not free the history the second
+    shares, and the table's gradient equals the math path's."""
+    from torch.nn.utils import parametrize
+
+    import posenc
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    x0 = torch.randn(1, 2, 300, 8)  # 300 x 300 pairs: the offset-bias path, wrapped
+    grads = {}
+    for backend in ("math", "auto"):
+        torch.manual_seed(1)
+        scheme = posenc.T5RelativeBias(2)
+        parametrize.register_parametrization(scheme.embedding, "weight", Double())
+        x = x0.clone().requires_grad_()
+        with parametrize.cached():
+            y = posenc.attention(x, x, x, position=scheme, backend=backend)
+            y = posenc.attention(y, y, y, position=scheme, backend=backend)
+        y.square().sum().backward()
+        grads[backend] = (x.grad, scheme.embedding.parametrizations.weight.original.grad)
+    for a, c in zip(grads["math"], grads["auto"], strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-5)

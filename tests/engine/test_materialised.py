@@ -486,3 +486,71 @@ def test_a_constant_bias_with_gradients_takes_sdpas_fused_kernel(monkeypatch, bu
         assert calls == ["ops"] and "TwiceDifferentiable" not in type(out.grad_fn).__name__
         for a, c in zip(firsts["math"], firsts["auto"], strict=True):
             torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
+
+
+def test_a_users_bias_that_reads_a_learned_tensor_keeps_its_gradient(monkeypatch):
+    """A scheme that is any object (not an nn.Module), or a posenc bias whose primitive a
+    subclass overrides, may read a tensor that requires grad: it stays op by op (SDPA's
+    route would not differentiate it), and the tensor's gradient equals math's."""
+    import posenc
+
+    class UserBias:
+        def __init__(self, table):
+            self.table = table  # [h, 15], learned
+
+        def score_bias(self, q_pos, k_pos):
+            offsets = (k_pos[:, None, :] - q_pos[:, :, None]).clamp(-7, 7) + 7
+            return self.table[:, offsets].transpose(0, 1)  # [B', h, n_q, n_k]
+
+    class Scaled(posenc.ALiBi):
+        def __init__(self, heads, factor):
+            super().__init__(heads)
+            self.factor = factor  # a tensor that requires grad, not a parameter
+
+        def bias(self, offsets):
+            return super().bias(offsets) * self.factor
+
+    monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 0)  # where SDPA would take a constant
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 12, 8, dtype=torch.float64) for _ in range(3))
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[0, -3:] = True
+    calls = _spy_kernels(monkeypatch)
+    for build, start in (
+        (UserBias, torch.randn(2, 15, dtype=torch.float64)),
+        (lambda t: Scaled(2, t).double(), torch.tensor(0.7, dtype=torch.float64)),
+    ):
+        grads = {}
+        for backend in ("math", "auto"):
+            learned = start.clone().requires_grad_()
+            scheme = build(learned)
+            for kwargs in ({}, {"key_padding_mask": padding}):
+                calls.clear()
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = posenc.attention(*leaves, position=scheme, backend=backend, **kwargs)
+                out.square().sum().backward()
+                assert calls == ([] if backend == "math" else ["ops"])
+            grads[backend] = learned.grad
+        torch.testing.assert_close(grads["auto"], grads["math"], rtol=1e-10, atol=1e-10)
+
+
+def test_torch_func_grad_through_a_constant_bias_on_the_materialised_path(monkeypatch):
+    """torch.func.grad of a call whose constant bias SDPA's route would take: op by op
+    under the transform, the gradient of the math path."""
+    import posenc
+
+    monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 0)
+    scheme = posenc.ALiBi(2).double()
+    q = torch.randn(2, 2, 12, 8, dtype=torch.float64)
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[0, -3:] = True
+    for kwargs in ({}, {"key_padding_mask": padding}):
+        got, want = (
+            torch.func.grad(
+                lambda x, b=backend, kw=kwargs: (
+                    posenc.attention(x, x, x, position=scheme, backend=b, **kw).square().sum()
+                )
+            )(q)
+            for backend in ("auto", "math")
+        )
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

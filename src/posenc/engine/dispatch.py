@@ -125,8 +125,9 @@ def _finite(*xs: Tensor) -> bool:
     both NaN, an infinity is one of them): two reductions in one pass, where an
     elementwise ``isfinite`` writes a bool tensor and reads it again (10x slower on CPU).
     """
-    ends = [end for x in xs if x.numel() for end in torch.aminmax(x)]
-    return not ends or bool(torch.isfinite(torch.stack(ends)).all())
+    with torch.no_grad():  # a check, not part of the graph
+        ends = [end for x in xs if x.numel() for end in torch.aminmax(x)]
+        return not ends or bool(torch.isfinite(torch.stack(ends)).all())
 
 
 def _sees_any(mask: Mask, keys: Tensor, device: torch.device) -> Tensor:
@@ -275,10 +276,10 @@ class _TwiceDifferentiable(torch.autograd.Function):
             )
         inputs = [*leaves, *params]
         wrt = [x for x in inputs if x.requires_grad]
-        keep = _keeps_graph()
-        if not keep:  # the last backward through this node: let its inputs go as it ends
-            del ctx.graph
-        grads = iter(torch.autograd.grad(out, wrt, grad_out, retain_graph=keep, allow_unused=True))
+        if not _keeps_graph():  # the last backward through this node: let its graph go
+            del ctx.graph  # when this backward returns (freeing it now could free history
+            # that the graph shares with the rest of the model: a parametrised table)
+        grads = iter(torch.autograd.grad(out, wrt, grad_out, retain_graph=True, allow_unused=True))
         return None, None, None, *(next(grads) if x.requires_grad else None for x in inputs)
 
 
