@@ -67,10 +67,22 @@ def test_toeplitz_and_skew_rows_reject_wrong_widths():
 
 @pytest.mark.compile
 def test_toeplitz_compiles_in_one_graph():
-    """torch.compile(fullgraph=True) of the spread (and of a 1-D table's dense bias, which
-    is one) gives the eager values."""
+    """torch.compile(fullgraph=True) of the spread and its backward (the corners and the
+    middle of a wide block) gives the eager values and gradient."""
     from posenc.diagonals import toeplitz
 
     values = torch.randn(2, 3 + 6 - 1)
-    compiled = torch.compile(lambda v: toeplitz(v, 3, 6), fullgraph=True)
-    torch.testing.assert_close(compiled(values), toeplitz(values, 3, 6), rtol=0, atol=0)
+    weights = torch.randn(2, 3, 6)
+
+    def loss(v):
+        return (toeplitz(v, 3, 6) * weights).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    results = {}
+    for name, fn in (("eager", loss), ("compiled", compiled)):
+        leaf = values.clone().requires_grad_()
+        out = fn(leaf)
+        out.backward()
+        results[name] = (out, leaf.grad)
+    for a, c in zip(results["eager"], results["compiled"], strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)

@@ -56,7 +56,7 @@ def _diagonals(x: Tensor, n_q: int, count: int) -> Tensor:
     of a contiguous ``x [..., n_q, n_k]`` (``count <= n_k - n_q + 1``), as a strided view."""
     n_k = x.shape[-1]
     sizes = (*x.shape[:-2], n_q, count)
-    return x.as_strided(sizes, (*x.stride()[:-2], n_k + 1, 1), x.storage_offset())
+    return x.as_strided(sizes, (*x.stride()[:-2], n_k + 1, 1))  # at x's storage offset
 
 
 def _diagonal_sums(grad: Tensor, n_q: int) -> Tensor:

@@ -4,6 +4,8 @@ op; without, SDPA with a float mask), the lean paths above."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -489,9 +491,10 @@ def test_a_constant_bias_with_gradients_takes_sdpas_fused_kernel(monkeypatch, bu
 
 
 def test_a_users_bias_that_reads_a_learned_tensor_keeps_its_gradient(monkeypatch):
-    """A scheme that is any object (not an nn.Module), or a posenc bias whose primitive a
-    subclass overrides, may read a tensor that requires grad: it stays op by op (SDPA's
-    route would not differentiate it), and the tensor's gradient equals math's."""
+    """A scheme that is any object (not an nn.Module), or a posenc bias whose primitive,
+    slopes or grid table a subclass overrides, may read a tensor that requires grad: it
+    stays op by op (SDPA's route would not differentiate it), and the tensor's gradient
+    equals math's."""
     import posenc
 
     class UserBias:
@@ -516,9 +519,32 @@ def test_a_users_bias_that_reads_a_learned_tensor_keeps_its_gradient(monkeypatch
     padding = torch.zeros(2, 12, dtype=torch.bool)
     padding[0, -3:] = True
     calls = _spy_kernels(monkeypatch)
+
+    class Slopes(posenc.ALiBi):  # ALiBi's documented override, here with learned slopes
+        def __init__(self, heads, slopes):
+            super().__init__(heads)
+            self.given = slopes
+
+        def slopes(self, device=None):
+            return self.given
+
+    grid = posenc.RelativePositionBias((3, 4), 2).double().requires_grad_(False)
+
+    class ScaledGrid(type(grid)):
+        def grid_table(self, *args, **kwargs):
+            return super().grid_table(*args, **kwargs) * self.factor
+
+    def scaled_grid(factor):
+        scheme = copy.deepcopy(grid)
+        scheme.__class__ = ScaledGrid
+        scheme.factor = factor
+        return scheme
+
     for build, start in (
         (UserBias, torch.randn(2, 15, dtype=torch.float64)),
         (lambda t: Scaled(2, t).double(), torch.tensor(0.7, dtype=torch.float64)),
+        (lambda t: Slopes(2, t), torch.tensor([0.5, 0.25], dtype=torch.float64)),
+        (scaled_grid, torch.tensor(1.5, dtype=torch.float64)),
     ):
         grads = {}
         for backend in ("math", "auto"):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..hooks import Hooks
 from . import common, tuning
@@ -48,6 +48,12 @@ class Call:
     def params(self) -> list[Tensor]:
         """The scheme's parameters that require grad (read once per call)."""
         return _scheme_parameters(self.scheme)
+
+    @functools.cached_property
+    def constant_bias(self) -> bool:
+        """Whether the bias asks for no gradient itself (:func:`_constant_bias`, read once
+        per call: it computes the bias)."""
+        return _constant_bias(self)
 
     @functools.cached_property
     def grad(self) -> bool:
@@ -243,38 +249,31 @@ def _ops_forward(call: Call, scores: int) -> bool:
 
 
 def _constant_bias(call: Call) -> bool:
-    """Whether the call adds a bias that asks for no gradient itself, as far as is known
-    without computing it: no score term, and a posenc scheme (an ``nn.Module`` whose
-    ``score_bias``, ``offset_bias`` and ``bias`` are posenc's own, not a subclass's or set
-    on the instance) with no parameter that requires grad. A user's hook may read a
-    tensor that requires grad, which SDPA's route would not differentiate."""
-    scheme = call.scheme
-    if call.hooks.score_term is not None or call.params or not isinstance(scheme, nn.Module):
+    """Whether the call adds a bias that asks for no gradient itself: no score term, no
+    parameter of the scheme that requires grad, and the bias computed for these positions
+    does not require grad (a user's hook, or a posenc scheme's overridden method, may read
+    a tensor that does; SDPA's route would not differentiate it)."""
+    hooks = call.hooks
+    if hooks.score_term is not None or hooks.score_bias is None or call.params:
         return False
-    for name in ("score_bias", "offset_bias", "bias"):
-        if name in vars(scheme):  # set on the instance
-            return False
-        owner = next((cls for cls in type(scheme).__mro__ if name in cls.__dict__), None)
-        if owner is not None and owner.__module__.partition(".")[0] != "posenc":
-            return False
-    return True
+    return not hooks.score_bias(call.q_pos, call.k_pos).requires_grad
 
 
 def _op_by_op(call: Call, scores: int) -> bool:
     """Whether the materialised path runs the formula op by op rather than SDPA with the
-    bias and term as a float ``attn_mask``: for a value term (SDPA cannot add it); with
-    gradients unless the bias is constant (:func:`_constant_bias`: a learned table or a
-    term of the queries would make SDPA fall back to its math kernel for a mask that
-    requires grad) or under a ``torch.func`` transform (the route through SDPA takes an
-    autograd Function without ``setup_context``); otherwise (no gradients, or a constant
-    bias such as ALiBi's with gradients for ``q, k, v`` alone) where :func:`_ops_forward`
-    says the separate kernels are faster. Above that SDPA's fused kernel runs, and its
-    backward keeps no ``[b, h, n_q, n_k]`` weights."""
-    if call.hooks.value_term is not None:
+    bias and term as a float ``attn_mask``: for a value term (SDPA cannot add it);
+    otherwise where :func:`_ops_forward` says the separate kernels are faster (no
+    gradients, or a constant bias such as ALiBi's with gradients for ``q, k, v`` alone);
+    and with gradients unless the bias is constant (:func:`_constant_bias`: a learned
+    table or a term of the queries would make SDPA fall back to its math kernel for a mask
+    that requires grad) and no ``torch.func`` transform runs (the route through SDPA takes
+    an autograd Function without ``setup_context``). Above that SDPA's fused kernel runs,
+    and its backward keeps no ``[b, h, n_q, n_k]`` weights."""
+    if call.hooks.value_term is not None or _ops_forward(call, scores):
         return True
-    if call.grad and (not _constant_bias(call) or torch._C._are_functorch_transforms_active()):
-        return True
-    return _ops_forward(call, scores)
+    if not call.grad:
+        return False
+    return torch._C._are_functorch_transforms_active() or not call.constant_bias
 
 
 def _plan_materialised(call: Call) -> Plan:
