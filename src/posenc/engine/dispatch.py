@@ -225,7 +225,8 @@ class _TwiceDifferentiable(torch.autograd.Function):
     """A fast path whose gradient is itself differentiable.
 
     The forward runs ``fast`` and keeps its graph. A first-order backward is that graph's
-    (the fast path's own backward). A backward with ``create_graph=True`` (gradient
+    (the fast path's own backward); one that does not keep the graph lets it go (see
+    :func:`_keeps_graph`). A backward with ``create_graph=True`` (gradient
     penalties, Hessian-vector products, MAML) recomputes the output with the math reference
     on the saved inputs and differentiates it with a graph, so that the second derivative
     is the definition's: exact, with the reference's ``[b, h, n_q, n_k]`` memory.
