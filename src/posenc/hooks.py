@@ -314,6 +314,7 @@ def _shape_check(
             )
         return out
 
+    checked.__wrapped__ = fn  # type: ignore[attr-defined]
     return checked
 
 

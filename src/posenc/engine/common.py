@@ -89,12 +89,6 @@ def _add_leading_sum(dest: Tensor, x: Tensor, dims: int = 1) -> None:
         dest.add_(part)
 
 
-def _scheme_parameters(scheme: Any) -> list[Tensor]:
-    if isinstance(scheme, torch.nn.Module):
-        return [p for p in scheme.parameters() if p.requires_grad]
-    return []
-
-
 def _fused_cpu_available(q: Tensor, hooks: Hooks) -> bool:
     """Whether the fused CPU flash kernels can run the lean engine for these inputs."""
     return (

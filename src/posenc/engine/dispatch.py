@@ -21,6 +21,7 @@ from ..hooks import Hooks, _defined_by, checked_hooks, hooks_of
 from . import common
 from .blocks import _by_blocks, _mask_blocks
 from .flex import _flex
+from .learned import substituted
 from .mask import Mask
 from .plans import (
     _CONTEXTUAL,
@@ -172,20 +173,53 @@ def _attend(
         return out, (weights if need_weights else None)
     call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
     name, run, _ = _walk(PATHS[backend], call, backend)
-    if torch.compiler.is_compiling() or not call.grad or _exact_twice(name, call, hooks):
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return run(), None
+    if name in _AUTOGRAD_PATHS and (not call.grad or _exact_twice(name, call, hooks)):
+        return run(), None  # autograd's ops alone: every tensor the hooks read gets its gradient
+    histories = call.histories  # a probe of the hooks, for a scheme not posenc's own
+    if not (histories or call.params or any(x.requires_grad for x in (q, k, v))):
         return run(), None
     # the fast paths' backwards are not differentiable: a gradient asked for with
     # create_graph=True is taken through the math reference instead (the path planned once
-    # more on leaves of the same values inside the wrapper)
+    # more on leaves of the same values inside the wrapper); and a tensor with a history
+    # that the hooks read is read there through a leaf standing in for it
     fast = functools.partial(
         _fast, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale,
         dropout_p=dropout_p, paths=PATHS[backend], name=name, scheme=scheme,
+        params=call.params, originals=histories,
     )  # fmt: skip
     reference = functools.partial(
-        _math, hooks=hooks, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale, dropout_p=0.0
-    )
-    return _TwiceDifferentiable.apply(fast, reference, dropout_p, q, k, v, *call.params), None
+        _reference, hooks=hooks, originals=histories, q_pos=q_pos, k_pos=k_pos, mask=mask,
+        scale=scale,
+    )  # fmt: skip
+    tensors = (q, k, v, *histories, *call.params)
+    return _TwiceDifferentiable.apply(
+        fast, reference, dropout_p, 3 + len(histories), *tensors
+    ), None
 
+
+def _reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *stand_ins: Tensor,
+    hooks: Hooks,
+    originals: list[Tensor],
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    scale: float,
+) -> Tensor:
+    """The math reference without dropout, its hooks reading ``stand_ins`` in place of
+    ``originals``: ``[b, h, n_q, d]``."""
+    if originals:
+        hooks = substituted(hooks, originals, list(stand_ins))
+    return _math(q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0)[0]
+
+
+#: the paths built of autograd's differentiable ops alone (no autograd Function of posenc's)
+_AUTOGRAD_PATHS = frozenset(("math", "materialised", "sdpa"))
 
 #: the fast forms the materialised path runs where the math path runs another form: a
 #: fast hook beside its literal reference, and a key shift beside the term it folds
@@ -224,31 +258,32 @@ def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
 class _TwiceDifferentiable(torch.autograd.Function):
     """A fast path whose gradient is itself differentiable.
 
-    The forward runs ``fast`` and keeps its graph. A first-order backward is that graph's
-    (the fast path's own backward); one that does not keep the graph lets it go (see
-    :func:`_keeps_graph`). A backward with ``create_graph=True`` (gradient
-    penalties, Hessian-vector products, MAML) recomputes the output with the math reference
-    on the saved inputs and differentiates it with a graph, so that the second derivative
-    is the definition's: exact, with the reference's ``[b, h, n_q, n_k]`` memory.
+    The forward runs ``fast`` on leaves standing in for its first ``slots`` tensors
+    (``q, k, v``, then the tensors with a history that the hooks read) and keeps its graph.
+    A first-order backward is that graph's (the fast path's own backward); one that does
+    not keep the graph lets it go (see :func:`_keeps_graph`). A backward with
+    ``create_graph=True`` (gradient penalties, Hessian-vector products, MAML) recomputes the
+    output with the math reference on the saved inputs and differentiates it with a graph,
+    so that the second derivative is the definition's: exact, with the reference's
+    ``[b, h, n_q, n_k]`` memory. The tensors after the slots are leaves the hooks read (the
+    scheme's parameters), differentiated as they are.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         fast: Callable[..., Tensor],
-        reference: Callable[..., tuple[Tensor, Tensor]],
+        reference: Callable[..., Tensor],
         dropout_p: float,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *params: Tensor,
+        slots: int,
+        *tensors: Tensor,
     ) -> Tensor:
         with torch.enable_grad():
-            leaves = [x.detach().requires_grad_(x.requires_grad) for x in (q, k, v)]
+            leaves = [x.detach().requires_grad_(x.requires_grad) for x in tensors[:slots]]
             out = fast(*leaves)
-        ctx.graph = (out, leaves, params)
+        ctx.graph = (out, leaves, tensors[slots:])
         ctx.reference, ctx.dropout_p = reference, dropout_p
-        ctx.save_for_backward(q, k, v)
+        ctx.save_for_backward(*tensors[:slots])
         return out.detach()
 
     @staticmethod
@@ -261,7 +296,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
             )
         out, leaves, params = ctx.graph
         if not out.requires_grad:  # nothing the output depends on asks for a gradient
-            return (None,) * (6 + len(params))
+            return (None,) * (4 + len(leaves) + len(params))
         if torch.is_grad_enabled():  # create_graph=True: the gradient needs a graph
             if ctx.dropout_p > 0:
                 raise RuntimeError(
@@ -273,6 +308,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
                 None,
                 None,
                 None,
+                None,
                 *_reference_gradients(ctx.reference, ctx.saved_tensors, params, grad_out),
             )
         inputs = [*leaves, *params]
@@ -281,7 +317,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
             del ctx.graph  # when this backward returns (freeing it now could free history
             # that the graph shares with the rest of the model: a parametrised table)
         grads = iter(torch.autograd.grad(out, wrt, grad_out, retain_graph=True, allow_unused=True))
-        return None, None, None, *(next(grads) if x.requires_grad else None for x in inputs)
+        return None, None, None, None, *(next(grads) if x.requires_grad else None for x in inputs)
 
 
 def _keeps_graph() -> bool:
@@ -294,22 +330,24 @@ def _keeps_graph() -> bool:
 
 
 def _reference_gradients(
-    reference: Callable[..., tuple[Tensor, Tensor]],
+    reference: Callable[..., Tensor],
     saved: tuple[Tensor, ...],
     params: tuple[Tensor, ...],
     grad_out: Tensor,
 ) -> list[Tensor | None]:
-    """The gradients of ``q, k, v`` and ``params`` through the math reference, with a graph.
+    """The gradients of ``saved`` (``q, k, v`` and the tensors with a history that the hooks
+    read) and ``params`` through the math reference, with a graph.
 
-    Each of ``q, k, v`` enters the reference as a view of its own, so that its gradient is
+    Each saved tensor enters the reference as a view of its own, so that its gradient is
     the partial of that argument alone (``attention(x, x, x)`` passes one tensor three
     times, and autograd adds the three), with the history to differentiate again. A
     parameter's gradient keeps only its direct part: the part that flows through the
-    history of ``q, k, v`` (a rotation's learned frequencies) is autograd's to add when it
-    carries their gradients back, so it is taken out here rather than counted twice.
+    history of a saved tensor (a rotation's learned frequencies, a cached parametrisation's
+    table) is autograd's to add when it carries their gradients back, so it is taken out
+    here rather than counted twice.
     """
     slots = [x.view_as(x) for x in saved]  # one tensor per argument, same history
-    ref = reference(*slots)[0]
+    ref = reference(*slots)
     inputs = [*slots, *params]
     wrt = [x for x in inputs if x.requires_grad]
     found = torch.autograd.grad(ref, wrt, grad_out, create_graph=True, allow_unused=True)
@@ -445,7 +483,9 @@ def _plan_mask_blocks(call: Call) -> Plan:
         )
     return lambda: _by_blocks(
         call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.scale, blocks,
-        functools.partial(_lean_blocks, scheme=call.scheme),
+        functools.partial(
+            _lean_blocks, scheme=call.scheme, learned=(call.params, call.histories)
+        ),
     )  # fmt: skip
 
 
@@ -461,9 +501,11 @@ def _lean_blocks(
     dropout_p: float,
     *,
     scheme: Any = None,
+    learned: tuple[list[Tensor], list[Tensor]] | None = None,
 ) -> Tensor:
-    """One block of :func:`_plan_mask_blocks`: the lean paths, blocks excepted."""
-    call = Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme)
+    """One block of :func:`_plan_mask_blocks`: the lean paths, blocks excepted (``learned``:
+    the whole call's :attr:`Call.params` and :attr:`Call.histories`)."""
+    call = Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme, learned)
     return _walk(LEAN_PATHS[1:], call)[1]()
 
 
@@ -531,7 +573,7 @@ def _fast(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    *,
+    *stand_ins: Tensor,
     hooks: Hooks,
     q_pos: Tensor,
     k_pos: Tensor,
@@ -541,12 +583,19 @@ def _fast(
     paths: tuple[Path, ...],
     name: str,
     scheme: Any,
+    params: list[Tensor],
+    originals: list[Tensor],
 ) -> Tensor:
     """The path ``name`` of ``paths`` (which :func:`_walk` chose for these values) on
-    ``q, k, v``, or the first after it that takes the call: ``[b, h, n_q, d]``."""
-    call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
+    ``q, k, v``, or the first after it that takes the call: ``[b, h, n_q, d]``. The hooks
+    read ``stand_ins`` in place of ``originals``, and the paths differentiate ``params``
+    and the stand-ins."""
+    if originals:
+        hooks = substituted(hooks, originals, list(stand_ins))
+    learned = (params + [x for x in stand_ins if x.requires_grad], [])
+    call = Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme, learned)
     start = next(i for i, path in enumerate(paths) if path.name == name)
-    return _walk(paths[start:], call)[1]()
+    return _walk(paths[start:], _prepared(call))[1]()
 
 
 def explain_call(

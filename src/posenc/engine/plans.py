@@ -19,9 +19,10 @@ from torch import Tensor
 
 from ..hooks import Hooks
 from . import common, tuning
-from .common import _bias_span, _dense_last, _scheme_parameters
+from .common import _bias_span, _dense_last
 from .grid import _grid_kernel_values, _GridFusedAttention, _GridTermAttention
 from .lean import _LeanAttention, _LeanFusedAttention
+from .learned import learned_inputs, scheme_parameters
 from .mask import Mask
 from .offset_bias import _offset_kernel_values, _OffsetFusedAttention
 from .offset_term import _expand_rows, _offset_rows, _OffsetTermAttention, _same_index
@@ -43,11 +44,29 @@ class Call:
     scale: float
     dropout_p: float
     scheme: Any
+    #: ``(leaves, histories)`` of :func:`~.learned.learned_inputs` when already known (a
+    #: block of a larger call, a fast path run again inside the create_graph wrapper)
+    learned: tuple[list[Tensor], list[Tensor]] | None = None
 
     @functools.cached_property
+    def _learned(self) -> tuple[list[Tensor], list[Tensor]]:
+        if self.learned is not None:
+            return self.learned
+        return learned_inputs(self.scheme, self.hooks, self.q, self.q_pos, self.k_pos)
+
+    @property
     def params(self) -> list[Tensor]:
-        """The scheme's parameters that require grad (read once per call)."""
-        return _scheme_parameters(self.scheme)
+        """The leaves requiring grad that the hooks read, which the paths built on autograd
+        Functions differentiate: the scheme's parameters, and the other tensors that a
+        scheme not posenc's own reads (a probe of its hooks, once per call)."""
+        return self._learned[0]
+
+    @property
+    def histories(self) -> list[Tensor]:
+        """The tensors requiring grad with a history of their own that the hooks read (a
+        path built on autograd Functions reads them through leaves standing in for them:
+        ``dispatch._attend``)."""
+        return self._learned[1]
 
     @functools.cached_property
     def constant_bias(self) -> bool:
@@ -57,10 +76,11 @@ class Call:
 
     @functools.cached_property
     def grad(self) -> bool:
-        """Whether the call computes gradients: grad mode, and an input or a parameter of
-        the scheme that requires grad."""
+        """Whether the call computes gradients for its inputs or the scheme's parameters:
+        grad mode, and one of them requires grad (a tensor only the hooks read is for
+        :attr:`params` and :attr:`histories`)."""
         return torch.is_grad_enabled() and any(
-            x.requires_grad for x in (self.q, self.k, self.v, *self.params)
+            x.requires_grad for x in (self.q, self.k, self.v, *scheme_parameters(self.scheme))
         )
 
 
@@ -254,7 +274,9 @@ def _constant_bias(call: Call) -> bool:
     does not require grad (a user's hook, or a posenc scheme's overridden method, may read
     a tensor that does; SDPA's route would not differentiate it)."""
     hooks = call.hooks
-    if hooks.score_term is not None or hooks.score_bias is None or call.params:
+    if hooks.score_term is not None or hooks.score_bias is None:
+        return False
+    if scheme_parameters(call.scheme):
         return False
     return not hooks.score_bias(call.q_pos, call.k_pos).requires_grad
 

@@ -1,0 +1,225 @@
+"""Which tensors that ask for a gradient a scheme's hooks read.
+
+The fast paths take the gradients of a scheme's tables through autograd Functions that
+recompute the hooks block by block in their backward, or through the wrapper that makes a
+fast path differentiable twice: each returns gradients for the tensors it is handed, and
+only for those. They are handed the scheme's parameters and, where the scheme may read
+others (a user's scheme that is not an ``nn.Module``, a method overridden to read a learned
+tensor held elsewhere, a hypernetwork's output kept as an attribute), the tensors that
+requires grad which a probe of its hooks reads. Without them such a tensor would get no
+gradient from the fast paths, silently.
+
+Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim;
+positions ``[B', n]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..hooks import Hooks
+
+#: the top-level packages whose modules read nothing but their own parameters and buffers
+_OWN_PACKAGES = frozenset(("posenc", "torch"))
+
+
+def scheme_parameters(scheme: Any) -> list[Tensor]:
+    """The parameters of ``scheme`` (an ``nn.Module``) that require grad; none otherwise."""
+    if isinstance(scheme, nn.Module):
+        return [p for p in scheme.parameters() if p.requires_grad]
+    return []
+
+
+def learned_inputs(
+    scheme: Any, hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The tensors requiring grad that the hooks of ``scheme`` read, as ``(leaves,
+    histories)``: its parameters and the other leaves, then the tensors with a history of
+    their own (a network's output, a cached parametrisation), which a fast path must not
+    differentiate through (it would count their history's share twice: once itself, once
+    through the tensor's gradient) and so reads through leaves that stand in for them
+    (:func:`substituted`).
+
+    The others are found by a probe of the hooks (:func:`_probe`), only for a scheme that
+    may read them (:func:`_reads_own_only` false), and only in grad mode outside
+    ``torch.compile`` and ``torch.func`` transforms (where the probe's function mode would
+    not run as eager code does).
+
+    Args:
+        scheme: the object whose hooks are ``hooks``.
+        hooks: its hooks.
+        q: ``[b, h, n_q, d]`` queries (rotated).
+        q_pos: ``[B', n_q]`` query positions.
+        k_pos: ``[B', n_k]`` key positions.
+
+    Returns:
+        ``(leaves, histories)``, each tensor once: the parameters first, then the others in
+        the order the probe met them.
+    """
+    params = scheme_parameters(scheme)
+    if (
+        not torch.is_grad_enabled()
+        or _reads_own_only(scheme)
+        or torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or q.shape[2] == 0
+        or k_pos.shape[-1] == 0
+    ):
+        return params, []
+    known = {id(p) for p in params}
+    others = [x for x in _probe(hooks, q, q_pos, k_pos) if id(x) not in known]
+    return params + [x for x in others if x.grad_fn is None], [
+        x for x in others if x.grad_fn is not None
+    ]
+
+
+def _reads_own_only(scheme: Any) -> bool:
+    """Whether ``scheme`` can read no tensor requiring grad but its parameters: None, or an
+    ``nn.Module`` whose every submodule is of a posenc or torch class and has no function
+    or tensor set on the instance (a hook or method replaced there, or a learned tensor
+    kept as a plain attribute). Called once per call in grad mode: a few microseconds."""
+    if scheme is None:
+        return True
+    if not isinstance(scheme, nn.Module):
+        return False
+    stack = [scheme]
+    while stack:
+        module = stack.pop()
+        if not _own_class(type(module)):
+            return False
+        state = module.__dict__
+        for name in state.keys() - _MODULE_STATE:  # what the class set on the instance
+            value = state[name]
+            if not name.startswith("_") and (callable(value) or isinstance(value, Tensor)):
+                return False
+        stack.extend(m for m in module._modules.values() if m is not None)
+    return True
+
+
+#: the attributes every ``nn.Module`` instance has
+_MODULE_STATE = frozenset(vars(nn.Module()))
+
+
+@functools.cache
+def _own_class(cls: type) -> bool:
+    return cls.__module__.partition(".")[0] in _OWN_PACKAGES
+
+
+class _Reads(TorchFunctionMode):
+    """Records each tensor requiring grad that a torch function is given and that no
+    function under the mode made (a tensor the code read from outside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[int, Tensor] = {}  # kept alive, so that no id is reused meanwhile
+        self.read: dict[int, Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for x in tree_leaves((args, kwargs)):
+            if isinstance(x, Tensor) and x.requires_grad and id(x) not in self.made:
+                self.read.setdefault(id(x), x)
+        out = func(*args, **kwargs)
+        for y in tree_leaves(out):
+            if isinstance(y, Tensor):
+                self.made[id(y)] = y
+        return out
+
+
+def _probe(hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[Tensor]:
+    """The tensors requiring grad that the hooks read for the first query against every
+    key (the per-offset and grid forms for all positions: their tables are small), in the
+    order met. ``q`` enters detached: its own gradient is the paths' business.
+
+    A hook that raises on the probe's row is left to the call, which runs it on its own
+    rows and raises there. A tensor that the hooks make on their first call and keep (a cached parametrisation
+    computed on first use) is read by every later call: when a tensor the probe made
+    outlives it, the probe runs once more and finds it read.
+    """
+    q_row, qp = q[:, :, :1].detach(), q_pos[:, :1]  # [b, h, 1, d], [B', 1]
+    weights = q.new_zeros(*q.shape[:2], 1, k_pos.shape[-1])  # [b, h, 1, n_k]
+    calls = (
+        (hooks.score_bias, (qp, k_pos)),
+        (hooks.score_term, (q_row, qp, k_pos)),
+        (hooks.value_term, (weights, qp, k_pos)),
+        (hooks.key_shift, (q_row, qp, k_pos)),
+        (hooks.offset_bias, (q_pos, k_pos)),
+        (hooks.offset_term, (q_pos, k_pos)),
+        (hooks.offset_value, (q_pos, k_pos)),
+        (hooks.grid_bias, (q_pos, k_pos)),
+        (hooks.grid_term, (q_pos, k_pos)),
+    )
+
+    def once() -> tuple[list[Tensor], list[weakref.ref[Tensor]]]:
+        reads = _Reads()
+        with reads, torch.enable_grad():
+            for hook, args in calls:
+                if hook is None:
+                    continue
+                try:  # the hook itself, not its shape check (which the call runs)
+                    getattr(hook, "__wrapped__", hook)(*args)
+                except Exception:  # the call runs it on its own rows, and raises there
+                    continue
+        made = [weakref.ref(x) for x in reads.made.values() if x.requires_grad]
+        return list(reads.read.values()), made
+
+    read, made = once()
+    if any(ref() is not None for ref in made):  # kept by something outside the hooks' calls
+        read = once()[0]
+    return read
+
+
+class _Substitute(TorchFunctionMode):
+    """Gives each torch function, in place of a tensor of ``pairs``, its stand-in."""
+
+    def __init__(self, pairs: dict[int, Tensor]) -> None:
+        super().__init__()
+        self.pairs = pairs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        def swap(x: Any) -> Any:
+            return self.pairs.get(id(x), x) if isinstance(x, Tensor) else x
+
+        return func(*tree_map(swap, args), **tree_map(swap, kwargs or {}))
+
+
+#: the hooks a substituted :class:`Hooks` keeps: FlexAttention's mods return functions
+#: that read their tensors later, outside any mode, so they are dropped (the flex path
+#: then declines the call)
+_FLEX_HOOKS = ("flex_score_mod", "flex_term_mod")
+
+
+def substituted(hooks: Hooks, originals: list[Tensor], stand_ins: list[Tensor]) -> Hooks:
+    """``hooks`` reading ``stand_ins[i]`` wherever they read ``originals[i]``.
+
+    Args:
+        hooks: the scheme's hooks.
+        originals: tensors the hooks read.
+        stand_ins: one tensor of the same shape per original (a leaf, or a view).
+
+    Returns:
+        The hooks, each run under a function mode that swaps the tensors; FlexAttention's
+        mods dropped.
+    """
+    pairs = {id(x): s for x, s in zip(originals, stand_ins, strict=True)}
+
+    def wrap(hook: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with _Substitute(pairs):
+                return hook(*args, **kwargs)
+
+        return run
+
+    fields = {
+        name: None if name in _FLEX_HOOKS or hook is None else wrap(hook)
+        for name, hook in vars(hooks).items()
+    }
+    return replace(hooks, **fields)

@@ -1,0 +1,240 @@
+"""posenc.engine.learned: a tensor that requires grad and that a scheme's hooks read gets its
+gradient on every path, a leaf or a tensor with a history, as the math path gives it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from posenc.engine import Mask, attend, explain_call
+from posenc.engine.learned import _reads_own_only, learned_inputs, substituted
+from posenc.hooks import hooks_of
+from schemes import SCHEMES
+
+SPAN = 8
+
+
+def _offsets(q_pos, k_pos):
+    return (k_pos[:, None, :] - q_pos[:, :, None]).clamp(-SPAN, SPAN) + SPAN  # [B', n_q, n_k]
+
+
+class HeldBias:
+    """A user's scheme that is not a module: a bias per clipped offset read from a table
+    it is handed (``[h, 2 SPAN + 1]``, a leaf or a tensor with a history)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def score_bias(self, q_pos, k_pos):
+        return self.table[:, _offsets(q_pos, k_pos)].transpose(0, 1)  # [B', h, n_q, n_k]
+
+
+class HeldOffsetBias(HeldBias):
+    """The same with its per-offset form, which the per-offset path reads."""
+
+    def offset_bias(self, q_pos, k_pos):
+        first, last = int(k_pos[0, 0] - q_pos[0, -1]), int(k_pos[0, -1] - q_pos[0, 0])
+        return self.table[:, torch.arange(first, last + 1).clamp(-SPAN, SPAN) + SPAN]
+
+
+class HeldValue(HeldBias):
+    """A value term per clipped offset read from a held ``[2 SPAN + 1, d]`` table, beside the
+    bias: the general lean path (the fused kernels add no value term)."""
+
+    def __init__(self, table, values):
+        super().__init__(table)
+        self.values = values
+
+    def value_term(self, weights, q_pos, k_pos):
+        index = _offsets(q_pos, k_pos)[:, None].expand_as(weights)  # [b, h, n_q, n_k]
+        buckets = weights.new_zeros(*weights.shape[:-1], 2 * SPAN + 1)
+        return buckets.scatter_add(-1, index, weights) @ self.values  # [b, h, n_q, d]
+
+
+def _run(scheme, backend, n, *, mask=None, inputs_grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    q, k, v = (x.requires_grad_(inputs_grad) for x in (q, k, v))
+    pos = torch.arange(n)[None]
+    mask = Mask(n, n) if mask is None else mask
+    path = explain_call(q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=mask, backend=backend)
+    out, _ = attend(q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=mask, backend=backend)
+    return path.path, out, (q, k, v)
+
+
+def _loss(out):
+    return (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum()
+
+
+def _grads(make, backend, n, **kw):
+    """``(path, [out, d base, d values?, dq, dk, dv])`` of a fresh scheme from ``make(base,
+    values)`` on leaves ``base [2, 2 SPAN + 1]`` and ``values [2 SPAN + 1, 8]``."""
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(2, 2 * SPAN + 1, dtype=torch.float64, generator=g).requires_grad_()
+    values = torch.randn(2 * SPAN + 1, 8, dtype=torch.float64, generator=g).requires_grad_()
+    scheme = make(base, values)
+    path, out, inputs = _run(scheme, backend, n, **kw)
+    _loss(out).backward()
+    return path, [out, base.grad, values.grad, *(x.grad for x in inputs)]
+
+
+#: schemes reading a leaf they are handed, and a tensor computed from it (with a history)
+MAKERS = {
+    "bias-leaf": lambda base, values: HeldBias(base),
+    "bias-history": lambda base, values: HeldBias(base * 2 - 1),
+    "offset-leaf": lambda base, values: HeldOffsetBias(base),
+    "offset-history": lambda base, values: HeldOffsetBias(base.exp()),
+    "value-history": lambda base, values: HeldValue(base * 2, values.tanh()),
+}
+
+#: (maker, n, mask) -> the path the call takes (so that each fast path is covered)
+CASES = [
+    ("bias-leaf", 64, None, "auto", "materialised"),
+    ("bias-leaf", 300, None, "auto", "lean-fused"),
+    ("bias-history", 64, None, "auto", "materialised"),
+    ("bias-history", 64, None, "lean", "lean-fused"),
+    ("bias-history", 300, None, "auto", "lean-fused"),
+    ("bias-history", 300, "padding", "lean", "mask-blocks"),
+    ("offset-leaf", 300, None, "auto", "offset-bias"),
+    ("offset-history", 300, None, "auto", "offset-bias"),
+    ("offset-history", 300, "causal", "lean", "offset-bias"),
+    ("value-history", 40, None, "lean", "lean"),
+    ("value-history", 300, "padding", "lean", "mask-blocks"),
+]
+
+
+def _mask(kind, n):
+    if kind is None:
+        return None
+    if kind == "causal":
+        return Mask(n, n, causal=True)
+    return Mask(n, n, key_padding=torch.arange(n)[None].expand(2, n) >= n - 7)
+
+
+@pytest.mark.parametrize(("maker", "n", "mask", "backend", "path"), CASES)
+def test_a_tensor_the_hooks_read_gets_the_math_paths_gradient(maker, n, mask, backend, path):
+    taken, fast = _grads(MAKERS[maker], backend, n, mask=_mask(mask, n))
+    assert taken == path
+    _, slow = _grads(MAKERS[maker], "math", n, mask=_mask(mask, n))
+    for name, a, c in zip(["out", "base", "values", "q", "k", "v"], slow, fast, strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["auto", "lean"])
+def test_only_the_hooks_tensor_asks_for_a_gradient(backend):
+    """q, k, v without gradients: the call still differentiates the table (it took the path
+    as a call without gradients before)."""
+    n = 300
+    grads = {}
+    for name in ("math", backend):
+        base = torch.linspace(-2, 2, 2 * (2 * SPAN + 1), dtype=torch.float64).view(2, -1)
+        base.requires_grad_()
+        _, out, _ = _run(HeldBias(base * 3), name, n, inputs_grad=False)
+        _loss(out).backward()
+        grads[name] = base.grad
+    assert grads[backend] is not None
+    torch.testing.assert_close(grads[backend], grads["math"], rtol=1e-10, atol=1e-10)
+
+
+def test_a_history_shared_with_the_rest_of_the_model_is_counted_once():
+    """A module scheme whose table is parametrised and cached: the cached table (a tensor
+    with a history) is read by the hooks and also enters the loss; its parameter's gradient
+    on the lean paths equals math's (read through a stand-in, not differentiated twice)."""
+
+    class Table(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.linspace(-1, 1, 2 * (2 * SPAN + 1)).view(2, -1))
+
+        def score_bias(self, q_pos, k_pos):
+            return self.table[:, _offsets(q_pos, k_pos)].transpose(0, 1)
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 3 * w
+
+    grads = {}
+    for backend in ("math", "lean"):
+        scheme = Table().double()
+        parametrize.register_parametrization(scheme, "table", Scale())
+        assert not _reads_own_only(scheme)
+        with parametrize.cached():
+            _, out, _ = _run(scheme, backend, 300)
+            _, out2, _ = _run(scheme, backend, 300, seed=1)
+            (_loss(out) + _loss(out2) + scheme.table.square().sum()).backward()
+        grads[backend] = scheme.parametrizations.table.original.grad
+    torch.testing.assert_close(grads["lean"], grads["math"], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("maker", ["bias-leaf", "bias-history", "value-history"])
+def test_second_derivatives_through_a_held_tensor_are_the_definitions(maker):
+    """A gradient penalty (create_graph=True) through a fast path, on the gradients of ``q``
+    and of the held tensor's leaf: its derivatives equal math's."""
+    results = {}
+    for backend in ("math", "lean"):
+        g = torch.Generator().manual_seed(7)
+        base = torch.randn(2, 2 * SPAN + 1, dtype=torch.float64, generator=g).requires_grad_()
+        values = torch.randn(2 * SPAN + 1, 8, dtype=torch.float64, generator=g).requires_grad_()
+        _, out, (q, _, _) = _run(MAKERS[maker](base, values), backend, 40)
+        dq, dbase = torch.autograd.grad(_loss(out), (q, base), create_graph=True)
+        penalty = dq.square().sum() + dbase.square().sum()
+        results[backend] = torch.autograd.grad(penalty, (base, values), allow_unused=True)
+    for a, c in zip(results["math"], results["lean"], strict=True):
+        if a is None:
+            assert c is None
+        else:
+            torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
+
+
+def test_learned_inputs_splits_leaves_from_histories_and_skips_parameters():
+    base = torch.zeros(2, 2 * SPAN + 1, requires_grad=True)
+    table = base * 2
+    q, pos = torch.zeros(1, 2, 5, 8), torch.arange(5)[None]
+    values = torch.zeros(2 * SPAN + 1, 8, requires_grad=True)
+    scheme = HeldValue(table, values.exp())
+    leaves, histories = learned_inputs(scheme, hooks_of(scheme), q, pos, pos)
+    assert leaves == [] and [id(x) for x in histories] == [id(table), id(scheme.values)]
+    scheme = HeldBias(base)
+    leaves, histories = learned_inputs(scheme, hooks_of(scheme), q, pos, pos)
+    assert [id(x) for x in leaves] == [id(base)] and histories == []
+    with torch.no_grad():
+        assert learned_inputs(scheme, hooks_of(scheme), q, pos, pos) == ([], [])
+
+
+def test_posencs_own_schemes_are_not_probed():
+    for name, entry in SCHEMES.items():
+        scheme = entry.build(2, 8, 16, (4, 4))
+        assert _reads_own_only(scheme), name
+
+
+def test_a_scheme_that_may_read_other_tensors_is_probed():
+    from posenc import ALiBi, T5RelativeBias
+
+    class Mine(T5RelativeBias):
+        pass
+
+    assert _reads_own_only(None)
+    assert not _reads_own_only(HeldBias(torch.zeros(1)))
+    assert not _reads_own_only(Mine(2))
+    replaced = ALiBi(2)
+    replaced.slopes = lambda: torch.ones(2)
+    assert not _reads_own_only(replaced)
+    held = ALiBi(2)
+    held.extra = torch.ones(2, requires_grad=True)
+    assert not _reads_own_only(held)
+
+
+def test_substituted_hooks_read_the_stand_in_and_drop_flex_mods():
+    table, stand_in = torch.zeros(2, 2 * SPAN + 1), torch.ones(2, 2 * SPAN + 1)
+    hooks = hooks_of(HeldBias(table))
+    pos = torch.arange(4)[None]
+    swapped = substituted(hooks, [table], [stand_in])
+    assert bool((swapped.score_bias(pos, pos) == 1).all())
+    assert bool((hooks.score_bias(pos, pos) == 0).all())
+    from posenc import ALiBi
+
+    alibi_hooks = hooks_of(ALiBi(2))
+    assert alibi_hooks.flex_score_mod is not None
+    assert substituted(alibi_hooks, [], []).flex_score_mod is None
