@@ -81,6 +81,15 @@ def _contextual_extra(
     return extra
 
 
+def _plus(scores: Tensor, x: Tensor, own: bool) -> Tensor:
+    """``scores + x``, written into ``scores`` (which the caller owns, if ``own``) where that
+    gives the same tensor: ``x`` of its dtype and broadcast to its shape."""
+    same = own and x.dtype == scores.dtype and x.dim() <= scores.dim()
+    if same and all(a in (1, c) for a, c in zip(x.shape[::-1], scores.shape[::-1], strict=False)):
+        return scores.add_(x)
+    return scores + x
+
+
 def _math(
     q: Tensor,
     k: Tensor,
@@ -97,20 +106,25 @@ def _math(
     """The attention formula, one autograd op at a time: ``(out [b, h, n_q, d], weights
     [b, h, n_q, n_k])``. ``reference``: the scheme's literal hooks where it has them (Shaw's
     ``[n_q, n_k, d]`` relation tensors); False: its fast hooks, the same values."""
+    # the scores are this function's own until the softmax (nothing saves them for a
+    # backward but a contextual term, which gets a tensor no later step writes into), so
+    # each step writes into them: the same values, two [b, h, n_q, n_k] passes fewer
+    own = not torch._C._are_functorch_transforms_active()  # vmap cannot write in place
     scores = q @ k.transpose(-2, -1)  # [b, h, n_q, n_k]
     term = (hooks.reference_score_term if reference else None) or hooks.score_term
     if term is not None:
-        scores = scores + term(q, q_pos, k_pos)
-    scores = scores * scale
+        scores = _plus(scores, term(q, q_pos, k_pos), own)
+    scores = scores.mul_(scale) if own else scores * scale
     if hooks.score_bias is not None:
-        scores = scores + hooks.score_bias(q_pos, k_pos)
+        scores = _plus(scores, hooks.score_bias(q_pos, k_pos), own)
     keep = mask.keep(device=q.device)
     if hooks.contextual_term is not None:  # CoPE: a term read from the masked logits
         scores = scores + _contextual(hooks, scores, keep, q, q_pos, k_pos)
     if mask.bias is not None:  # a float attn_mask, added as SDPA adds it
-        scores = scores + mask.bias.to(scores.dtype)
+        scores = _plus(scores, mask.bias.to(scores.dtype), own)
     if keep is not None:
-        scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+        fill = torch.finfo(scores.dtype).min
+        scores = scores.masked_fill_(~keep, fill) if own else scores.masked_fill(~keep, fill)
     weights = scores.to(_wide(scores.dtype)).softmax(dim=-1)  # softmax in float32 at least
     if keep is not None and not (mask.causal_at_most and mask.n_q <= mask.n_k):
         # a query with no visible key: its row was uniform over masked keys; make it 0
