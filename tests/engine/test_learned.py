@@ -12,6 +12,7 @@ from posenc.engine import Mask, attend, explain_call
 from posenc.engine.learned import _reads_own_only, learned_inputs, substituted
 from posenc.hooks import hooks_of
 from schemes import SCHEMES
+from tolerances import assert_close, logit_size
 
 SPAN = 8
 
@@ -138,33 +139,42 @@ def test_only_the_hooks_tensor_asks_for_a_gradient(backend):
     torch.testing.assert_close(grads[backend], grads["math"], rtol=1e-10, atol=1e-10)
 
 
-def test_a_history_shared_with_the_rest_of_the_model_is_counted_once():
-    """A module scheme whose table is parametrised and cached: the cached table (a tensor
-    with a history) is read by the hooks and also enters the loss; its parameter's gradient
-    on the lean paths equals math's (read through a stand-in, not differentiated twice)."""
+class Table(nn.Module):
+    """A learned table per clipped offset, as a module's parameter."""
 
-    class Table(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.table = nn.Parameter(torch.linspace(-1, 1, 2 * (2 * SPAN + 1)).view(2, -1))
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.linspace(-1, 1, 2 * (2 * SPAN + 1)).view(2, -1))
 
-        def score_bias(self, q_pos, k_pos):
-            return self.table[:, _offsets(q_pos, k_pos)].transpose(0, 1)
+    def score_bias(self, q_pos, k_pos):
+        return self.table[:, _offsets(q_pos, k_pos)].transpose(0, 1)
 
-    class Scale(nn.Module):
-        def forward(self, w):
-            return 3 * w
 
+class Scale(nn.Module):
+    def forward(self, w):
+        return 3 * w
+
+
+@pytest.mark.parametrize("touched", [False, True])
+@pytest.mark.parametrize("through", [Scale, nn.Tanh])
+def test_a_history_shared_with_the_rest_of_the_model_is_counted_once(through, touched):
+    """A module scheme whose table is parametrised (by a user's class, or torch's) and
+    cached: the cached table (a tensor with a history; first computed inside attention, or
+    before it) is read by two calls and enters the loss; the parameter's gradient on the
+    lean paths equals math's (read through a stand-in, its history differentiated once)."""
     grads = {}
     for backend in ("math", "lean"):
         scheme = Table().double()
-        parametrize.register_parametrization(scheme, "table", Scale())
+        parametrize.register_parametrization(scheme, "table", through())
         assert not _reads_own_only(scheme)
         with parametrize.cached():
-            _, out, _ = _run(scheme, backend, 300)
+            if touched:
+                scheme.table.sum()
+            path, out, _ = _run(scheme, backend, 300)
             _, out2, _ = _run(scheme, backend, 300, seed=1)
             (_loss(out) + _loss(out2) + scheme.table.square().sum()).backward()
         grads[backend] = scheme.parametrizations.table.original.grad
+    assert path == "lean-fused"
     torch.testing.assert_close(grads["lean"], grads["math"], rtol=1e-10, atol=1e-10)
 
 
@@ -212,18 +222,106 @@ def test_posencs_own_schemes_are_not_probed():
 def test_a_scheme_that_may_read_other_tensors_is_probed():
     from posenc import ALiBi, T5RelativeBias
 
+    class Configured(T5RelativeBias):  # sets posenc's class up, reads what it reads
+        def __init__(self):
+            super().__init__(2, num_buckets=8)
+
     class Mine(T5RelativeBias):
-        pass
+        def bias(self, buckets):
+            return super().bias(buckets)
 
     assert _reads_own_only(None)
+    assert _reads_own_only(Configured())
     assert not _reads_own_only(HeldBias(torch.zeros(1)))
     assert not _reads_own_only(Mine(2))
     replaced = ALiBi(2)
     replaced.slopes = lambda: torch.ones(2)
     assert not _reads_own_only(replaced)
     held = ALiBi(2)
-    held.extra = torch.ones(2, requires_grad=True)
+    held._extra = torch.ones(2, requires_grad=True)
     assert not _reads_own_only(held)
+    tanh = T5RelativeBias(2)
+    parametrize.register_parametrization(tanh.embedding, "weight", nn.Tanh())
+    assert not _reads_own_only(tanh)  # a torch class, but a cached table has a history
+
+
+class PastFuture:
+    """Slopes for keys behind the query and ahead of it, each read only for the queries
+    that have such keys (row 0 has none behind)."""
+
+    def __init__(self, past, future):
+        self.past, self.future = past, future
+
+    def score_bias(self, q_pos, k_pos):
+        offsets = (k_pos[:, None, :] - q_pos[:, :, None]).double()[:, None]  # [B', 1, n_q, n_k]
+        bias = offsets.new_zeros(offsets.shape[0], 2, *offsets.shape[2:])
+        if bool((offsets > 0).any()):
+            bias = bias - offsets.clamp(min=0) * self.future[:, None, None]
+        if bool((offsets < 0).any()):
+            bias = bias - (-offsets).clamp(min=0) * self.past[:, None, None]
+        return bias  # [B', 2, n_q, n_k]
+
+
+def test_a_tensor_read_for_some_rows_only_gets_its_gradient():
+    grads = {}
+    for backend in ("math", "lean"):
+        past = torch.tensor([0.1, 0.2], dtype=torch.float64, requires_grad=True)
+        future = torch.tensor([0.3, 0.05], dtype=torch.float64, requires_grad=True)
+        _, out, _ = _run(PastFuture(past, future), backend, 300)
+        _loss(out).backward()
+        grads[backend] = (past.grad, future.grad)
+    for a, c in zip(grads["math"], grads["lean"], strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
+
+
+class Normalised(HeldBias):
+    """The held table divided by a statistic of another tensor taken without grad."""
+
+    def __init__(self, table, stat):
+        super().__init__(table)
+        self.stat = stat
+
+    def score_bias(self, q_pos, k_pos):
+        with torch.no_grad():
+            size = self.stat.abs().amax()
+        return super().score_bias(q_pos, k_pos) / size
+
+
+def test_a_tensor_read_without_grad_gets_none_as_on_math():
+    """No gradient reaches a tensor read under no_grad: None on every path, not zeros
+    (which an optimizer with weight decay or momentum would still apply)."""
+    grads = {}
+    for backend in ("math", "lean"):
+        table = torch.linspace(-1, 1, 2 * (2 * SPAN + 1), dtype=torch.float64).view(2, -1)
+        table.requires_grad_()
+        stat = torch.tensor([2.0, -3.0], dtype=torch.float64, requires_grad=True)
+        taken, out, _ = _run(Normalised(table, stat), backend, 300)
+        _loss(out).backward()
+        assert stat.grad is None, taken
+        grads[backend] = table.grad
+    torch.testing.assert_close(grads["lean"], grads["math"], rtol=1e-10, atol=1e-10)
+
+
+def test_the_flex_path_runs_a_scheme_reading_a_tensor_with_a_history_on_cpu():
+    """backend='flex' on CPU (forward only there) with a tensor with a history read by the
+    scheme, in grad mode: it runs, as before the probe (which must not drop its mods)."""
+    from posenc import ALiBi
+
+    class Learned(ALiBi):
+        def slopes(self, device=None):
+            return self.raw.exp()
+
+    scheme = Learned(2)
+    scheme.raw = torch.tensor([-0.5, -1.5], requires_grad=True) * 1.0
+    n = 16
+    pos, mask = torch.arange(n)[None], Mask(n, n)
+    q, k, v = (torch.randn(1, 2, n, 8) for _ in range(3))
+    out = {
+        backend: attend(q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=mask, backend=backend)[0]
+        for backend in ("flex", "math")
+    }
+    logit = logit_size(q, k, scheme, pos, pos)
+    assert_close(out["flex"], out["math"], terms=n, logit=logit)
 
 
 def test_substituted_hooks_read_the_stand_in_and_drop_flex_mods():

@@ -177,7 +177,9 @@ def _attend(
         return run(), None
     if name in _AUTOGRAD_PATHS and (not call.grad or _exact_twice(name, call, hooks)):
         return run(), None  # autograd's ops alone: every tensor the hooks read gets its gradient
-    histories = call.histories  # a probe of the hooks, for a scheme not posenc's own
+    # a probe of the hooks, for a scheme not posenc's own (the flex path takes none: on
+    # CUDA it declines a call with one, on CPU it has no backward)
+    histories = [] if name == "flex" else call.histories
     if not (histories or call.params or any(x.requires_grad for x in (q, k, v))):
         return run(), None
     # the fast paths' backwards are not differentiable: a gradient asked for with
@@ -392,6 +394,12 @@ def _plan_math(call: Call) -> Plan:
 def _plan_flex(call: Call) -> Plan:
     if call.hooks.contextual_term is not None:
         return "cannot add a contextual term (CoPE reads each query's whole row of logits)"
+    if _on_cuda(call.q) and torch.is_grad_enabled() and call.histories:
+        return (
+            "cannot differentiate a tensor with a history of its own that the scheme's "
+            "hooks read (its score_mod reads it outside posenc's reach); make it a "
+            "parameter of the scheme, or use backend='auto'"
+        )
     return lambda: _flex(
         call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.mask, call.scale,
         call.dropout_p, tuple(call.params),

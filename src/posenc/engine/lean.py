@@ -52,6 +52,14 @@ def _block_scores(
     return scores
 
 
+def _add_grads(total: list[Tensor | None], grads: tuple[Tensor | None, ...]) -> None:
+    """Add one block's gradients of the hooks' tensors into ``total`` (None where none has
+    reached a tensor yet, as autograd leaves a tensor no gradient reaches)."""
+    for i, g in enumerate(grads):
+        if g is not None:
+            total[i] = g.clone() if total[i] is None else total[i].add_(g)  # g may be a buffer
+
+
 class _LeanAttention(torch.autograd.Function):
     """Blocked attention that keeps only the log-sum-exp for the backward."""
 
@@ -101,7 +109,7 @@ class _LeanAttention(torch.autograd.Function):
         grad_q = torch.zeros_like(q)
         grad_k = torch.zeros(k.shape, dtype=_wide(k.dtype), device=k.device)
         grad_v = torch.zeros(v.shape, dtype=_wide(v.dtype), device=v.device)
-        grad_params = [torch.zeros_like(p) for p in params]
+        grad_params: list[Tensor | None] = [None] * len(params)  # None: no gradient reached it
         has_hooks = hooks.score_term is not None or hooks.score_bias is not None
         for start in range(0, q.shape[2], rows):
             blk = slice(start, min(start + rows, q.shape[2]))
@@ -128,9 +136,7 @@ class _LeanAttention(torch.autograd.Function):
                 outputs, wrt = [value_out], [probs_leaf, *params]
                 grads = torch.autograd.grad(outputs, wrt, [g_out], allow_unused=True)
                 grad_probs = grad_probs + grads[0].to(wide)
-                for acc, g in zip(grad_params, grads[1:], strict=True):
-                    if g is not None:
-                        acc += g
+                _add_grads(grad_params, grads[1:])
             grad_v += probs.transpose(-2, -1) @ g_out.to(wide)
             # sum_j P_ij dP_ij = dO_i . O_i (FlashAttention's D), O(rows * d) not O(rows * n_k)
             row_dot = (g_out.to(wide) * out[:, :, blk].to(wide)).sum(dim=-1, keepdim=True)
@@ -145,9 +151,7 @@ class _LeanAttention(torch.autograd.Function):
                 if hooks.score_term is not None:
                     grad_q[:, :, blk] += grads[0]
                     grads = grads[1:]
-                for acc, g in zip(grad_params, grads, strict=True):
-                    if g is not None:
-                        acc += g
+                _add_grads(grad_params, grads)
         return (
             grad_q,
             grad_k.to(k.dtype),
@@ -215,7 +219,7 @@ class _LeanFusedAttention(torch.autograd.Function):
         q, k, v, out, q_pos, k_pos, lse, *params = ctx.saved_tensors
         hooks, mask, scale, rows, span = ctx.hooks, ctx.mask, ctx.scale, ctx.rows, ctx.span
         grad_q = torch.empty_like(q)
-        grad_params = [torch.zeros_like(p) for p in params]
+        grad_params: list[Tensor | None] = [None] * len(params)  # None: no gradient reached it
         grad_out = grad_out.contiguous()
         groups = common._head_groups(q.shape[0], q.shape[1])
         key_grads = _KeyGrads(k, v, groups)
@@ -258,8 +262,6 @@ class _LeanFusedAttention(torch.autograd.Function):
             if hooks.score_term is not None:
                 grad_q[:, :, blk] += grads[0]
                 grads = grads[1:]
-            for acc, g in zip(grad_params, grads, strict=True):
-                if g is not None:
-                    acc += g
+            _add_grads(grad_params, grads)
         grad_k, grad_v = key_grads.result()
         return (grad_q, grad_k, grad_v, None, None, None, None, None, None, None, *grad_params)

@@ -5,8 +5,8 @@ recompute the hooks block by block in their backward, or through the wrapper tha
 fast path differentiable twice: each returns gradients for the tensors it is handed, and
 only for those. They are handed the scheme's parameters and, where the scheme may read
 others (a user's scheme that is not an ``nn.Module``, a method overridden to read a learned
-tensor held elsewhere, a hypernetwork's output kept as an attribute), the tensors that
-requires grad which a probe of its hooks reads. Without them such a tensor would get no
+tensor held elsewhere, a hypernetwork's output kept as an attribute), the tensors
+requiring grad that a probe of its hooks reads. Without them such a tensor would get no
 gradient from the fast paths, silently.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim;
@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from ..hooks import Hooks
+from . import common
 
 #: the top-level packages whose modules read nothing but their own parameters and buffers
 _OWN_PACKAGES = frozenset(("posenc", "torch"))
@@ -83,8 +84,11 @@ def learned_inputs(
 
 def _reads_own_only(scheme: Any) -> bool:
     """Whether ``scheme`` can read no tensor requiring grad but its parameters: None, or an
-    ``nn.Module`` whose every submodule is of a posenc or torch class and has no function
-    or tensor set on the instance (a hook or method replaced there, or a learned tensor
+    ``nn.Module`` none of whose submodules is parametrised (``torch.nn.utils.parametrize``:
+    a cached parametrisation is a tensor with a history) or of a class that defines
+    methods outside posenc and torch (:func:`_own_class`: a subclass that only sets up
+    posenc's class in ``__init__`` counts as posenc's), and that has no function or tensor
+    requiring grad set on the instance (a hook or method replaced there, a learned tensor
     kept as a plain attribute). Called once per call in grad mode: a few microseconds."""
     if scheme is None:
         return True
@@ -93,12 +97,12 @@ def _reads_own_only(scheme: Any) -> bool:
     stack = [scheme]
     while stack:
         module = stack.pop()
-        if not _own_class(type(module)):
+        if not _own_class(type(module)) or "parametrizations" in module._modules:
             return False
         state = module.__dict__
-        for name in state.keys() - _MODULE_STATE:  # what the class set on the instance
+        for name in state.keys() - _MODULE_STATE:  # what was set on the instance
             value = state[name]
-            if not name.startswith("_") and (callable(value) or isinstance(value, Tensor)):
+            if callable(value) or (isinstance(value, Tensor) and value.requires_grad):
                 return False
         stack.extend(m for m in module._modules.values() if m is not None)
     return True
@@ -107,10 +111,26 @@ def _reads_own_only(scheme: Any) -> bool:
 #: the attributes every ``nn.Module`` instance has
 _MODULE_STATE = frozenset(vars(nn.Module()))
 
+#: what a class outside posenc and torch may define and still read only what posenc's
+#: methods read: its constructor and the attributes Python gives every class
+_SETUP_ONLY = frozenset(
+    ("__init__", "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__",
+     "__annotations__", "__firstlineno__", "__static_attributes__")
+)  # fmt: skip
+
 
 @functools.cache
 def _own_class(cls: type) -> bool:
-    return cls.__module__.partition(".")[0] in _OWN_PACKAGES
+    """Whether every method of ``cls`` comes from posenc or torch: each class of its MRO is
+    theirs, or defines no attribute that is a function or descriptor but its
+    ``__init__``."""
+    for c in cls.__mro__:
+        if c.__module__.partition(".")[0] in _OWN_PACKAGES or c is object:
+            continue
+        for name, attr in vars(c).items():
+            if name not in _SETUP_ONLY and (callable(attr) or hasattr(attr, "__get__")):
+                return False
+    return True
 
 
 class _Reads(TorchFunctionMode):
@@ -124,57 +144,86 @@ class _Reads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for x in tree_leaves((args, kwargs)):
-            if isinstance(x, Tensor) and x.requires_grad and id(x) not in self.made:
+        for x in _tensors((args, kwargs)):
+            if x.requires_grad and id(x) not in self.made:
                 self.read.setdefault(id(x), x)
         out = func(*args, **kwargs)
-        for y in tree_leaves(out):
-            if isinstance(y, Tensor):
-                self.made[id(y)] = y
+        for y in _tensors(out):
+            self.made[id(y)] = y
         return out
 
 
-def _probe(hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[Tensor]:
-    """The tensors requiring grad that the hooks read for the first query against every
-    key (the per-offset and grid forms for all positions: their tables are small), in the
-    order met. ``q`` enters detached: its own gradient is the paths' business.
+def _tensors(x: Any) -> list[Tensor]:
+    """The tensors in ``x``: a tensor, or tuples, lists and dicts of them (one pass)."""
+    if isinstance(x, Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    if isinstance(x, dict):
+        return [t for item in x.values() for t in _tensors(item)]
+    return []
 
-    A hook that raises on the probe's row is left to the call, which runs it on its own
-    rows and raises there. A tensor that the hooks make on their first call and keep (a cached parametrisation
+
+def _probe(hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[Tensor]:
+    """The tensors requiring grad that the hooks read, in the order met: every hook on
+    every query (in blocks of rows, as the lean engine takes them: a hook may read a tensor
+    for some rows only), the per-offset and grid forms on all positions (their tables are
+    small). ``q`` enters detached: its own gradient is the paths' business.
+
+    A hook that raises on a block is left to the call, which runs it and raises there. A
+    tensor that the hooks make on their first call and keep (a cached parametrisation
     computed on first use) is read by every later call: when a tensor the probe made
-    outlives it, the probe runs once more and finds it read.
+    outlives it, the first block is probed once more, and finds it read.
     """
-    q_row, qp = q[:, :, :1].detach(), q_pos[:, :1]  # [b, h, 1, d], [B', 1]
-    weights = q.new_zeros(*q.shape[:2], 1, k_pos.shape[-1])  # [b, h, 1, n_k]
-    calls = (
-        (hooks.score_bias, (qp, k_pos)),
-        (hooks.score_term, (q_row, qp, k_pos)),
-        (hooks.value_term, (weights, qp, k_pos)),
-        (hooks.key_shift, (q_row, qp, k_pos)),
+    b, h, n_q, _ = q.shape
+    n_k = k_pos.shape[-1]
+    rows = common.lean_block_rows(b, h, n_q, n_k)
+
+    def calls(blk: slice) -> list[tuple[Any, tuple[Any, ...]]]:
+        q_blk, qp = q[:, :, blk].detach(), q_pos[:, blk]  # [b, h, rows, d], [B', rows]
+        weights = q.new_zeros(b, h, q_blk.shape[2], n_k)  # [b, h, rows, n_k]
+        return [
+            (hooks.score_bias, (qp, k_pos)),
+            (hooks.score_term, (q_blk, qp, k_pos)),
+            (hooks.value_term, (weights, qp, k_pos)),
+            (hooks.key_shift, (q_blk, qp, k_pos)),
+        ]
+
+    whole = [
         (hooks.offset_bias, (q_pos, k_pos)),
         (hooks.offset_term, (q_pos, k_pos)),
         (hooks.offset_value, (q_pos, k_pos)),
         (hooks.grid_bias, (q_pos, k_pos)),
         (hooks.grid_term, (q_pos, k_pos)),
-    )
+    ]
 
-    def once() -> tuple[list[Tensor], list[weakref.ref[Tensor]]]:
+    def once(blocks: range) -> tuple[list[Tensor], list[weakref.ref[Tensor]]]:
         reads = _Reads()
         with reads, torch.enable_grad():
-            for hook, args in calls:
-                if hook is None:
-                    continue
-                try:  # the hook itself, not its shape check (which the call runs)
-                    getattr(hook, "__wrapped__", hook)(*args)
-                except Exception:  # the call runs it on its own rows, and raises there
-                    continue
+            for start in blocks:
+                for hook, args in calls(slice(start, min(start + rows, n_q))):
+                    _call(hook, args)
+            for hook, args in whole:
+                _call(hook, args)
         made = [weakref.ref(x) for x in reads.made.values() if x.requires_grad]
         return list(reads.read.values()), made
 
-    read, made = once()
+    read, made = once(range(0, n_q, rows))
     if any(ref() is not None for ref in made):  # kept by something outside the hooks' calls
-        read = once()[0]
+        known = {id(x) for x in read}
+        read += [x for x in once(range(1))[0] if id(x) not in known]
     return read
+
+
+def _call(hook: Any, args: tuple[Any, ...]) -> None:
+    """``hook(*args)`` without its shape check (which the call runs), its result dropped;
+    nothing if it raises (the call runs it on its own rows, and raises there)."""
+    if hook is None:
+        return
+    try:
+        getattr(hook, "__wrapped__", hook)(*args)
+    except Exception:
+        return
 
 
 class _Substitute(TorchFunctionMode):
