@@ -179,7 +179,8 @@ def _probe(hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[Tensor
     n_k = k_pos.shape[-1]
     rows = common.lean_block_rows(b, h, n_q, n_k)
 
-    def calls(blk: slice) -> list[tuple[Any, tuple[Any, ...]]]:
+    def calls(start: int) -> list[tuple[Any, tuple[Any, ...]]]:
+        blk = slice(start, min(start + rows, n_q))
         q_blk, qp = q[:, :, blk].detach(), q_pos[:, blk]  # [b, h, rows, d], [B', rows]
         weights = q.new_zeros(b, h, q_blk.shape[2], n_k)  # [b, h, rows, n_k]
         return [
@@ -198,14 +199,16 @@ def _probe(hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[Tensor
     ]
 
     def once(blocks: range) -> tuple[list[Tensor], list[weakref.ref[Tensor]]]:
-        reads = _Reads()
+        reads, made = _Reads(), []
+        groups = (*(functools.partial(calls, start) for start in blocks), lambda: whole)
         with reads, torch.enable_grad():
-            for start in blocks:
-                for hook, args in calls(slice(start, min(start + rows, n_q))):
+            for group in groups:
+                for hook, args in group():
                     _call(hook, args)
-            for hook, args in whole:
-                _call(hook, args)
-        made = [weakref.ref(x) for x in reads.made.values() if x.requires_grad]
+                # what a block made is let go before the next (one block's memory at a
+                # time); one still alive then is kept outside, and is read from then on
+                made += [weakref.ref(x) for x in reads.made.values() if x.requires_grad]
+                reads.made.clear()
         return list(reads.read.values()), made
 
     read, made = once(range(0, n_q, rows))
