@@ -302,6 +302,7 @@ def test_a_tensor_read_without_grad_gets_none_as_on_math():
     torch.testing.assert_close(grads["lean"], grads["math"], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.compile  # FlexAttention compiles its kernel (on a CPU, with AVX2 only)
 def test_the_flex_path_runs_a_scheme_reading_a_tensor_with_a_history_on_cpu():
     """backend='flex' on CPU (forward only there) with a tensor with a history read by the
     scheme, in grad mode: it runs, as before the probe (which must not drop its mods)."""
