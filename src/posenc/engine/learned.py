@@ -40,7 +40,12 @@ def scheme_parameters(scheme: Any) -> list[Tensor]:
 
 
 def learned_inputs(
-    scheme: Any, hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor
+    scheme: Any,
+    hooks: Hooks,
+    q: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    params: list[Tensor] | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """The tensors requiring grad that the hooks of ``scheme`` read, as ``(leaves,
     histories)``: its parameters and the other leaves, then the tensors with a history of
@@ -60,12 +65,13 @@ def learned_inputs(
         q: ``[b, h, n_q, d]`` queries (rotated).
         q_pos: ``[B', n_q]`` query positions.
         k_pos: ``[B', n_k]`` key positions.
+        params: :func:`scheme_parameters` of ``scheme`` when the caller has them.
 
     Returns:
         ``(leaves, histories)``, each tensor once: the parameters first, then the others in
         the order the probe met them.
     """
-    params = scheme_parameters(scheme)
+    params = scheme_parameters(scheme) if params is None else params
     if (
         not torch.is_grad_enabled()
         or _reads_own_only(scheme)

@@ -52,7 +52,14 @@ class Call:
     def _learned(self) -> tuple[list[Tensor], list[Tensor]]:
         if self.learned is not None:
             return self.learned
-        return learned_inputs(self.scheme, self.hooks, self.q, self.q_pos, self.k_pos)
+        return learned_inputs(
+            self.scheme, self.hooks, self.q, self.q_pos, self.k_pos, self.scheme_params
+        )
+
+    @functools.cached_property
+    def scheme_params(self) -> list[Tensor]:
+        """The scheme's parameters that require grad (read once per call)."""
+        return scheme_parameters(self.scheme)
 
     @property
     def params(self) -> list[Tensor]:
@@ -80,7 +87,7 @@ class Call:
         grad mode, and one of them requires grad (a tensor only the hooks read is for
         :attr:`params` and :attr:`histories`)."""
         return torch.is_grad_enabled() and any(
-            x.requires_grad for x in (self.q, self.k, self.v, *scheme_parameters(self.scheme))
+            x.requires_grad for x in (self.q, self.k, self.v, *self.scheme_params)
         )
 
 
@@ -276,7 +283,7 @@ def _constant_bias(call: Call) -> bool:
     hooks = call.hooks
     if hooks.score_term is not None or hooks.score_bias is None:
         return False
-    if scheme_parameters(call.scheme):
+    if call.scheme_params:
         return False
     return not hooks.score_bias(call.q_pos, call.k_pos).requires_grad
 
