@@ -108,6 +108,10 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
         results["fsdp2"] = (train(sharded, x, y), full_parameters(sharded))
         results["fsdp2-sharded"] = type(table).__name__, tuple(table.to_local().shape)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        # every rank done before any tears gloo down: one leaving while another's gloo
+        # threads still run aborts it now and then ("terminate called without an active
+        # exception", SIGABRT)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
