@@ -54,6 +54,39 @@ def test_swin_bias_by_definition_loop_and_1d():
             torch.testing.assert_close(one()[:, i, j], one.table[i - j + 3])
 
 
+def test_swin_2d_grid_table_and_whole_window_bias_equal_the_definition():
+    """The 2-D table's grid of every offset is its rows reversed (read directly, not
+    through the primitive), and the bias of the whole window in order (its pairs' rows kept
+    between calls) equals Swin's rule pair by pair; a subclass's primitive is used."""
+    from posenc import GridBias
+
+    torch.manual_seed(0)
+    wh, ww, heads = 3, 4, 2
+    bias = RelativePositionBias((wh, ww), heads)
+    torch.testing.assert_close(
+        bias.grid_table(), GridBias.grid_table(bias), atol=0, rtol=0
+    )  # the family's form: the primitive on every offset
+    tokens = torch.arange(wh * ww)[None]
+    for q_pos, k_pos in ((tokens, tokens), (tokens, tokens.clone()), (tokens.flip(-1), tokens)):
+        dense = bias.score_bias(q_pos, k_pos)[0]  # [h, N, N]
+        for i, p in enumerate(q_pos[0].tolist()):
+            for j, r in enumerate(k_pos[0].tolist()):
+                dr, dc = p // ww - r // ww, p % ww - r % ww  # query minus key (Swin)
+                row = (dr + wh - 1) * (2 * ww - 1) + dc + ww - 1
+                torch.testing.assert_close(dense[:, i, j], bias.table[row], atol=0, rtol=0)
+
+    class Doubled(type(bias)):
+        def bias(self, rows, cols):
+            return 2 * super().bias(rows, cols)
+
+    doubled = Doubled((wh, ww), heads)
+    doubled.load_state_dict(bias.state_dict())
+    torch.testing.assert_close(doubled.grid_table(), 2 * bias.grid_table(), atol=0, rtol=0)
+    torch.testing.assert_close(
+        doubled.score_bias(tokens, tokens), 2 * bias.score_bias(tokens, tokens), atol=0, rtol=0
+    )
+
+
 def test_swin_hook_positions_block_and_errors():
     torch.manual_seed(0)
     bias = RelativePositionBias((3, 4), 2)

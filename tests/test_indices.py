@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posenc.indices import gather_rows
+from posenc.indices import gather_rows, grid_offset_index
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -104,6 +104,19 @@ def test_run_offsets_and_whole_map():
     assert not is_whole_map(pos + 1, pos, 6)  # shifted
     assert not is_whole_map(pos[:, :5], pos, 6)  # not all of the map
     assert not is_whole_map(pos.flip(-1), pos, 6)  # not in order
+    assert is_whole_map(pos, pos.clone(), 6)  # two tensors of the same positions
+    assert not is_whole_map(pos, pos + 1, 6)  # keys shifted
+    assert not is_whole_map(pos - 1, pos - 1, 6)  # both shifted alike: offsets still fit
+    assert not is_whole_map(pos.expand(2, -1), pos.expand(2, -1), 6)  # a batch of 2
+
+
+def test_the_whole_maps_offset_index_is_kept_and_equals_the_general_one():
+    from posenc.indices import _whole_map_offset_index
+
+    tokens = torch.arange(12)[None]
+    kept = _whole_map_offset_index(3, 4, tokens.device)
+    torch.testing.assert_close(kept, grid_offset_index(tokens, tokens, (3, 4)), atol=0, rtol=0)
+    assert _whole_map_offset_index(3, 4, tokens.device) is kept
 
 
 def test_score_mod_positions_read_shared_and_per_sequence_positions_for_any_batch():

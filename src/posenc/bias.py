@@ -309,9 +309,20 @@ class RelativePositionBias2D(RelativePositionBias, GridBias):
         row = (wh - 1 - rows).clamp(0, 2 * wh - 2) * (2 * ww - 1)
         return self.table[row + (ww - 1 - cols).clamp(0, 2 * ww - 2)]  # [*S, h]
 
+    def grid_table(self, device: torch.device | None = None) -> Tensor:
+        """The bias of every offset (see :meth:`~posenc.families.GridBias.grid_table`):
+        ``[2Wh-1, 2Ww-1, heads]``. Swin's row of the offset ``(dr, dc)`` counts from the
+        other end, so this is the table with its rows reversed (one small copy); a
+        :meth:`bias` of a subclass's, or set on the instance, takes the family's form."""
+        if _own_bias(self, RelativePositionBias2D):
+            return super().grid_table(device)
+        wh, ww = self.window
+        rows = self.table.flip(0)  # [R, h]: row (dr + Wh - 1) * (2Ww - 1) + dc + Ww - 1
+        return rows.view(2 * wh - 1, 2 * ww - 1, -1)  # [2Wh-1, 2Ww-1, h]
+
     def check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
         """Raise unless the positions are token indices of the window, ``[0, N)``."""
-        for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
+        for name, pos in (("q_pos", q_pos), ("k_pos", k_pos))[: 1 if k_pos is q_pos else 2]:
             _check_range(name, pos, self.tokens, f"token indices of a {self.window} window")
 
     def offset_bias(self, q_pos: Tensor, k_pos: Tensor) -> None:

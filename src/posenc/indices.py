@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _validate as check
+from ._memo import memo
 from .diagonals import diagonal_sums, relative_to_absolute, skew_rows, toeplitz
 
 __all__ = [
@@ -82,7 +83,11 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx: Any, table: Tensor, index: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(index)
         ctx.rows = table.shape[0]
-        return table.t()[:, index].transpose(0, 1)  # [h, B', n_q, n_k] -> [B', h, n_q, n_k]
+        # each head's column made contiguous once ([rows, h] is small), then one
+        # index_select along it: about half the time of advanced indexing of table.t()
+        columns = table.t().contiguous()  # [h, rows]
+        out = columns.index_select(1, index.flatten())  # [h, B' * n_q * n_k]
+        return out.view(table.shape[1], *index.shape).transpose(0, 1)  # [h, B', ..] -> [B', h, ..]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
@@ -236,9 +241,24 @@ def is_whole_map(q_pos: Tensor, k_pos: Tensor, cells: int) -> bool:
     """Whether queries and keys are both every token of a map in order, ``[[0 .. cells-1]]``
     (checked only where :func:`offset_run` can check)."""
     shapes = q_pos.shape == (1, cells) and k_pos.shape == (1, cells)
-    if not shapes or offset_run(q_pos, k_pos) is None:
+    if not shapes:
         return False
-    return int(q_pos[0, 0]) == 0 and int(k_pos[0, 0]) == 0
+    # both runs of `cells` consecutive integers, and the keys' first offset from the last
+    # query -(cells - 1): the keys start where the queries do; then the queries' start
+    first = offset_run(q_pos, k_pos)
+    if first != 1 - cells:
+        return False
+    row = host_row(q_pos)
+    return (int(row[0]) if row is not None else int(q_pos[0, 0])) == 0
+
+
+@memo(maxsize=16)
+def _whole_map_offset_index(height: int, width: int, device: torch.device) -> Tensor:
+    """:func:`grid_offset_index` of every token of an ``H x W`` map against every token, in
+    order: ``[1, H*W, H*W]`` int64, kept per map size and device (shared: read, never
+    written)."""
+    tokens = torch.arange(height * width, device=device)[None]  # [1, N]
+    return grid_offset_index(tokens, tokens, (height, width))
 
 
 def _flex_reader(

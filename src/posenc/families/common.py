@@ -118,7 +118,7 @@ def check_heads(scheme: object, heads: int) -> None:
 def check_cells(size: tuple[int, int], q_pos: Tensor, k_pos: Tensor) -> None:
     """Raise unless both are token indices of a row-major ``H x W`` map, ``[0, H*W)``."""
     cells = math.prod(size)
-    for name, pos in (("q_pos", q_pos), ("k_pos", k_pos)):
+    for name, pos in (("q_pos", q_pos), ("k_pos", k_pos))[: 1 if k_pos is q_pos else 2]:
         if check._can_inspect(pos) and (int(pos.min()) < 0 or int(pos.max()) >= cells):
             raise ValueError(
                 f"{name} must be in [0, {cells}) (row-major token indices of a {size[0]}x"
