@@ -580,3 +580,36 @@ class _Entered:
 
     def __exit__(self, *exc):
         return self.manager.__exit__(*exc)
+
+
+def test_a_fast_variant_is_timed_over_calls_in_a_row(monkeypatch):
+    """A timed sample of a variant faster than SAMPLE_S is the mean of that many calls in a
+    row (counted from its warm-up), forward+backward and forward only; without a warm-up
+    each sample is one call."""
+    from posenc.cli import _bench_measure as measure
+
+    counts = {"fast": 0, "slow": 0}
+    clock = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+
+    def variant(key, seconds):
+        def run(q, k, v):
+            counts[key] += 1
+            clock[0] += seconds
+            return (q * k * v).sum()
+
+        return run
+
+    variants = {"fast": variant("fast", measure.SAMPLE_S / 50), "slow": variant("slow", 1.0)}
+    sizes = {"batch": 1, "heads": 1, "head_dim": 2, "dtype": torch.float32}
+    case = measure.Case("none", 3, "auto")
+    device = torch.device("cpu")
+    measure._measure_case(case, variants, sizes, device, True, 1, 2, None)
+    # one warm-up (fwd+bwd and fwd) and two repeats of 50 calls each way for the fast one
+    assert counts == {"fast": 2 + 2 * 2 * 50, "slow": 2 + 2 * 2}
+    assert case.fwd_bwd_s["fast"] == pytest.approx(measure.SAMPLE_S / 50)
+    assert case.fwd_s["slow"] == pytest.approx(1.0)
+    counts.update(fast=0, slow=0)
+    measure._measure_case(case, variants, sizes, device, False, 0, 3, None)
+    assert counts == {"fast": 6, "slow": 6}
+    assert measure._calls(0.0) == measure.SAMPLE_CALLS

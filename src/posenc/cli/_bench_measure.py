@@ -1,8 +1,9 @@
 """How ``posenc bench`` measures: :func:`run_bench`, which times the variants of
 :mod:`posenc.cli._bench_variants` interleaved, case by case, into a :class:`Case` each.
 
-- timing: :func:`_time_once` (one forward, or forward+backward), :func:`_measure_case`
-  (warm-up, then the medians over repeats of every variant of a case) and
+- timing: :func:`_time_once` (the mean of a few calls in a row of the forward, or
+  forward+backward: at least :data:`SAMPLE_S` seconds), :func:`_measure_case` (warm-up,
+  then the medians over repeats of every variant of a case) and
   :class:`_OutOfMemory` (a variant that runs out of memory is dropped with the reason);
 - peak memory, in a run of its own after the timed ones: on CUDA the allocator's peak, on
   CPU the peak of the bytes torch allocated, from the profiler's allocation events
@@ -151,17 +152,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_once(fn: Callable[..., Tensor], inputs: list[Tensor], backward: bool, device) -> float:
+#: the least time one timed sample lasts: a variant faster than this is called that many
+#: times more in a row and timed by their mean (a single call of a fraction of a
+#: millisecond, run after another variant's, is timed cold, with a timer's resolution)
+SAMPLE_S = 0.02
+
+#: the most calls one timed sample takes
+SAMPLE_CALLS = 200
+
+
+def _time_once(
+    fn: Callable[..., Tensor], inputs: list[Tensor], backward: bool, device, calls: int = 1
+) -> float:
+    """The mean time of ``calls`` calls in a row of ``fn`` (and its backward), in seconds."""
     _sync(device)
     start = time.perf_counter()
-    out = fn(*inputs)
-    if backward:
-        out.backward(torch.ones_like(out))
+    for _ in range(calls):
+        out = fn(*inputs)
+        if backward:
+            out.backward(torch.ones_like(out))
+            for t in inputs:
+                t.grad = None
     _sync(device)
     elapsed = time.perf_counter() - start
     for t in inputs:
         t.grad = None
-    return elapsed
+    return elapsed / calls
+
+
+def _calls(seconds: float) -> int:
+    """How many calls of a variant that took ``seconds`` make one timed sample."""
+    return max(1, min(SAMPLE_CALLS, round(SAMPLE_S / max(seconds, 1e-9))))
 
 
 def run_bench(
@@ -295,19 +316,19 @@ def _measure_case(
     samples: dict[str, list[float]] = {k: [] for k in variants}
     fwd_samples: dict[str, list[float]] = {k: [] for k in variants}
 
-    # where FlexAttention may run (compiled: one graph per grad mode), warm both modes up
-    compiled = device.type == "cuda" or case.backend == "flex" or "flex-floor" in variants
+    # calls per timed sample, from each variant's last warm-up (one call without one)
+    calls: dict[str, tuple[int, int]] = {k: (1, 1) for k in variants}
 
-    def warm(fn: Callable[..., Tensor]) -> None:
-        _time_once(fn, inputs, backward, device)
-        if compiled:
-            with torch.no_grad():
-                _time_once(fn, inputs, False, device)
-
-    def timed(key: str, fn: Callable[..., Tensor]) -> None:
+    def warm(key: str, fn: Callable[..., Tensor]) -> None:
         fwd_bwd = _time_once(fn, inputs, backward, device)
         with torch.no_grad():
             fwd = _time_once(fn, inputs, False, device)
+        calls[key] = (_calls(fwd_bwd), _calls(fwd))
+
+    def timed(key: str, fn: Callable[..., Tensor]) -> None:
+        fwd_bwd = _time_once(fn, inputs, backward, device, calls[key][0])
+        with torch.no_grad():
+            fwd = _time_once(fn, inputs, False, device, calls[key][1])
         samples[key].append(fwd_bwd)
         fwd_samples[key].append(fwd)
 
@@ -316,7 +337,7 @@ def _measure_case(
 
     for _ in range(warmup):
         for key, fn in list(variants.items()):
-            guard(key, functools.partial(warm, fn))
+            guard(key, functools.partial(warm, key, fn))
     for _ in range(repeats):  # interleaved: each repeat runs every variant once
         for key, fn in list(variants.items()):
             guard(key, functools.partial(timed, key, fn))
