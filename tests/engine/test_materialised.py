@@ -16,7 +16,10 @@ from posenc.engine import plans, tuning
 
 def _spy_kernels(monkeypatch):
     """A list that grows by ``"sdpa"`` or ``"ops"`` each time the materialised path runs
-    SDPA or the formula op by op (which must use the scheme's fast hooks)."""
+    SDPA or the formula op by op (which must use the scheme's fast hooks); the path sees
+    two threads, as on the machines the op-by-op rule was measured on, whatever this one
+    has (on one thread no call runs op by op that SDPA's kernel could run)."""
+    monkeypatch.setattr(plans, "_threads", lambda: 2)
     calls = []
     sdpa, ops = plans._sdpa, plans._math
 
@@ -242,16 +245,18 @@ def test_a_call_without_gradients_runs_op_by_op_up_to_ops_forward_scores(monkeyp
     padding[0, -3:] = True
     with torch.no_grad():
         expected = posenc.attention(q, q, q, position=scheme, causal=True, backend="math")
-        for limit, masks, kernel in (
-            (2**10, ({}, {"causal": True}), "ops"),
-            (2**10 - 1, ({}, {"causal": True}), "sdpa"),
-            (2**10, ({"key_padding_mask": padding},), "sdpa"),
+        for limit, masks, threads, kernel in (
+            (2**10, ({}, {"causal": True}), 2, "ops"),
+            (2**10, ({}, {"causal": True}), 1, "sdpa"),  # one thread: the fused kernel
+            (2**10 - 1, ({}, {"causal": True}), 2, "sdpa"),
+            (2**10, ({"key_padding_mask": padding},), 2, "sdpa"),
         ):
             monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", limit)
+            monkeypatch.setattr(plans, "_threads", lambda threads=threads: threads)
             for kwargs in masks:
                 calls.clear()
                 out = posenc.attention(q, q, q, position=scheme, **kwargs)
-                assert calls == [kernel], (limit, kwargs)
+                assert calls == [kernel], (limit, kwargs, threads)
                 if kwargs.get("causal"):
                     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 

@@ -49,5 +49,8 @@ MATERIALISED_CAUSAL_VALUE_SCORES = 1 << 21
 MATERIALISED_CAUSAL_PAIRS = 1 << 12
 #: scores at most for which the materialised path runs op by op a call that SDPA's fused
 #: kernel could run (no gradients, or a constant bias with gradients for q, k, v alone):
-#: below it the separate kernels beat SDPA's fused kernel with a float mask on CPU
+#: below it the separate kernels beat SDPA's fused kernel with a float mask on CPU with
+#: two threads or more (on one thread the fused kernel wins at every size: never op by op)
 OPS_FORWARD_SCORES = 3 << 19
+#: threads at least for which a call runs op by op under OPS_FORWARD_SCORES
+OPS_FORWARD_THREADS = 2
