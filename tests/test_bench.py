@@ -583,33 +583,47 @@ class _Entered:
 
 
 def test_a_fast_variant_is_timed_over_calls_in_a_row(monkeypatch):
-    """A timed sample of a variant faster than SAMPLE_S is the mean of that many calls in a
-    row (counted from its warm-up), forward+backward and forward only; without a warm-up
-    each sample is one call."""
+    """A timed sample of a variant faster than SAMPLE_S is the mean of enough calls in a row
+    to last SAMPLE_S (counted from its warm-up, then from its last sample: a slow first
+    call, as a compilation makes, sets one call for the first sample only), each call's
+    gradients cleared before the next, the forward-only sample without grad; without a
+    warm-up each sample is one call."""
     from posenc.cli import _bench_measure as measure
 
-    counts = {"fast": 0, "slow": 0}
+    counts = {"fast": 0, "slow": 0, "cold": 0}
+    modes = []
     clock = [0.0]
     monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
 
-    def variant(key, seconds):
+    def variant(key, seconds, first=None):
         def run(q, k, v):
+            assert q.grad is None  # the last call's gradient cleared
             counts[key] += 1
-            clock[0] += seconds
+            clock[0] += first if first is not None and counts[key] == 1 else seconds
+            modes.append(torch.is_grad_enabled())
             return (q * k * v).sum()
 
         return run
 
-    variants = {"fast": variant("fast", measure.SAMPLE_S / 50), "slow": variant("slow", 1.0)}
+    fast = measure.SAMPLE_S / 50
+    variants = {
+        "fast": variant("fast", fast),
+        "slow": variant("slow", 1.0),
+        "cold": variant("cold", fast, first=2.0),
+    }
     sizes = {"batch": 1, "heads": 1, "head_dim": 2, "dtype": torch.float32}
     case = measure.Case("none", 3, "auto")
     device = torch.device("cpu")
-    measure._measure_case(case, variants, sizes, device, True, 1, 2, None)
-    # one warm-up (fwd+bwd and fwd) and two repeats of 50 calls each way for the fast one
-    assert counts == {"fast": 2 + 2 * 2 * 50, "slow": 2 + 2 * 2}
-    assert case.fwd_bwd_s["fast"] == pytest.approx(measure.SAMPLE_S / 50)
+    measure._measure_case(case, variants, sizes, device, True, 1, 3, None)
+    # one warm-up (fwd+bwd and fwd), then three repeats of 50 calls each way; the cold
+    # variant's first fwd+bwd sample is one call, from its 2 s warm-up
+    assert counts == {"fast": 2 + 3 * 2 * 50, "slow": 2 + 3 * 2, "cold": 2 + 1 + 50 * 5}
+    assert modes.count(False) == counts["fast"] // 2 + counts["slow"] // 2 + 1 + 50 * 3
+    assert case.fwd_bwd_s["fast"] == pytest.approx(fast)
+    assert case.fwd_bwd_s["cold"] == pytest.approx(fast)  # the median of three
     assert case.fwd_s["slow"] == pytest.approx(1.0)
-    counts.update(fast=0, slow=0)
+    counts.update(fast=0, slow=0, cold=0)
     measure._measure_case(case, variants, sizes, device, False, 0, 3, None)
-    assert counts == {"fast": 6, "slow": 6}
+    assert counts == {"fast": 6, "slow": 6, "cold": 6}
     assert measure._calls(0.0) == measure.SAMPLE_CALLS
+    assert measure._calls(measure.SAMPLE_S * 0.67) == 2  # at least SAMPLE_S: rounded up

@@ -110,13 +110,15 @@ def test_run_offsets_and_whole_map():
     assert not is_whole_map(pos.expand(2, -1), pos.expand(2, -1), 6)  # a batch of 2
 
 
-def test_the_whole_maps_offset_index_is_kept_and_equals_the_general_one():
-    from posenc.indices import _whole_map_offset_index
+def test_the_whole_maps_offset_index_is_kept_for_small_maps_and_equals_the_general_one():
+    from posenc.indices import _KEPT_CELLS, whole_map_offset_index
 
-    tokens = torch.arange(12)[None]
-    kept = _whole_map_offset_index(3, 4, tokens.device)
-    torch.testing.assert_close(kept, grid_offset_index(tokens, tokens, (3, 4)), atol=0, rtol=0)
-    assert _whole_map_offset_index(3, 4, tokens.device) is kept
+    for height, width, kept in ((3, 4, True), (1, _KEPT_CELLS, True), (3, _KEPT_CELLS, False)):
+        tokens = torch.arange(height * width)[None]
+        index = whole_map_offset_index(height, width, tokens.device)
+        expected = grid_offset_index(tokens, tokens, (height, width))
+        torch.testing.assert_close(index, expected, atol=0, rtol=0)
+        assert (whole_map_offset_index(height, width, tokens.device) is index) is kept
 
 
 def test_score_mod_positions_read_shared_and_per_sequence_positions_for_any_batch():

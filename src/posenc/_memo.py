@@ -36,7 +36,9 @@ def memo(maxsize: int) -> Callable[[Callable[P, Tensor]], Callable[P, Tensor]]:
 
     The kept tensor is built outside inference mode and autograd (usable in any later
     call) and is shared: the functions of posenc that use it read it and never hand it to a
-    caller (one that returns it returns a copy). Under ``torch.compile``, a dispatch mode,
+    caller (one that returns it returns a copy), but an autograd node may save it for its
+    backward, where ``grad_fn``'s saved tensors reach it: writing into it there changes
+    every later call. Under ``torch.compile``, a dispatch mode,
     a function mode or a ``torch.func`` transform the function runs as it is, and nothing
     is kept.
     """

@@ -86,7 +86,8 @@ class _GatherRows(torch.autograd.Function):
         # each head's column made contiguous once ([rows, h] is small), then one
         # index_select along it: about half the time of advanced indexing of table.t()
         columns = table.t().contiguous()  # [h, rows]
-        out = columns.index_select(1, index.flatten())  # [h, B' * n_q * n_k]
+        rows = index.flatten().to(table.device)  # [B' * n_q * n_k] (positions on the host)
+        out = columns.index_select(1, rows)  # [h, B' * n_q * n_k]
         return out.view(table.shape[1], *index.shape).transpose(0, 1)  # [h, B', ..] -> [B', h, ..]
 
     @staticmethod
@@ -252,11 +253,24 @@ def is_whole_map(q_pos: Tensor, k_pos: Tensor, cells: int) -> bool:
     return (int(row[0]) if row is not None else int(q_pos[0, 0])) == 0
 
 
+#: the most cells of a map whose pairs' rows :func:`whole_map_offset_index` keeps between
+#: calls (256: an int64 [1, N, N] of 0.5 MiB; larger maps take the lean engine's grid path)
+_KEPT_CELLS = 256
+
+
+def whole_map_offset_index(height: int, width: int, device: torch.device) -> Tensor:
+    """:func:`grid_offset_index` of every token of an ``H x W`` map against every token, in
+    order: ``[1, H*W, H*W]`` int64; kept per map size and device for maps of at most
+    :data:`_KEPT_CELLS` cells (shared: posenc reads it, never writes it, and keeps it
+    only for autograd's backward of :func:`gather_rows`; write into it and every later
+    call reads what you wrote), else built in each call."""
+    if height * width > _KEPT_CELLS:
+        return _whole_map_offset_index.__wrapped__(height, width, device)
+    return _whole_map_offset_index(height, width, device)
+
+
 @memo(maxsize=16)
 def _whole_map_offset_index(height: int, width: int, device: torch.device) -> Tensor:
-    """:func:`grid_offset_index` of every token of an ``H x W`` map against every token, in
-    order: ``[1, H*W, H*W]`` int64, kept per map size and device (shared: read, never
-    written)."""
     tokens = torch.arange(height * width, device=device)[None]  # [1, N]
     return grid_offset_index(tokens, tokens, (height, width))
 

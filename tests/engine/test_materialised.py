@@ -585,3 +585,30 @@ def test_torch_func_grad_through_a_constant_bias_on_the_materialised_path(monkey
             for backend in ("auto", "math")
         )
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_the_thread_count_is_read_once_per_call(monkeypatch):
+    """The path's choice and the dispatcher's check of its graph see one thread count: a
+    count that changes within a call (another Python thread's set_num_threads) cannot make
+    the plan take SDPA's kernel while the check skips the wrapper that a gradient with
+    create_graph=True needs (SDPA's CPU backward is not differentiable)."""
+    scheme = posenc.ALiBi(2).double()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 12, 8, dtype=torch.float64) for _ in range(3))
+    reads = []
+
+    def threads():  # one thread at the first read of a call, two after
+        reads.append(None)
+        return 1 if len(reads) == 1 else 2
+
+    monkeypatch.setattr(plans, "_threads", threads)
+    grads = {}
+    for backend in ("math", "auto"):
+        reads.clear()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = posenc.attention(*leaves, position=scheme, backend=backend)
+        (dq,) = torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)
+        dq.square().sum().backward()
+        grads[backend] = [out, dq, *(t.grad for t in leaves)]
+    for a, c in zip(grads["math"], grads["auto"], strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import gc
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -173,6 +174,7 @@ def _time_once(
             out.backward(torch.ones_like(out))
             for t in inputs:
                 t.grad = None
+        del out  # one call's output alive at a time, as in the memory measurement
     _sync(device)
     elapsed = time.perf_counter() - start
     for t in inputs:
@@ -182,7 +184,8 @@ def _time_once(
 
 def _calls(seconds: float) -> int:
     """How many calls of a variant that took ``seconds`` make one timed sample."""
-    return max(1, min(SAMPLE_CALLS, round(SAMPLE_S / max(seconds, 1e-9))))
+    # (rounded first, so that a ratio of 50.000000000001 is 50 calls, not 51)
+    return max(1, min(SAMPLE_CALLS, math.ceil(round(SAMPLE_S / max(seconds, 1e-9), 6))))
 
 
 def run_bench(
@@ -316,7 +319,9 @@ def _measure_case(
     samples: dict[str, list[float]] = {k: [] for k in variants}
     fwd_samples: dict[str, list[float]] = {k: [] for k in variants}
 
-    # calls per timed sample, from each variant's last warm-up (one call without one)
+    # calls per timed sample: from each variant's last warm-up (one call without one),
+    # then from its last sample (a first call that compiled or initialised something
+    # lazily sets one call for the first sample only)
     calls: dict[str, tuple[int, int]] = {k: (1, 1) for k in variants}
 
     def warm(key: str, fn: Callable[..., Tensor]) -> None:
@@ -331,6 +336,8 @@ def _measure_case(
             fwd = _time_once(fn, inputs, False, device, calls[key][1])
         samples[key].append(fwd_bwd)
         fwd_samples[key].append(fwd)
+        if warmup:
+            calls[key] = (_calls(fwd_bwd), _calls(fwd))
 
     def measured(meter: PeakMemory, key: str, fn: Callable[..., Tensor]) -> None:
         case.peak_mib[key] = meter.measure(lambda: _time_once(fn, inputs, backward, device))

@@ -82,6 +82,12 @@ class Call:
         return _constant_bias(self)
 
     @functools.cached_property
+    def threads(self) -> int:
+        """The threads torch's CPU kernels run on, read once per call (the path's choice
+        and the dispatcher's check of its graph must see the same count)."""
+        return _threads()
+
+    @functools.cached_property
     def grad(self) -> bool:
         """Whether the call computes gradients for its inputs or the scheme's parameters:
         grad mode, and one of them requires grad (a tensor only the hooks read is for
@@ -267,13 +273,13 @@ def _mib(elements: int, dtype: torch.dtype) -> str:
 def _ops_forward(call: Call, scores: int) -> bool:
     """Whether a call that SDPA's fused kernel could run (no gradient for the bias or term)
     runs op by op instead: on CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more
-    (on one, the fused kernel is as fast or faster at every size), at most :data:`tuning.OPS_FORWARD_SCORES` scores,
-    no mask but a causal one."""
+    (on one thread the fused kernel was as fast or faster at every shape measured), at
+    most :data:`tuning.OPS_FORWARD_SCORES` scores, no mask but a causal one."""
     return (
         scores <= tuning.OPS_FORWARD_SCORES
         and call.q.device.type == "cpu"
         and call.mask.causal_at_most
-        and _threads() >= tuning.OPS_FORWARD_THREADS
+        and call.threads >= tuning.OPS_FORWARD_THREADS
     )
 
 
@@ -325,9 +331,9 @@ def _plan_materialised(call: Call) -> Plan:
       differentiable twice by itself (``dispatch._exact_twice`` says when no wrapper is
       needed);
     - otherwise (no gradients, or a constant bias with gradients for ``q, k, v`` alone), on
-      CPU with two threads or more, at most :data:`tuning.OPS_FORWARD_SCORES` scores and
-      no mask but a causal one, the same ops: there SDPA's fused kernel costs more than
-      the separate ones;
+      CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more, at most
+      :data:`tuning.OPS_FORWARD_SCORES` scores and no mask but a causal one, the same ops:
+      there SDPA's fused kernel costs more than the separate ones;
     - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call,
       whose backward keeps no ``[b, h, n_q, n_k]`` weights (:func:`_op_by_op`).
 

@@ -15,7 +15,6 @@ import torch
 from torch import Tensor, nn
 
 from ..indices import (
-    _whole_map_offset_index,
     gather_rows,
     grid_offset_index,
     is_whole_map,
@@ -24,6 +23,7 @@ from ..indices import (
     run_offsets,
     score_mod_positions,
     toeplitz,
+    whole_map_offset_index,
 )
 from .common import (
     Primitive,
@@ -309,7 +309,7 @@ class GridBias(nn.Module):
         table = self.grid_table(q_pos.device).flatten(0, 1)  # [2H-1, 2W-1, h] -> [R, h]
         if is_whole_map(q_pos, k_pos, math.prod(self.size)):
             # every token of the map in order: the pairs' rows are a constant of its size
-            return gather_rows(table, _whole_map_offset_index(*self.size, q_pos.device))
+            return gather_rows(table, whole_map_offset_index(*self.size, q_pos.device))
         return gather_rows(table, grid_offset_index(q_pos, k_pos, self.size))
 
     def flex_score_mod(self, q_pos: Tensor, k_pos: Tensor) -> ScoreMod:
