@@ -24,7 +24,8 @@ A variant that runs out of CUDA memory is skipped with the reason, the others go
 
 Times are medians over repeats after warm-up, forward+backward and forward only; a repeat
 times each variant over enough calls in a row to last 20 ms (at most 200, counted from its
-warm-up: a single call of a small shape would be timed cold). Peak
+warm-up and then from its last repeat: a single call of a small shape would be timed
+cold). Peak
 memory is measured in one more forward+backward of each variant, apart from the timed
 ones: on CPU the peak of the bytes torch allocated during it, from the profiler's
 allocation events (``profile_memory=True``); with ``--memory process`` the growth of the
