@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posenc.indices import gather_rows, grid_offset_index
+from posenc.indices import gather_rows, grid_offset_index, select_rows
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -29,6 +29,29 @@ def test_gather_rows_equals_indexing_with_gradients(batch):
                 expected[index[b, i, j]] += weight[b, :, i, j]
     torch.testing.assert_close(grad, expected)
     torch.autograd.gradcheck(lambda t: gather_rows(t, index), (table,))
+
+
+@pytest.mark.parametrize("heads", [None, 3])
+@pytest.mark.parametrize("shape", [(), (5,), (4, 6)])
+def test_select_rows_reads_each_row_of_the_index_with_gradients(heads, shape):
+    """``table[..., index, :]`` element by element, for a shared and a per-head table and
+    an index of 0, 1 and 2 dims; the gradient sums the weights of each row's readers."""
+    torch.manual_seed(0)
+    lead = () if heads is None else (heads,)
+    table = torch.randn(*lead, 7, 4, dtype=torch.float64, requires_grad=True)  # [(h,) R, d]
+    index = torch.randint(0, 7, shape)
+    out = select_rows(table, index)
+    assert out.shape == (*lead, *shape, 4)
+    flat_out = out.reshape(*lead, -1, 4)
+    for s, row in enumerate(index.flatten().tolist()):
+        assert torch.equal(flat_out[..., s, :], table[..., row, :])
+    weight = torch.randn_like(out)
+    (grad,) = torch.autograd.grad((out * weight).sum(), table)
+    expected = torch.zeros_like(table)
+    flat_weight = weight.reshape(*lead, -1, 4)
+    for s, row in enumerate(index.flatten().tolist()):
+        expected[..., row, :] += flat_weight[..., s, :]
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
 
 
 # ----- the Toeplitz fast path for consecutive positions -----------------------------------

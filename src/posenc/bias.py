@@ -36,6 +36,7 @@ from .families import GridBias, OffsetBias
 from .families.biases import _KEPT_RUN, _own_bias, _run_of
 from .indices import (
     position_extremes,
+    select_rows,
     t5_bucket,
     toeplitz,
     window_relative_index,
@@ -250,7 +251,7 @@ class RelativePositionBias1D(RelativePositionBias, OffsetBias):
             ``[*S, heads]``.
         """
         width = self.window[0]
-        return self.table[(width - 1 - offsets).clamp(0, 2 * width - 2)]  # [*S, h]
+        return select_rows(self.table, (width - 1 - offsets).clamp(0, 2 * width - 2))  # [*S, h]
 
     def check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
         """Raise when query and key positions of one sequence lie ``W`` or more apart
@@ -307,7 +308,7 @@ class RelativePositionBias2D(RelativePositionBias, GridBias):
         """
         wh, ww = self.window
         row = (wh - 1 - rows).clamp(0, 2 * wh - 2) * (2 * ww - 1)
-        return self.table[row + (ww - 1 - cols).clamp(0, 2 * ww - 2)]  # [*S, h]
+        return select_rows(self.table, row + (ww - 1 - cols).clamp(0, 2 * ww - 2))  # [*S, h]
 
     def grid_table(self, device: torch.device | None = None) -> Tensor:
         """The bias of every offset (see :meth:`~posenc.families.GridBias.grid_table`):

@@ -42,7 +42,7 @@ from .families import (
     relative_query_term_2d,
     table_logits,
 )
-from .indices import position_extremes, relative_to_absolute
+from .indices import position_extremes, relative_to_absolute, select_rows
 
 __all__ = [
     "AbsoluteQueryEmbedding",
@@ -169,7 +169,7 @@ def relative_rows(weight: Tensor, offsets: Tensor) -> Tensor:
         ``[*S, d]`` or ``[h, *S, d]``.
     """
     length = (weight.shape[-2] + 1) // 2
-    return weight[..., offsets.clamp(1 - length, length - 1) + (length - 1), :]
+    return select_rows(weight, offsets.clamp(1 - length, length - 1) + (length - 1))
 
 
 def relative_query_term(q: Tensor, weight: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:

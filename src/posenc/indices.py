@@ -40,6 +40,7 @@ __all__ = [
     "relative_to_absolute",
     "run_offsets",
     "score_mod_positions",
+    "select_rows",
     "skew_rows",
     "t5_bucket",
     "toeplitz",
@@ -115,6 +116,24 @@ def gather_rows(table: Tensor, index: Tensor) -> Tensor:
         ``[B', h, n_q, n_k]``.
     """
     return _GatherRows.apply(table, index)
+
+
+def select_rows(table: Tensor, index: Tensor) -> Tensor:
+    """The rows of a table of vectors at an index: ``table[..., index, :]``.
+
+    One ``index_select`` over the flattened index (advanced indexing of the same rows
+    costs about three times as long on CPU for a few hundred rows); differentiable, with
+    the gradient accumulated by ``index_add``.
+
+    Args:
+        table: ``[R, d]`` or ``[h, R, d]``.
+        index: integer ``[*S]`` in ``[0, R)``.
+
+    Returns:
+        ``[*S, d]`` or ``[h, *S, d]``.
+    """
+    rows = table.index_select(-2, index.flatten())  # [(h,) S, d]
+    return rows.view(*table.shape[:-2], *index.shape, table.shape[-1])
 
 
 def gather_logits(logits: Tensor, index: Tensor) -> Tensor:

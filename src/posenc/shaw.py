@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from .families import OffsetTerm, check_queries, hook_positions
-from .indices import clipped_distance, gather_logits
+from .indices import clipped_distance, gather_logits, select_rows
 
 __all__ = [
     "ShawRelativePosition",
@@ -67,7 +67,7 @@ def clipped_rows(table: Tensor, offsets: Tensor) -> Tensor:
         ``[*S, d]``.
     """
     k = _max_distance(table)
-    return table[offsets.clamp(-k, k) + k]
+    return select_rows(table, offsets.clamp(-k, k) + k)
 
 
 def _check_table(name: str, table: object) -> Tensor:

@@ -22,6 +22,7 @@ from ..indices import (
     relative_distance,
     run_offsets,
     score_mod_positions,
+    select_rows,
     toeplitz,
     whole_map_offset_index,
 )
@@ -45,7 +46,7 @@ def _run_values(bias: Primitive, offsets: Tensor, reach: int | None) -> Tensor:
     offsets when that is fewer."""
     if reach is not None and 2 * reach + 1 < offsets.numel():
         table = table_of(bias, -reach, reach, offsets.device)  # [2 reach + 1, h]
-        return table[offsets.clamp(-reach, reach) + reach]  # [W, h]
+        return select_rows(table, offsets.clamp(-reach, reach) + reach)  # [W, h]
     return bias(offsets)
 
 
