@@ -16,20 +16,26 @@ from posenc.engine import plans, tuning
 
 def _spy_kernels(monkeypatch):
     """A list that grows by ``"sdpa"`` or ``"ops"`` each time the materialised path runs
-    SDPA or the formula op by op (which must use the scheme's fast hooks); the path sees
+    SDPA or the formula op by op (which must use the scheme's fast hooks; in one buffer
+    without grad mode, :func:`~posenc.engine.reference._forward_in_place`); the path sees
     two threads, as on the machines the op-by-op rule was measured on, whatever this one
     has (on one thread no call runs op by op that SDPA's kernel could run)."""
     monkeypatch.setattr(plans, "_threads", lambda: 2)
     calls = []
-    sdpa, ops = plans._sdpa, plans._math
+    sdpa, ops, in_place = plans._sdpa, plans._math, plans._forward_in_place
 
     def spied_ops(*args, **kwargs):
         assert kwargs == {"reference": False}, kwargs  # the fast hooks, not the literal ones
         calls.append("ops")
         return ops(*args, **kwargs)
 
+    def spied_in_place(*args, **kwargs):
+        calls.append("ops")
+        return in_place(*args, **kwargs)
+
     monkeypatch.setattr(plans, "_sdpa", lambda *a, **kw: calls.append("sdpa") or sdpa(*a, **kw))
     monkeypatch.setattr(plans, "_math", spied_ops)
+    monkeypatch.setattr(plans, "_forward_in_place", spied_in_place)
     return calls
 
 
@@ -226,8 +232,8 @@ def test_materialised_equals_math_outputs_and_gradients(monkeypatch, case):
         torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
     value = case.startswith("value term")
     plain = "padding" not in case  # no mask but, perhaps, the causal one
-    for limit, kernel in ((tuning.OPS_FORWARD_SCORES, "ops" if plain else "sdpa"), (0, "sdpa")):
-        monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", limit)
+    for limit, kernel in ((tuning.OPS_IN_PLACE_SCORES, "ops" if plain else "sdpa"), (0, "sdpa")):
+        monkeypatch.setattr(tuning, "OPS_IN_PLACE_SCORES", limit)
         calls.clear()
         with torch.no_grad():
             out = posenc.attention(q, k, v, position=scheme, **kwargs)
@@ -235,9 +241,11 @@ def test_materialised_equals_math_outputs_and_gradients(monkeypatch, case):
         torch.testing.assert_close(out, results["math"][0], rtol=1e-10, atol=1e-10)
 
 
-def test_a_call_without_gradients_runs_op_by_op_up_to_ops_forward_scores(monkeypatch):
-    """Without gradients, a bias or term runs op by op (not SDPA with a float mask) up to
-    OPS_FORWARD_SCORES scores, on CPU, with no mask but a causal one; the same values."""
+def test_a_call_without_gradients_runs_op_by_op_up_to_ops_in_place_scores(monkeypatch):
+    """In no-grad mode, a bias or term runs op by op (not SDPA with a float mask) up to
+    OPS_IN_PLACE_SCORES scores, on CPU, with two threads or more and no mask but a causal
+    one; the same values. OPS_FORWARD_SCORES, the limit of a call that records a graph,
+    does not bound it."""
     calls = _spy_kernels(monkeypatch)
     scheme = posenc.T5RelativeBias(2, num_buckets=8, max_distance=16)
     q = torch.randn(2, 2, 16, 8)  # 2^10 scores
@@ -251,7 +259,8 @@ def test_a_call_without_gradients_runs_op_by_op_up_to_ops_forward_scores(monkeyp
             (2**10 - 1, ({}, {"causal": True}), 2, "sdpa"),
             (2**10, ({"key_padding_mask": padding},), 2, "sdpa"),
         ):
-            monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", limit)
+            monkeypatch.setattr(tuning, "OPS_IN_PLACE_SCORES", limit)
+            monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 0)
             monkeypatch.setattr(plans, "_threads", lambda threads=threads: threads)
             for kwargs in masks:
                 calls.clear()

@@ -3,10 +3,13 @@ where that gives the same values."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from posenc.engine import Mask, attend
-from posenc.engine.reference import _plus
+import posenc
+from posenc.engine import Mask, attend, plans, reference
+from posenc.engine.reference import _forward_in_place, _math, _plus
+from posenc.hooks import Hooks
 
 
 def test_plus_writes_into_the_scores_only_where_the_sum_is_the_same_tensor():
@@ -48,3 +51,112 @@ def test_the_formula_under_vmap_over_a_table_equals_a_loop():
     batched = torch.func.vmap(run)(tables)
     looped = torch.stack([run(t) for t in tables])
     torch.testing.assert_close(batched, looped, rtol=1e-12, atol=1e-12)
+
+
+def _written_out_hooks(h: int, d: int, d_v: int, parts: str) -> Hooks:
+    """Hooks read from random tables (float64): ``parts`` names which of a bias per clipped
+    offset, a term of the queries and a value term of the weights are set."""
+    gen = torch.Generator().manual_seed(3)
+    bias_table = torch.randn(h, 9, dtype=torch.float64, generator=gen)
+    keys = torch.randn(9, d, dtype=torch.float64, generator=gen)
+    values = torch.randn(9, d_v, dtype=torch.float64, generator=gen)
+
+    def offsets(q_pos, k_pos):
+        return (k_pos[:, None, :] - q_pos[:, :, None]).clamp(-4, 4) + 4  # [B', n_q, n_k]
+
+    def score_bias(q_pos, k_pos):
+        return bias_table[:, offsets(q_pos, k_pos)].transpose(0, 1).float()  # [B', h, n_q, n_k]
+
+    def score_term(q, q_pos, k_pos):
+        return torch.einsum("bhid,bijd->bhij", q, keys[offsets(q_pos, k_pos)])
+
+    def value_term(weights, q_pos, k_pos):
+        return torch.einsum("bhij,bijd->bhid", weights, values[offsets(q_pos, k_pos)])
+
+    return Hooks(
+        score_bias=score_bias if "bias" in parts else None,
+        score_term=score_term if "term" in parts else None,
+        value_term=value_term if "value" in parts else None,
+    )
+
+
+def _masks(b: int, n_q: int, n_k: int) -> dict[str, Mask]:
+    padding = torch.zeros(b, n_k, dtype=torch.bool)
+    padding[0, 2:] = True
+    padding[1, :] = True  # every key of the second sequence: its queries see none
+    allowed = torch.rand(b, 1, n_q, n_k, generator=torch.Generator().manual_seed(4)) > 0.3
+    float_mask = torch.randn(1, 3, n_q, n_k, dtype=torch.float64)
+    return {
+        "none": Mask(n_q, n_k),
+        "causal": Mask(n_q, n_k, causal=True),
+        "padding, a row of no key": Mask(n_q, n_k, key_padding=padding),
+        "allowed and a float mask": Mask(n_q, n_k, allowed=allowed, bias=float_mask),
+    }
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("parts", ["bias", "term", "bias term", "value", "bias term value"])
+@pytest.mark.parametrize(
+    "masked", ["none", "causal", "padding, a row of no key", "allowed and a float mask"]
+)
+@pytest.mark.parametrize("n_k", [7, 16])
+def test_the_forward_in_one_buffer_equals_the_formula_op_by_op(parts, masked, n_k):
+    """float64: the in-place forward equals :func:`_math` with the fast hooks, for a bias (a
+    float32 one: cast into the buffer), a term, a value term alone (the GEMM adds to
+    nothing) and together, under each kind of mask, with queries laid out [b, n, h, d]
+    (not contiguous as [b, h, n, d]); 16 keys a row take the softmax in place, 7 the
+    second buffer."""
+    b, h, n_q, d, d_v = 2, 3, 5, 4, 6
+    torch.manual_seed(0)
+    q = torch.randn(b, n_q, h, d, dtype=torch.float64).transpose(1, 2)  # [b, h, n_q, d]
+    k = torch.randn(b, h, n_k, d, dtype=torch.float64)
+    v = torch.randn(b, h, n_k, d_v, dtype=torch.float64)
+    q_pos, k_pos = torch.arange(2, 2 + n_q)[None], torch.arange(n_k)[None]
+    hooks = _written_out_hooks(h, d, d_v, parts)
+    mask = _masks(b, n_q, n_k)[masked]
+    with torch.no_grad():
+        expected = _math(q, k, v, hooks, q_pos, k_pos, mask, 0.3, 0.0, reference=False)[0]
+        out = _forward_in_place(q, k, v, hooks, q_pos, k_pos, mask, 0.3, 0.0)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    if masked.startswith("padding"):
+        assert bool((out[1] == 0).all())  # a query with no visible key gets 0
+
+
+def test_the_forward_in_one_buffer_runs_where_nothing_records_a_graph(monkeypatch):
+    """``auto``'s op-by-op forward runs in one buffer in no-grad mode, and as the formula
+    op by op when grad mode is on (ALiBi's constant bias, gradients for q, k, v alone)."""
+    monkeypatch.setattr(plans, "_threads", lambda: 2)
+    ran = []
+    in_place, ops = plans._forward_in_place, plans._math
+    monkeypatch.setattr(
+        plans, "_forward_in_place", lambda *a, **kw: ran.append("in place") or in_place(*a, **kw)
+    )
+    monkeypatch.setattr(plans, "_math", lambda *a, **kw: ran.append("ops") or ops(*a, **kw))
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    scheme = posenc.ALiBi(4)
+    with torch.no_grad():
+        quiet = posenc.attention(q, k, v, position=scheme)
+    loud = posenc.attention(q, k, v, position=scheme)
+    assert ran == ["in place", "ops"]
+    torch.testing.assert_close(quiet, loud.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("n_k", "in_place"), [(16, True), (32, True), (7, False), (49, False)])
+def test_the_softmax_writes_into_the_scores_only_for_rows_of_whole_vectors(
+    monkeypatch, n_k, in_place
+):
+    """Rows of a multiple of SOFTMAX_IN_PLACE_COLUMNS keys take the softmax in place; others
+    a second buffer (a partial vector stored at a row's end stalls the next row's load)."""
+    softmaxes = []
+    original = reference._softmax_out
+    monkeypatch.setattr(
+        reference, "_softmax_out", lambda *a, **kw: softmaxes.append(1) or original(*a, **kw)
+    )
+    q, k, v = (torch.randn(1, 2, n, 4) for n in (3, n_k, n_k))
+    pos = torch.arange(n_k)[None]
+    hooks = Hooks(score_bias=lambda q_pos, k_pos: torch.zeros(1, 2, q_pos.shape[-1], n_k))
+    with torch.no_grad():
+        out = _forward_in_place(q, k, v, hooks, pos[:, :3], pos, Mask(3, n_k), 0.5, 0.0)
+    assert softmaxes == ([1] if in_place else [])
+    expected = torch.softmax(q @ k.transpose(-1, -2) * 0.5, dim=-1) @ v
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

@@ -26,7 +26,7 @@ from .learned import learned_inputs, scheme_parameters
 from .mask import Mask
 from .offset_bias import _offset_kernel_values, _OffsetFusedAttention
 from .offset_term import _expand_rows, _offset_rows, _OffsetTermAttention, _same_index
-from .reference import _math
+from .reference import _forward_in_place, _math
 from .sdpa import _sdpa
 
 
@@ -272,14 +272,31 @@ def _mib(elements: int, dtype: torch.dtype) -> str:
 
 def _ops_forward(call: Call, scores: int) -> bool:
     """Whether a call that SDPA's fused kernel could run (no gradient for the bias or term)
-    runs op by op instead: on CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more
-    (on one thread the fused kernel was as fast or faster at every shape measured), at
-    most :data:`tuning.OPS_FORWARD_SCORES` scores, no mask but a causal one."""
+    runs op by op instead: on CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more,
+    no mask but a causal one, and at most :data:`tuning.OPS_IN_PLACE_SCORES` scores for a
+    call that records no graph (one buffer: :func:`~.reference._forward_in_place`),
+    :data:`tuning.OPS_FORWARD_SCORES` for one that does (a constant bias with gradients for
+    ``q, k, v``: its graph keeps the weights, which SDPA's does not)."""
+    limit = tuning.OPS_IN_PLACE_SCORES if _in_place(call) else tuning.OPS_FORWARD_SCORES
     return (
-        scores <= tuning.OPS_FORWARD_SCORES
+        scores <= limit
         and call.q.device.type == "cpu"
         and call.mask.causal_at_most
         and call.threads >= tuning.OPS_FORWARD_THREADS
+    )
+
+
+def _in_place(call: Call) -> bool:
+    """Whether the op-by-op kernel runs in one buffer (:func:`~.reference._forward_in_place`):
+    grad mode off (nothing records a graph), eager (no ``torch.compile``, no ``torch.func``
+    transform), and as many key and value heads as query heads."""
+    heads = call.q.shape[1]
+    return (
+        not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not torch._C._are_functorch_transforms_active()
+        and call.k.shape[1] == heads
+        and call.v.shape[1] == heads
     )
 
 
@@ -331,9 +348,11 @@ def _plan_materialised(call: Call) -> Plan:
       differentiable twice by itself (``dispatch._exact_twice`` says when no wrapper is
       needed);
     - otherwise (no gradients, or a constant bias with gradients for ``q, k, v`` alone), on
-      CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more, at most
-      :data:`tuning.OPS_FORWARD_SCORES` scores and no mask but a causal one, the same ops:
-      there SDPA's fused kernel costs more than the separate ones;
+      CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more and no mask but a causal
+      one, the same ops: at most :data:`tuning.OPS_IN_PLACE_SCORES` scores in no-grad
+      mode, in one buffer (:func:`~.reference._forward_in_place`), at most
+      :data:`tuning.OPS_FORWARD_SCORES` otherwise: there SDPA's fused kernel costs more
+      than the separate ones;
     - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call,
       whose backward keeps no ``[b, h, n_q, n_k]`` weights (:func:`_op_by_op`).
 
@@ -402,6 +421,11 @@ def _plan_materialised(call: Call) -> Plan:
             "skip the hidden pairs, which SDPA with a float mask computes"
         )
     if _op_by_op(call, scores):
+        if _in_place(call):
+            return lambda: _forward_in_place(
+                call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
+                call.dropout_p,
+            )  # fmt: skip
         return lambda: _math(
             call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
             call.dropout_p, reference=False,

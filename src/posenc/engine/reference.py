@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..hooks import Hooks
+from . import tuning
 from .mask import Mask
 
 
@@ -137,3 +138,83 @@ def _math(
     if value_term is not None:
         out = out + value_term(dropped, q_pos, k_pos)
     return out, weights
+
+
+#: the in-place softmax along the last dim (``out=`` its input: each row is read before it
+#: is written)
+_softmax_out = torch.ops.aten._softmax.out
+
+
+def _forward_in_place(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    hooks: Hooks,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    scale: float,
+    dropout_p: float,
+) -> Tensor:
+    """:func:`_math` with the fast hooks, for a call that records no graph: ``[b, h, n_q,
+    d_v]``, the same values in one ``[b, h, n_q, n_k]`` buffer.
+
+    The buffer starts as ``score_term * scale + score_bias`` plus the float mask, one GEMM
+    adds ``scale * q k^T`` to it (``baddbmm_``: no pass of its own for the scale or the
+    bias), and the masked fill and the softmax write into it (the softmax only for rows of
+    a multiple of :data:`~.tuning.SOFTMAX_IN_PLACE_COLUMNS` keys; others get a second
+    buffer). :func:`_math` allocates the scores and the weights apart and passes over them
+    three times more: a fresh ``[b, h, n_q, n_k]`` allocation of some MiB costs a page
+    fault per 4 KiB page each call where the C library hands it back to the system
+    between calls.
+
+    Args:
+        q: ``[b, h, n_q, d]`` float32 or float64, as many heads as ``k`` and ``v``.
+        k: ``[b, h, n_k, d]``.
+        v: ``[b, h, n_k, d_v]``.
+        hooks: the scheme's hooks (no contextual term).
+        q_pos: ``[B', n_q]`` positions.
+        k_pos: ``[B', n_k]`` positions.
+        mask: which keys each query may see.
+        scale: the scores' scale.
+        dropout_p: dropout on the weights.
+
+    Returns:
+        ``[b, h, n_q, d_v]``.
+    """
+    b, h, n_q, d = q.shape
+    n_k, d_v = k.shape[2], v.shape[3]
+    scores = q.new_empty(b * h, n_q, n_k)  # [b h, n_q, n_k]
+    full = scores.view(b, h, n_q, n_k)
+    start = False  # whether the buffer holds what the GEMM adds to
+    if hooks.score_term is not None:
+        torch.mul(hooks.score_term(q, q_pos, k_pos), scale, out=full)
+        start = True
+    if hooks.score_bias is not None:
+        bias = hooks.score_bias(q_pos, k_pos)  # [B', h or 1, n_q, n_k]
+        full.add_(bias) if start else full.copy_(bias)
+        start = True
+    added = mask.added()  # [b|1, h|1, n_q, n_k] or None
+    if added is not None:
+        full.add_(added) if start else full.copy_(added)
+        start = True
+    q3 = q.reshape(b * h, n_q, d)  # [b h, n_q, d]
+    k3 = k.reshape(b * h, n_k, d)  # [b h, n_k, d]
+    scores.baddbmm_(q3, k3.transpose(1, 2), beta=1 if start else 0, alpha=scale)
+    keep = mask.keep(device=q.device)  # [b|1, h|1, n_q, n_k] or None
+    if keep is not None:
+        full.masked_fill_(~keep, torch.finfo(scores.dtype).min)
+    if n_k % tuning.SOFTMAX_IN_PLACE_COLUMNS == 0:
+        weights = _softmax_out(scores, -1, False, out=scores)  # [b h, n_q, n_k]
+    else:  # a row's partial last vector, written, would stall the next row's first read
+        weights = scores.softmax(dim=-1)  # [b h, n_q, n_k]
+    full = weights.view(b, h, n_q, n_k)
+    if keep is not None and not (mask.causal_at_most and mask.n_q <= mask.n_k):
+        full.mul_(keep.any(dim=-1, keepdim=True))  # a query with no visible key: 0
+    if dropout_p > 0:
+        full = F.dropout(full, dropout_p)
+    out = torch.bmm(full.reshape(b * h, n_q, n_k), v.reshape(b * h, n_k, d_v))
+    out = out.view(b, h, n_q, d_v)  # [b h, n_q, d_v] -> [b, h, n_q, d_v]
+    if hooks.value_term is not None:
+        out = out.add_(hooks.value_term(full, q_pos, k_pos))
+    return out

@@ -53,5 +53,17 @@ MATERIALISED_CAUSAL_PAIRS = 1 << 12
 #: two threads or more (on one thread the fused kernel was as fast or faster at every
 #: shape measured, b=2 n=64 and Swin's windows: never op by op)
 OPS_FORWARD_SCORES = 3 << 19
-#: threads at least for which a call runs op by op under OPS_FORWARD_SCORES
+#: scores at most for which the materialised path runs op by op, in one buffer, a call in
+#: no-grad mode that SDPA's fused kernel could run (no mask but a causal one, two threads
+#: or more): BERT-size, where the in-place forward takes 0.76-0.91x SDPA's time (2^23:
+#: 1.06-1.21x for a bias)
+OPS_IN_PLACE_SCORES = 3 << 21
+#: keys per row, a multiple of which the in-place forward's softmax writes into its input
+#: (AVX-512 holds 16 float32: a shorter last vector of a row, stored, stalls the next
+#: row's first load; softmax in place / into another buffer, 2^20 float32, AVX-512: rows
+#: of 48, 64, 96, 128, 256 keys 0.93-0.99, of 49, 56, 60, 100, 120, 196, 200 keys
+#: 1.14-1.43; AVX2: 0.96-1.01 for all)
+SOFTMAX_IN_PLACE_COLUMNS = 16
+#: threads at least for which a call runs op by op under OPS_FORWARD_SCORES or
+#: OPS_IN_PLACE_SCORES
 OPS_FORWARD_THREADS = 2
