@@ -127,12 +127,12 @@ def select_rows(table: Tensor, index: Tensor) -> Tensor:
 
     Args:
         table: ``[R, d]`` or ``[h, R, d]``.
-        index: integer ``[*S]`` in ``[0, R)``.
+        index: integer ``[*S]`` in ``[0, R)`` (no negative rows), on any device.
 
     Returns:
         ``[*S, d]`` or ``[h, *S, d]``.
     """
-    rows = table.index_select(-2, index.flatten())  # [(h,) S, d]
+    rows = table.index_select(-2, index.flatten().to(table.device))  # [(h,) S, d]
     return rows.view(*table.shape[:-2], *index.shape, table.shape[-1])
 
 

@@ -160,3 +160,58 @@ def test_the_softmax_writes_into_the_scores_only_for_rows_of_whole_vectors(
     assert softmaxes == ([1] if in_place else [])
     expected = torch.softmax(q @ k.transpose(-1, -2) * 0.5, dim=-1) @ v
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shared", ["batch", "heads"])
+def test_the_forward_in_one_buffer_broadcasts_a_shared_term(shared):
+    """A score term shared by the batch ``[1, h, n_q, n_k]`` or the heads ``[b, 1, n_q, n_k]``
+    fills the whole buffer (not a resized part of it): the formula's values."""
+    b, h, n = 2, 3, 16
+    q, k, v = (torch.randn(b, h, n, 4, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(n)[None]
+    term = torch.randn(1, h, n, n, dtype=torch.float64) if shared == "batch" else None
+    term = torch.randn(b, 1, n, n, dtype=torch.float64) if term is None else term
+    hooks = Hooks(score_term=lambda q, q_pos, k_pos: term)
+    with torch.no_grad():
+        out = _forward_in_place(q, k, v, hooks, pos, pos, Mask(n, n), 0.5, 0.0)
+    expected = torch.softmax((q @ k.transpose(-1, -2) + term) * 0.5, dim=-1) @ v
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_the_forward_in_one_buffer_promotes_a_wider_value_term():
+    """A value term in float64 for float32 inputs gives a float64 output, as the formula
+    op by op does (not rounded into the float32 output)."""
+    q, k, v = (torch.randn(1, 2, 16, 4) for _ in range(3))
+    pos = torch.arange(16)[None]
+    term = torch.full((1, 2, 16, 4), 1e-9, dtype=torch.float64)
+    hooks = Hooks(value_term=lambda w, q_pos, k_pos: term)
+    with torch.no_grad():
+        out = _forward_in_place(q, k, v, hooks, pos, pos, Mask(16, 16), 0.5, 0.0)
+        expected = _math(q, k, v, hooks, pos, pos, Mask(16, 16), 0.5, 0.0, reference=False)[0]
+    assert out.dtype == expected.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_no_grad_with_a_forward_ad_level_or_shared_keys_takes_the_formula(monkeypatch):
+    """Forward-mode AD under ``no_grad`` (the buffer's ``out=`` ops have no derivative) and
+    keys and values shared by the batch (``attend``'s ``[1, h, n_k, d]``) run the formula op
+    by op: the tangent and the values equal the math path's."""
+    import torch.autograd.forward_ad as fwad
+
+    monkeypatch.setattr(plans, "_threads", lambda: 2)
+    scheme = posenc.T5RelativeBias(2, num_buckets=8, max_distance=16).double()
+    q, k, v, t = (torch.randn(2, 2, 16, 4, dtype=torch.float64) for _ in range(4))
+    tangents = {}
+    for backend in ("math", "auto"):
+        with torch.no_grad(), fwad.dual_level():
+            out = posenc.attention(fwad.make_dual(q, t), k, v, position=scheme, backend=backend)
+            tangents[backend] = fwad.unpack_dual(out).tangent
+    assert tangents["auto"] is not None
+    torch.testing.assert_close(tangents["auto"], tangents["math"], rtol=1e-10, atol=1e-12)
+    pos = torch.arange(16)[None]
+    outs = {}
+    for backend in ("math", "auto"):
+        with torch.no_grad():
+            outs[backend] = attend(q, k[:1], v[:1], scheme=scheme, q_pos=pos, k_pos=pos,
+                                   mask=Mask(16, 16), backend=backend)[0]  # fmt: skip
+    torch.testing.assert_close(outs["auto"], outs["math"], rtol=1e-10, atol=1e-12)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..indices import select_rows, skew_rows
+from ..indices import skew_rows
 from . import common, tuning
 from .common import _SHARE_FLOOR, _block_grads, _Buffers, _KeyGrads, _reused, _widen
 
@@ -556,4 +556,4 @@ def _same_index(a: Tensor | None, b: Tensor | None) -> bool:
 
 def _expand_rows(table: Tensor, index: Tensor | None) -> Tensor:
     """The rows ``[(h,) W, d]`` themselves: ``table[..., index, :]``."""
-    return table if index is None else select_rows(table, index)
+    return table if index is None else table[..., index, :]  # a scheme's own index

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from ..hooks import Hooks
 from . import common, tuning
@@ -274,8 +275,8 @@ def _ops_forward(call: Call, scores: int) -> bool:
     """Whether a call that SDPA's fused kernel could run (no gradient for the bias or term)
     runs op by op instead: on CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more,
     no mask but a causal one, and at most :data:`tuning.OPS_IN_PLACE_SCORES` scores for a
-    call that records no graph (one buffer: :func:`~.reference._forward_in_place`),
-    :data:`tuning.OPS_FORWARD_SCORES` for one that does (a constant bias with gradients for
+    call in one buffer (no-grad mode: :func:`_in_place`),
+    :data:`tuning.OPS_FORWARD_SCORES` otherwise (a constant bias with gradients for
     ``q, k, v``: its graph keeps the weights, which SDPA's does not)."""
     limit = tuning.OPS_IN_PLACE_SCORES if _in_place(call) else tuning.OPS_FORWARD_SCORES
     return (
@@ -288,15 +289,17 @@ def _ops_forward(call: Call, scores: int) -> bool:
 
 def _in_place(call: Call) -> bool:
     """Whether the op-by-op kernel runs in one buffer (:func:`~.reference._forward_in_place`):
-    grad mode off (nothing records a graph), eager (no ``torch.compile``, no ``torch.func``
-    transform), and as many key and value heads as query heads."""
-    heads = call.q.shape[1]
+    grad mode off and no forward-mode AD level open (nothing records a graph or a tangent:
+    its ``out=`` ops have no derivative), eager (no ``torch.compile``, no ``torch.func``
+    transform), and keys and values of the queries' batch and heads."""
+    lead = call.q.shape[:2]
     return (
         not torch.is_grad_enabled()
+        and forward_ad._current_level < 0
         and not torch.compiler.is_compiling()
         and not torch._C._are_functorch_transforms_active()
-        and call.k.shape[1] == heads
-        and call.v.shape[1] == heads
+        and call.k.shape[:2] == lead
+        and call.v.shape[:2] == lead
     )
 
 

@@ -188,7 +188,11 @@ def _forward_in_place(
     full = scores.view(b, h, n_q, n_k)
     start = False  # whether the buffer holds what the GEMM adds to
     if hooks.score_term is not None:
-        torch.mul(hooks.score_term(q, q_pos, k_pos), scale, out=full)
+        term = hooks.score_term(q, q_pos, k_pos)  # [b|1, h|1, n_q, n_k]
+        if term.shape == full.shape:
+            torch.mul(term, scale, out=full)
+        else:  # shared by the batch or the heads: broadcast into the buffer
+            full.copy_(term).mul_(scale)
         start = True
     if hooks.score_bias is not None:
         bias = hooks.score_bias(q_pos, k_pos)  # [B', h or 1, n_q, n_k]
@@ -216,5 +220,5 @@ def _forward_in_place(
     out = torch.bmm(full.reshape(b * h, n_q, n_k), v.reshape(b * h, n_k, d_v))
     out = out.view(b, h, n_q, d_v)  # [b h, n_q, d_v] -> [b, h, n_q, d_v]
     if hooks.value_term is not None:
-        out = out.add_(hooks.value_term(full, q_pos, k_pos))
+        out = _plus(out, hooks.value_term(full, q_pos, k_pos), own=True)  # [b, h, n_q, d_v]
     return out

@@ -55,7 +55,7 @@ MATERIALISED_CAUSAL_PAIRS = 1 << 12
 OPS_FORWARD_SCORES = 3 << 19
 #: scores at most for which the materialised path runs op by op, in one buffer, a call in
 #: no-grad mode that SDPA's fused kernel could run (no mask but a causal one, two threads
-#: or more): BERT-size, where the in-place forward takes 0.76-0.91x SDPA's time (2^23:
+#: or more): BERT-size, where the in-place forward takes 0.76-0.94x SDPA's time (2^23:
 #: 1.06-1.21x for a bias)
 OPS_IN_PLACE_SCORES = 3 << 21
 #: keys per row, a multiple of which the in-place forward's softmax writes into its input
