@@ -71,3 +71,90 @@ def test_alibi_errors():
         ValueError, match="ALiBi was built for heads=4 but the attention has heads=8"
     ):
         ALiBi(4).validate_attention(heads=8, head_dim=8)
+
+
+def test_kept_score_bias_is_the_dense_bias_kept_between_calls():
+    """With the paper's slopes and consecutive positions the dense bias is kept: the same
+    tensor in each call, of ``score_bias``'s values (the paper's ``-slope * |j - i|`` in
+    float64), for queries before, among and after the keys."""
+    import posenc.alibi as alibi_module
+
+    alibi_module._paper_dense_bias.cache_clear()
+    scheme = ALiBi(4)
+    slopes = torch.tensor(reference_slopes(4), dtype=torch.float64)
+    for q_start, k_start, n_q, n_k in ((0, 0, 7, 7), (30, 0, 1, 31), (5, 40, 3, 9)):
+        q_pos = torch.arange(q_start, q_start + n_q)[None]
+        k_pos = torch.arange(k_start, k_start + n_k)[None]
+        kept = scheme.kept_score_bias(q_pos, k_pos)
+        assert kept.shape == (1, 4, n_q, n_k) and not kept.requires_grad
+        assert ALiBi(4).kept_score_bias(q_pos.clone(), k_pos.clone()) is kept  # kept
+        distance = (k_pos[0][None, :] - q_pos[0][:, None]).abs().double()  # [n_q, n_k]
+        expected = -slopes[:, None, None] * distance  # [h, n_q, n_k]
+        torch.testing.assert_close(kept[0].double(), expected, rtol=1e-6, atol=0)
+        assert torch.equal(kept, scheme.score_bias(q_pos, k_pos))
+
+
+def test_kept_score_bias_declines_what_it_does_not_keep():
+    """None for learned slopes, a subclass's or the instance's own ``slopes``, ``bias`` or
+    ``offset_bias``, positions that are not one run, and a bias above 2^20 elements; the
+    engine then computes ``score_bias`` (which those define), and its result is the
+    caller's."""
+
+    class Halved(ALiBi):
+        def slopes(self, device=None):
+            return super().slopes(device) / 2
+
+    class Steeper(ALiBi):
+        def bias(self, offsets):
+            return 2 * super().bias(offsets)
+
+    class Shifted(ALiBi):
+        def offset_bias(self, q_pos, k_pos):
+            return super().offset_bias(q_pos, k_pos) - 1
+
+    pos = torch.arange(6)[None]
+    on_instance = ALiBi(2)
+    on_instance.slopes = lambda device=None: torch.ones(2, device=device)
+    for scheme in (ALiBi(2, learned=True), Halved(2), Steeper(2), Shifted(2), on_instance):
+        assert scheme.kept_score_bias(pos, pos) is None
+    assert ALiBi(2).kept_score_bias(torch.tensor([[0, 2, 3]]), pos) is None
+    assert ALiBi(2).kept_score_bias(torch.arange(6).expand(2, 6), pos) is None  # per batch
+    q_pos, k_pos = torch.arange(256)[None], torch.arange(257)[None]  # 16 x 256 x 257 > 2^20
+    assert ALiBi(16).kept_score_bias(q_pos, k_pos) is None
+    assert ALiBi(16).kept_score_bias(q_pos, k_pos[:, :256]) is not None  # 2^20
+    fresh = ALiBi(2).score_bias(pos, pos)
+    fresh.mul_(0)  # the caller's own: nothing kept changes
+    assert ALiBi(2).kept_score_bias(pos, pos).abs().max() > 0
+
+
+def test_the_engine_reads_the_kept_bias_and_never_writes_into_it():
+    """Every path that writes the bias out (the forward in one buffer, the formula op by op
+    with gradients, SDPA with it as attn_mask, a mask added to it) leaves the kept tensor as
+    it was, and gives the math path's output."""
+    import posenc
+
+    torch.manual_seed(0)
+    scheme = ALiBi(4)
+    pos = torch.arange(16)[None]
+    kept = scheme.kept_score_bias(pos, pos)
+    before = kept.clone()
+    q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.float64) for _ in range(3))
+    pad = torch.zeros(2, 16, dtype=torch.bool)
+    pad[1, 12:] = True
+    expected = {
+        masked: posenc.attention(q, k, v, position=scheme, key_padding_mask=masked and pad,
+                                 backend="math")  # fmt: skip
+        for masked in (None, True)
+    }
+    for backend in ("auto", "sdpa"):
+        for masked in (None, True):
+            for grad in (False, True):
+                x = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+                with torch.set_grad_enabled(grad):
+                    out = posenc.attention(*x, position=scheme, backend=backend,
+                                           key_padding_mask=masked and pad)  # fmt: skip
+                if grad:
+                    out.sum().backward()
+                torch.testing.assert_close(out.detach(), expected[masked], rtol=1e-10, atol=1e-12)
+                assert torch.equal(kept, before)
+    assert scheme.kept_score_bias(pos, pos) is kept

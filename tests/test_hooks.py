@@ -39,6 +39,7 @@ def test_a_subclass_overriding_a_hook_drops_the_parents_fast_forms():
             return 2 * super().score_term(q, q_pos, k_pos)
 
     assert hooks_of(SteeperALiBi(4)).offset_bias is None
+    assert hooks_of(SteeperALiBi(4)).kept_score_bias is None
     assert hooks_of(SteeperALiBi(4)).flex_score_mod is None
     assert hooks_of(SteeperSlopes(4)).offset_bias is not None
     assert hooks_of(Both(4)).offset_bias is not None
@@ -66,6 +67,7 @@ def test_every_hook_has_a_protocol_that_the_schemes_satisfy():
         hooks.ScoreTerm: posenc.RelativeQueryEmbedding(8, 8),
         hooks.ValueTerm: posenc.ShawRelativePosition(8, 2),
         hooks.OffsetBias: posenc.T5RelativeBias(2),
+        hooks.KeptScoreBias: posenc.ALiBi(2),
     }
     for protocol, scheme in examples.items():
         assert isinstance(scheme, protocol), (protocol, scheme)
@@ -95,6 +97,15 @@ def test_checked_hooks_pass_declining_extras_and_reject_wrong_shapes():
     wrong = checked_hooks(hooks_of(ThreeHeads()), ThreeHeads(), 2, 4, 8)
     with pytest.raises(ValueError, match=r"score_bias hook returned shape \(1, 3, 3, 3\)"):
         wrong.score_bias(pos, pos)
+
+    class KeptForThree(Declines):
+        def kept_score_bias(self, q_pos, k_pos):
+            return torch.zeros(1, 3, q_pos.shape[-1], k_pos.shape[-1])
+
+    wrong = checked_hooks(hooks_of(KeptForThree()), KeptForThree(), 2, 4, 8)
+    assert wrong.kept_score_bias is not None
+    with pytest.raises(ValueError, match=r"kept_score_bias hook returned shape \(1, 3, 3, 3\)"):
+        wrong.kept_score_bias(pos, pos)
 
 
 class CountedBias(nn.Module):

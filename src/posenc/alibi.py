@@ -1,8 +1,8 @@
 """ALiBi, attention with linear biases (Press et al. 2022): ``B[h, i, j] = -slope_h * |j - i|``.
 
 The paper's slopes (:func:`alibi_slopes`) and, for a consecutive run of positions, the bias
-of each offset are constants of the head count and the run: kept between calls
-(:mod:`posenc._memo`). :mod:`posenc.bias` re-exports both names.
+of each offset and the dense bias are constants of the head count and the run: kept
+between calls (:mod:`posenc._memo`). :mod:`posenc.bias` re-exports both names.
 
 Shape legend: ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``W = n_q + n_k - 1`` offsets.
 """
@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from . import _validate as check
 from ._memo import memo
 from .families import OffsetBias
+from .diagonals import toeplitz
 from .families.biases import _KEPT_RUN, _own_bias, _run_of
 
 __all__ = ["ALiBi", "alibi_slopes"]
@@ -60,6 +61,19 @@ def _paper_run_bias(heads: int, first: int, count: int, device: torch.device) ->
     ``[heads, count]`` float32, kept per run (shared: read, never written)."""
     offsets = torch.arange(first, first + count, device=device)  # [count]
     return -_paper_slopes(heads, device)[:, None] * offsets.abs().float()  # [heads, count]
+
+
+#: the most elements ``h * n_q * n_k`` of a dense bias kept between calls (4 MiB)
+_KEPT_DENSE = 1 << 20
+
+
+@memo(maxsize=4)
+def _paper_dense_bias(heads: int, first: int, n_q: int, n_k: int, device: torch.device) -> Tensor:
+    """ALiBi's dense bias with the paper's slopes for ``n_q`` consecutive queries and ``n_k``
+    consecutive keys whose first offset is ``first`` (see :func:`~posenc.indices.offset_run`):
+    ``[1, heads, n_q, n_k]`` float32, kept (shared: read, never written)."""
+    run = _paper_run_bias(heads, first, n_q + n_k - 1, device)  # [heads, W]
+    return toeplitz(run, n_q, n_k).unsqueeze(0)  # [1, heads, n_q, n_k]
 
 
 class ALiBi(OffsetBias):
@@ -135,6 +149,29 @@ class ALiBi(OffsetBias):
         if count > _KEPT_RUN:
             return _paper_run_bias.__wrapped__(self.heads, first, count, q_pos.device)
         return _paper_run_bias(self.heads, first, count, q_pos.device).clone()  # the caller's
+
+    def kept_score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """:meth:`score_bias` kept between calls, for the engine to read (see
+        :class:`~posenc.hooks.KeptScoreBias`): with the paper's slopes, for consecutive
+        positions and at most 2^20 elements ``h * n_q * n_k``, ``[1, h, n_q, n_k]`` shared
+        (never write into it); None otherwise (learned slopes, a :meth:`slopes`,
+        :meth:`bias` or :meth:`offset_bias` of a subclass's or set on the instance, other
+        positions, a larger bias).
+
+        Raises:
+            ValueError: positions :meth:`check_positions` rejects.
+        """
+        if not self._has_paper_slopes() or _own_bias(self, ALiBi):
+            return None
+        if type(self).offset_bias is not ALiBi.offset_bias or "offset_bias" in vars(self):
+            return None
+        n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
+        if self.heads * n_q * n_k > _KEPT_DENSE:
+            return None
+        run = _run_of(self, q_pos, k_pos)
+        if run is None:
+            return None
+        return _paper_dense_bias(self.heads, run[0], n_q, n_k, q_pos.device)
 
     def bias(self, offsets: Tensor) -> Tensor:
         """``-slope_h * |offset|`` for each offset ``j - i``, float32 (or the learned

@@ -35,6 +35,9 @@ them):
   logits of ``q`` against its rows, read per pair), or None where it has no bound;
 - ``offset_bias(q_pos, k_pos)``: a relative bias as one value per offset, ``[h|1, W]``,
   when the positions are one consecutive run (None otherwise);
+- ``kept_score_bias(q_pos, k_pos)``: ``score_bias`` as a tensor the scheme keeps between
+  calls, which the engine reads and never writes (no allocation per call), or None
+  where it keeps none;
 - ``offset_term(q_pos, k_pos)`` / ``offset_value``: the same for a query term
   ``q_i . r_(j-i)`` and Shaw's ``a^V``, as rows ``r [(h,) W, d]`` or ``(table, index)``;
 - ``grid_bias(q_pos, k_pos)`` / ``grid_term(q_pos, k_pos)``: the 2-D counterparts, for
@@ -127,6 +130,15 @@ class OffsetBias(Protocol):
 
 
 @runtime_checkable
+class KeptScoreBias(Protocol):
+    """:class:`ScoreBias` as a tensor kept between calls: ``kept_score_bias(q_pos, k_pos) ->
+    [B', h|1, n_q, n_k]``, the values of ``score_bias``, shared (the engine reads it and
+    never writes into it, and it requires no grad), or None where the scheme keeps none."""
+
+    def kept_score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None: ...
+
+
+@runtime_checkable
 class OffsetTerm(Protocol):
     """The per-offset form of :class:`ScoreTerm`: ``offset_term(q_pos, k_pos)`` the rows
     ``r [(h,) W, d]`` with ``term_ij = q_i . r[j - i + n_q - 1]``, or ``(table [(h,) R, d],
@@ -185,6 +197,7 @@ class Hooks:
     value_term: Callable[..., Tensor] | None = None
     contextual_term: Callable[..., Tensor] | None = None
     offset_bias: Callable[..., Tensor | None] | None = None
+    kept_score_bias: Callable[..., Tensor | None] | None = None
     key_shift: Callable[..., Tensor] | None = None
     offset_term: Callable[..., Tensor | None] | None = None
     grid_bias: Callable[..., Tensor | None] | None = None
@@ -203,6 +216,7 @@ HOOK_NAMES = ("rotate", "score_bias", "score_term", "value_term", "contextual_te
 #: above the one that (re)defines its hook would compute the parent's term, so it is dropped
 DERIVED_HOOKS = {
     "offset_bias": "score_bias",
+    "kept_score_bias": "score_bias",
     "grid_bias": "score_bias",
     "flex_score_mod": "score_bias",
     "flex_term_mod": "score_term",
@@ -340,6 +354,7 @@ def checked_hooks(hooks: Hooks, scheme: Any, b: int, h: int, d_v: int) -> Hooks:
         "contextual_term": lambda z, q, qp, kp: ({1, q.shape[0]}, heads, q.shape[2], z.shape[-1]),
         "offset_bias": lambda qp, kp: (heads, qp.shape[-1] + kp.shape[-1] - 1),
     }
+    expect["kept_score_bias"] = expect["score_bias"]
     expect["reference_score_term"] = expect["score_term"]
     expect["reference_value_term"] = expect["value_term"]
     found = {

@@ -141,6 +141,43 @@ def test_the_forward_in_one_buffer_runs_where_nothing_records_a_graph(monkeypatc
     torch.testing.assert_close(quiet, loud.detach(), rtol=0, atol=1e-6)
 
 
+def test_grad_mode_with_nothing_to_differentiate_runs_in_one_buffer(monkeypatch):
+    """Grad mode on but nothing requiring grad (an evaluation without ``no_grad``) records
+    no graph: the forward in one buffer, the no-grad values."""
+    monkeypatch.setattr(plans, "_threads", lambda: 2)
+    ran = []
+    in_place = plans._forward_in_place
+    monkeypatch.setattr(
+        plans, "_forward_in_place", lambda *a, **kw: ran.append("in place") or in_place(*a, **kw)
+    )
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    for scheme in (posenc.ALiBi(4), posenc.T5RelativeBias(4, num_buckets=8, max_distance=16)):
+        scheme.requires_grad_(False)
+        out = posenc.attention(q, k, v, position=scheme)
+        with torch.no_grad():
+            quiet = posenc.attention(q, k, v, position=scheme)
+        assert not out.requires_grad
+        assert torch.equal(out, quiet)
+    assert ran == ["in place"] * 4
+
+
+def test_a_tensor_only_the_bias_reads_gets_its_gradient_in_grad_mode(monkeypatch):
+    """Grad mode, q, k, v and the scheme's parameters asking for nothing, but the bias reads
+    a tensor that requires grad (a scheme that is not a module): the formula in autograd
+    ops, whose gradient for that tensor is the math path's (float64)."""
+    monkeypatch.setattr(plans, "_threads", lambda: 2)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.float64) for _ in range(3))
+    values, grads = torch.randn(4, 9, dtype=torch.float64), {}
+    for backend in ("math", "auto"):
+        table = values.clone().requires_grad_()
+        out = posenc.attention(q, k, v, position=HeldBias(table), backend=backend)
+        (out * torch.linspace(-1, 1, 8, dtype=torch.float64)).sum().backward()
+        grads[backend] = table.grad
+    assert grads["auto"] is not None
+    torch.testing.assert_close(grads["auto"], grads["math"], rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize(("n_k", "in_place"), [(16, True), (32, True), (7, False), (49, False)])
 def test_the_softmax_writes_into_the_scores_only_for_rows_of_whole_vectors(
     monkeypatch, n_k, in_place

@@ -27,7 +27,7 @@ from .learned import learned_inputs, scheme_parameters
 from .mask import Mask
 from .offset_bias import _offset_kernel_values, _OffsetFusedAttention
 from .offset_term import _expand_rows, _offset_rows, _OffsetTermAttention, _same_index
-from .reference import _forward_in_place, _math
+from .reference import _dense_bias, _forward_in_place, _math
 from .sdpa import _sdpa
 
 
@@ -289,12 +289,14 @@ def _ops_forward(call: Call, scores: int) -> bool:
 
 def _in_place(call: Call) -> bool:
     """Whether the op-by-op kernel runs in one buffer (:func:`~.reference._forward_in_place`):
-    grad mode off and no forward-mode AD level open (nothing records a graph or a tangent:
-    its ``out=`` ops have no derivative), eager (no ``torch.compile``, no ``torch.func``
-    transform), and keys and values of the queries' batch and heads."""
+    no gradient asked for (grad mode off, or nothing the call differentiates requires grad:
+    a tensor that only the hooks read is checked there) and no forward-mode AD level open
+    (nothing records a graph or a tangent: its ``out=`` ops have no derivative), eager (no
+    ``torch.compile``, no ``torch.func`` transform), and keys and values of the queries'
+    batch and heads."""
     lead = call.q.shape[:2]
     return (
-        not torch.is_grad_enabled()
+        not call.grad
         and forward_ad._current_level < 0
         and not torch.compiler.is_compiling()
         and not torch._C._are_functorch_transforms_active()
@@ -318,7 +320,7 @@ def _constant_bias(call: Call) -> bool:
         return False
     if call.scheme_params:
         return False
-    return not hooks.score_bias(call.q_pos, call.k_pos).requires_grad
+    return not _dense_bias(hooks, call.q_pos, call.k_pos).requires_grad
 
 
 def _op_by_op(call: Call, scores: int) -> bool:

@@ -20,6 +20,17 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _dense_bias(hooks: Hooks, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """The scheme's ``score_bias`` for a path that only reads it: the tensor it keeps between
+    calls where it keeps one (``kept_score_bias``: no allocation), else a new one
+    ``[B', h or 1, n_q, n_k]``."""
+    if hooks.kept_score_bias is not None:
+        kept = hooks.kept_score_bias(q_pos, k_pos)
+        if kept is not None:
+            return kept
+    return hooks.score_bias(q_pos, k_pos)
+
+
 def _fold_scores(
     hooks: Hooks,
     q: Tensor,
@@ -38,7 +49,7 @@ def _fold_scores(
     if term is not None:
         extra = term(q, q_pos, k_pos) * scale  # [b, h, n_q, n_k]
     if hooks.score_bias is not None:
-        bias = hooks.score_bias(q_pos, k_pos)  # [B', h or 1, n_q, n_k]
+        bias = _dense_bias(hooks, q_pos, k_pos)  # [B', h or 1, n_q, n_k], read only
         extra = bias if extra is None else extra + bias
     added = None if mask is None else mask.added(rows)  # [b|1, h|1, rows|1, n_k|1]
     if added is not None:  # at least the scores' width, and the mask's own if wider
@@ -117,7 +128,8 @@ def _math(
         scores = _plus(scores, term(q, q_pos, k_pos), own)
     scores = scores.mul_(scale) if own else scores * scale
     if hooks.score_bias is not None:
-        scores = _plus(scores, hooks.score_bias(q_pos, k_pos), own)
+        bias = hooks.score_bias(q_pos, k_pos) if reference else _dense_bias(hooks, q_pos, k_pos)
+        scores = _plus(scores, bias, own)  # reads the bias
     keep = mask.keep(device=q.device)
     if hooks.contextual_term is not None:  # CoPE: a term read from the masked logits
         scores = scores + _contextual(hooks, scores, keep, q, q_pos, k_pos)
@@ -157,7 +169,8 @@ def _forward_in_place(
     dropout_p: float,
 ) -> Tensor:
     """:func:`_math` with the fast hooks, for a call that records no graph: ``[b, h, n_q,
-    d_v]``, the same values in one ``[b, h, n_q, n_k]`` buffer.
+    d_v]``, the same values in one ``[b, h, n_q, n_k]`` buffer (in grad mode, where the
+    score term or bias requires grad, :func:`_math` itself).
 
     The buffer starts as ``score_term * scale + score_bias`` plus the float mask, one GEMM
     adds ``scale * q k^T`` to it (``baddbmm_``: no pass of its own for the scale or the
@@ -182,20 +195,24 @@ def _forward_in_place(
     Returns:
         ``[b, h, n_q, d_v]``.
     """
+    term = None if hooks.score_term is None else hooks.score_term(q, q_pos, k_pos)
+    bias = None if hooks.score_bias is None else _dense_bias(hooks, q_pos, k_pos)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (term, bias)):
+        # grad mode, and the hooks read a tensor that requires grad (not a parameter of the
+        # scheme, which the plan saw): the formula in autograd ops differentiates it
+        return _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, reference=False)[0]
     b, h, n_q, d = q.shape
     n_k, d_v = k.shape[2], v.shape[3]
     scores = q.new_empty(b * h, n_q, n_k)  # [b h, n_q, n_k]
     full = scores.view(b, h, n_q, n_k)
     start = False  # whether the buffer holds what the GEMM adds to
-    if hooks.score_term is not None:
-        term = hooks.score_term(q, q_pos, k_pos)  # [b|1, h|1, n_q, n_k]
+    if term is not None:  # [b|1, h|1, n_q, n_k]
         if term.shape == full.shape:
             torch.mul(term, scale, out=full)
         else:  # shared by the batch or the heads: broadcast into the buffer
             full.copy_(term).mul_(scale)
         start = True
-    if hooks.score_bias is not None:
-        bias = hooks.score_bias(q_pos, k_pos)  # [B', h or 1, n_q, n_k]
+    if bias is not None:  # [B', h or 1, n_q, n_k], read only
         full.add_(bias) if start else full.copy_(bias)
         start = True
     added = mask.added()  # [b|1, h|1, n_q, n_k] or None
