@@ -75,6 +75,32 @@ def test_offset_run_detects_consecutive_positions_only():
     assert offset_run(torch.tensor([[7]]), torch.tensor([[3]])) == 3 - 7
 
 
+def test_run_positions_are_known_as_a_run_until_written_into(monkeypatch):
+    """Positions built by run_positions skip the read of offset_run (the NumPy view is not
+    taken) and give the same answer; an in-place write moves the version counter, and the
+    positions are read again. Inference tensors have no counter: always read."""
+    import posenc.indices as indices
+    from posenc.indices import offset_run, run_positions
+
+    reads = []
+    host_row = indices.host_row
+    monkeypatch.setattr(indices, "host_row", lambda pos: reads.append(1) or host_row(pos))
+    q_pos, k_pos = run_positions(4, 3), run_positions(0, 5)
+    assert torch.equal(q_pos, torch.arange(4, 7)[None]) and q_pos.shape == (1, 3)
+    assert offset_run(q_pos, k_pos) == 0 - 6 and reads == []
+    k_pos[0, 2] = 9  # no longer a run: read, and refused
+    assert offset_run(q_pos, k_pos) is None and reads == [1]
+    with torch.no_grad():
+        q_pos.add_(1)  # a run again, starting at 5: read, and its new first offset
+    k_pos[0, 2] = 2
+    assert offset_run(q_pos, k_pos) == 0 - 7
+    assert offset_run(q_pos[:, 1:], run_positions(0, 5)) == 0 - 7  # a view: read
+    with torch.inference_mode():
+        inference = run_positions(2, 4)
+        reads.clear()
+        assert offset_run(inference, inference) == 2 - 5 and reads == [1]
+
+
 def test_position_extremes_per_row():
     from posenc.indices import position_extremes
 

@@ -41,7 +41,7 @@ from . import _validate as check
 from .cache import KVCache
 from .engine import BACKENDS, Explanation, Mask, attend, explain_call
 from .hooks import HOOK_NAMES
-from .indices import positions_from_documents
+from .indices import positions_from_documents, run_positions
 
 __all__ = ["MultiHeadAttention", "attention", "explain"]
 
@@ -73,7 +73,7 @@ def _default_query_positions(n_q: int, n_k: int, causal: bool, device: torch.dev
     """``arange(n_q)``, shifted by ``n_k - n_q`` when causal with fewer queries (decoding):
     ``[1, n_q]``."""
     start = n_k - n_q if causal and n_q < n_k else 0
-    return torch.arange(start, start + n_q, device=device)[None]  # [1, n_q]
+    return run_positions(start, n_q, device)  # [1, n_q]
 
 
 def _core(
@@ -214,7 +214,7 @@ def _prepare(
     elif n_q == n_k:  # the default query positions, arange(n_k): one tensor for both
         k_pos = q_pos
     else:
-        k_pos = torch.arange(n_k, device=device)[None]  # [1, n_k]
+        k_pos = run_positions(0, n_k, device)  # [1, n_k]
     return dict(
         position=position,
         q_pos=q_pos,
@@ -616,7 +616,7 @@ class MultiHeadAttention(nn.Module):
         elif self_attention:
             k_pos = q_pos
         else:
-            k_pos = torch.arange(n_k, device=device)[None]  # [1, n_k]
+            k_pos = run_positions(0, n_k, device)  # [1, n_k]
         return q_pos, k_pos
 
     def extra_repr(self) -> str:

@@ -57,7 +57,7 @@ Masks are the attention's job, never a hook's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -287,44 +287,89 @@ def hooks_of(scheme: Any) -> Hooks:
             # the hook set on the instance, or redefined in a subclass of the extra's class
             if base_cls is None or (base_cls is not extra_cls and issubclass(base_cls, extra_cls)):
                 del hooks[extra]
-    return Hooks(**hooks)
+    return _new_hooks(hooks)
 
 
-def _shape_check(
-    scheme: Any,
-    name: str,
-    fn: Callable[..., Any],
-    expect: Callable[..., tuple[Any, ...]],
-    heads: int,
-) -> Callable[..., Any]:
-    """``fn`` with its result's shape checked against ``expect(*args)``: per dimension an int,
-    a set of allowed ints, or None (any). ``None`` results (an extra declining) pass."""
+def _new_hooks(found: dict[str, Any]) -> Hooks:
+    """``Hooks(**found)`` without the dataclass's ``__init__`` (once per attention call: the
+    hooks are written into the instance's dict at once)."""
+    hooks = object.__new__(Hooks)
+    hooks.__dict__.update(dict.fromkeys(_HOOK_NAMES), **found)
+    return hooks
+
+
+def _batch(pos: Tensor, b: int) -> set[int]:
+    return {1, pos.shape[0], b}
+
+
+#: for each hook whose result :func:`checked_hooks` checks, the shape it expects from the
+#: heads allowed, the batch, the value head dim and the hook's arguments: per dimension an
+#: int, a set of allowed ints, or None (any)
+_EXPECTED: dict[str, Callable[..., tuple[Any, ...]]] = {
+    "score_bias": lambda heads, b, d_v, qp, kp: (_batch(qp, b), heads, qp.shape[-1], kp.shape[-1]),
+    "kept_score_bias": lambda heads, b, d_v, qp, kp: (
+        _batch(qp, b),
+        heads,
+        qp.shape[-1],
+        kp.shape[-1],
+    ),
+    "score_term": lambda heads, b, d_v, q, qp, kp: (
+        {1, q.shape[0]},
+        heads,
+        q.shape[2],
+        kp.shape[-1],
+    ),
+    "reference_score_term": lambda heads, b, d_v, q, qp, kp: (
+        {1, q.shape[0]},
+        heads,
+        q.shape[2],
+        kp.shape[-1],
+    ),
+    "value_term": lambda heads, b, d_v, w, qp, kp: ({1, w.shape[0]}, heads, w.shape[2], d_v),
+    "reference_value_term": lambda heads, b, d_v, w, qp, kp: (
+        {1, w.shape[0]},
+        heads,
+        w.shape[2],
+        d_v,
+    ),
+    "contextual_term": lambda heads, b, d_v, z, q, qp, kp: (
+        {1, q.shape[0]},
+        heads,
+        q.shape[2],
+        z.shape[-1],
+    ),
+    "offset_bias": lambda heads, b, d_v, qp, kp: (heads, qp.shape[-1] + kp.shape[-1] - 1),
+}
+
+
+def _said(a: Any) -> str:
+    """An expected dimension as a message says it."""
+    if a is None:
+        return "any"
+    return " or ".join(map(str, sorted(a))) if isinstance(a, set) else str(a)
+
+
+def _shape_check(scheme: Any, name: str, fn: Callable[..., Any], b: int, h: int, d_v: int):
+    """``fn`` with its result's shape checked against :data:`_EXPECTED` ``[name]`` for an
+    attention of ``b`` sequences, ``h`` heads and value head dim ``d_v``. ``None`` results
+    (an extra declining) pass."""
+    expect = _EXPECTED[name]
 
     def checked(*args: Any) -> Any:
         out = fn(*args)
         if out is None or not isinstance(out, Tensor):
             return out
-        allowed = expect(*args)
+        allowed = expect({1, h}, b, d_v, *args)
         shape = tuple(out.shape)
         if len(shape) != len(allowed) or any(
             a is not None and (s not in a if isinstance(a, set) else s != a)
             for s, a in zip(shape, allowed, strict=False)
         ):
-
-            def said(a: Any) -> str:
-                return (
-                    "any"
-                    if a is None
-                    else " or ".join(map(str, sorted(a)))
-                    if isinstance(a, set)
-                    else str(a)
-                )
-
             raise ValueError(
                 f"position={type(scheme).__name__}: its {name} hook returned shape {shape}, "
-                f"expected [{', '.join(map(said, allowed))}] for the positions it was given "
-                f"(heads: 1, shared, or this attention's {heads}); build the scheme for "
-                f"heads={heads}"
+                f"expected [{', '.join(map(_said, allowed))}] for the positions it was given "
+                f"(heads: 1, shared, or this attention's {h}); build the scheme for "
+                f"heads={h}"
             )
         return out
 
@@ -342,24 +387,10 @@ def checked_hooks(hooks: Hooks, scheme: Any, b: int, h: int, d_v: int) -> Hooks:
     """
     if torch.compiler.is_compiling():
         return hooks
-    heads = {1, h}
-
-    def batch_of(pos: Tensor) -> set[int]:
-        return {1, pos.shape[0], b}
-
-    expect: dict[str, Callable[..., tuple[Any, ...]]] = {
-        "score_bias": lambda qp, kp: (batch_of(qp), heads, qp.shape[-1], kp.shape[-1]),
-        "score_term": lambda q, qp, kp: ({1, q.shape[0]}, heads, q.shape[2], kp.shape[-1]),
-        "value_term": lambda w, qp, kp: ({1, w.shape[0]}, heads, w.shape[2], d_v),
-        "contextual_term": lambda z, q, qp, kp: ({1, q.shape[0]}, heads, q.shape[2], z.shape[-1]),
-        "offset_bias": lambda qp, kp: (heads, qp.shape[-1] + kp.shape[-1] - 1),
-    }
-    expect["kept_score_bias"] = expect["score_bias"]
-    expect["reference_score_term"] = expect["score_term"]
-    expect["reference_value_term"] = expect["value_term"]
+    own = vars(hooks)
     found = {
-        name: _shape_check(scheme, name, fn, expect[name], h)
-        for name, fn in vars(hooks).items()
-        if fn is not None and name in expect
+        name: _shape_check(scheme, name, own[name], b, h, d_v)
+        for name in _EXPECTED
+        if own[name] is not None
     }
-    return replace(hooks, **found) if found else hooks
+    return _new_hooks({**own, **found}) if found else hooks

@@ -179,6 +179,37 @@ def grid_offset_index(q_pos: Tensor, k_pos: Tensor, size: tuple[int, int]) -> Te
     return (dr + height - 1) * (2 * width - 1) + (dc + width - 1)
 
 
+def run_positions(start: int, n: int, device: torch.device | str | None = None) -> Tensor:
+    """The positions ``start .. start + n - 1`` of one sequence, ``[1, n]`` int64, marked as
+    a run: :func:`offset_run` then knows them without reading them, until an in-place op
+    writes into them (their version counter moves). For the default positions that
+    posenc builds and hands to the hooks only (a write that bypasses the version counter,
+    through ``.data`` or a NumPy view, would not be seen).
+
+    Args:
+        start: the first position.
+        n: how many.
+        device: where to build them.
+
+    Returns:
+        ``[1, n]`` int64.
+    """
+    pos = torch.arange(start, start + n, device=device)[None]  # [1, n]
+    if torch.compiler.is_compiling() or pos.is_inference():
+        return pos  # traced (offset_run does not read positions there), or no version counter
+    pos._posenc_run = (pos._version, start)
+    return pos
+
+
+def _known_run(pos: Tensor) -> tuple[int, int] | None:
+    """``(first, last)`` of positions :func:`run_positions` built and nothing has written
+    into since (their version counter unchanged), else None."""
+    mark = getattr(pos, "_posenc_run", None)
+    if mark is None or pos.is_inference() or mark[0] != pos._version:
+        return None
+    return mark[1], mark[1] + pos.shape[-1] - 1
+
+
 def offset_run(q_pos: Tensor, k_pos: Tensor) -> int | None:
     """The first offset when the positions make a Toeplitz pattern, else None.
 
@@ -203,6 +234,11 @@ def offset_run(q_pos: Tensor, k_pos: Tensor) -> int | None:
             return None
         if not check._can_inspect(pos) or pos.is_floating_point() or pos.dtype == torch.bool:
             return None
+        known = _known_run(pos)  # built as a run: no need to read it
+        if known is not None:
+            firsts.append(known[0])
+            lasts.append(known[1])
+            continue
         row = host_row(pos)  # [n] on the host, no copy
         if row is None:
             if pos.shape[1] > 1 and not bool((pos[0, 1:] - pos[0, :-1] == 1).all()):

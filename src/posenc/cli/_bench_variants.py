@@ -31,6 +31,7 @@ from ..dense import as_attn_mask
 from ..engine import Mask, attend
 from ..engine.flex import _block_mask, _compiled_flex
 from ..hooks import hooks_of
+from ..indices import run_positions
 from ..registry import Shape
 from ._bench_peers import peer_of
 
@@ -95,7 +96,7 @@ def _masked(
     :func:`_key_padding`, the packed documents of :func:`_documents`, a sliding ``window``)
     and the positions ``[1, n]`` (restarting in each document)."""
     b, n = q.shape[0], q.shape[2]
-    pos = torch.arange(n, device=q.device)[None]  # [1, n]
+    pos = run_positions(0, n, q.device)  # [1, n], as posenc.attention's default
     packed = _documents(n, documents, q.device)
     doc = None
     if packed is not None:
