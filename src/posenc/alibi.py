@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from ._memo import memo
-from .families import OffsetBias
 from .diagonals import toeplitz
+from .families import OffsetBias
 from .families.biases import _KEPT_RUN, _own_bias, _run_of
 
 __all__ = ["ALiBi", "alibi_slopes"]
