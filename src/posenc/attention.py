@@ -97,8 +97,9 @@ def _core(
     window: int | None = None,
     explain_only: bool = False,
 ) -> tuple[Any, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor | None] | None]:
-    """Rotate, append to the cache (not stored), repeat grouped key/value heads, mask and
-    attend: ``(out [b, h, n_q, d] or an Explanation, weights, the cache's new entries)``."""
+    """Rotate, append to the cache (not stored), mask and attend (which repeats grouped
+    key/value heads for their query heads): ``(out [b, h, n_q, d] or an Explanation,
+    weights, the cache's new entries)``."""
     rotate = getattr(position, "rotate", None)
     if rotate is not None:
         q, k = rotate(q, k, q_pos, k_pos)
@@ -109,10 +110,6 @@ def _core(
     b, h, n_q, _ = q.shape
     n_k = k.shape[2]
     allowed, bias = check.attn_mask(attn_mask, b, h, n_q, n_k)
-    if k.shape[1] != h:  # grouped-query attention: key/value head g serves query heads g*r..
-        repeat = h // k.shape[1]
-        k = k.repeat_interleave(repeat, dim=1)  # [b, h_kv, n_k, d] -> [b, h, n_k, d]
-        v = v.repeat_interleave(repeat, dim=1)
     mask = Mask(
         n_q,
         n_k,

@@ -14,6 +14,7 @@ from engine_helpers import (
 )
 from torch import nn
 
+import posenc
 from posenc.engine import Mask, attend, explain_call, grid, offset_bias, offset_term, tuning
 
 
@@ -350,3 +351,42 @@ def test_the_wrapped_fast_path_keeps_history_it_shares_with_the_rest_of_the_mode
         grads[backend] = (x.grad, scheme.embedding.parametrizations.weight.original.grad)
     for a, c in zip(grads["math"], grads["auto"], strict=True):
         torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "sdpa", "lean"])
+@pytest.mark.parametrize("n", [16, 300])
+def test_grouped_keys_and_values_are_repeated_for_their_query_heads(backend, n):
+    """Keys and values of fewer heads (grouped-query attention) serve consecutive query
+    heads on every backend and at any size: the output of the heads repeated by hand
+    (float64), and the gradients of the grouped keys and values summed over their heads."""
+    torch.manual_seed(0)
+    scheme = posenc.T5RelativeBias(8, num_buckets=8, max_distance=16).double()
+    q = torch.randn(2, 8, n, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, n, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    pos = torch.arange(n)[None]
+    mask = Mask(n, n, causal=True)
+    out = attend(q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=mask, backend=backend)[0]
+    k4, v4 = (x.detach().repeat_interleave(4, dim=1).requires_grad_() for x in (k, v))
+    expected = attend(q.detach(), k4, v4, scheme=scheme, q_pos=pos, k_pos=pos, mask=mask,
+                      backend="math")[0]  # fmt: skip
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for grouped, repeated in ((k, k4), (v, v4)):
+        summed = repeated.grad.unflatten(1, (2, 4)).sum(dim=2)  # [b, h_kv, n, d]
+        torch.testing.assert_close(grouped.grad, summed, rtol=1e-10, atol=1e-12)
+
+
+def test_keys_of_heads_that_do_not_divide_the_queries_are_refused():
+    q = torch.randn(1, 8, 4, 4)
+    pos = torch.arange(4)[None]
+    for k, v in (
+        (torch.randn(1, 3, 4, 4),) * 2,
+        (torch.randn(1, 2, 4, 4), torch.randn(1, 4, 4, 4)),
+    ):
+        for backend in ("auto", "math"):
+            with pytest.raises(ValueError, match=r"k and v must have the same number of heads"):
+                attend(q, k, v, q_pos=pos, k_pos=pos, mask=Mask(4, 4), backend=backend)
+        with pytest.raises(ValueError, match=r"a divisor of q's 8"):
+            explain_call(q, k, v, q_pos=pos, k_pos=pos, mask=Mask(4, 4))

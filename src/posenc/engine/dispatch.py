@@ -75,8 +75,10 @@ def attend(
 
     Args:
         q: ``[b, h, n_q, d]`` queries (already rotated when the scheme rotates).
-        k: ``[b, h, n_k, d]`` keys (already rotated).
-        v: ``[b, h, n_k, d]`` values.
+        k: ``[b, h_kv, n_k, d]`` keys (already rotated): ``h_kv = h``, or a divisor of ``h``
+            (grouped-query attention: key head ``g`` serves query heads ``g * h / h_kv`` to
+            ``(g + 1) * h / h_kv - 1``, repeated for them here).
+        v: ``[b, h_kv, n_k, d]`` values.
         scheme: an object with any of the hooks ``score_bias``, ``score_term``,
             ``value_term``, ``contextual_term`` (see :mod:`posenc.hooks`), or None.
         q_pos: ``[B', n_q]`` int64 query positions.
@@ -91,7 +93,12 @@ def attend(
 
     Returns:
         ``(out [b, h, n_q, d], weights or None)``. A query with no visible key gets 0.
+
+    Raises:
+        ValueError: keys and values whose heads differ or do not divide the queries'.
     """
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        k, v = _repeat_heads(q, k, v)
     hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
     if mask.empty or (not torch.compiler.is_compiling() and _finite(q, k, v)):
         return _attend(
@@ -111,6 +118,25 @@ def attend(
     sees = _sees_any(mask, bad, q.device) | bad_q  # [b, h, n_q, 1]
     out = out.masked_fill(sees, float("nan"))
     return out, None if weights is None else weights.masked_fill(sees, float("nan"))
+
+
+def _repeat_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Grouped-query keys and values ``[b, h_kv, n_k, d]`` repeated for their query heads:
+    ``[b, h, n_k, d]`` each (as HF's ``repeat_kv``).
+
+    Raises:
+        ValueError: ``k`` and ``v`` of different heads, or heads that do not divide ``h``.
+    """
+    h, h_kv = q.shape[1], k.shape[1]
+    if v.shape[1] != h_kv or h_kv == 0 or h % h_kv:
+        raise ValueError(
+            f"k and v must have the same number of heads, a divisor of q's {h} (grouped-query "
+            f"attention), got k {tuple(k.shape)} and v {tuple(v.shape)}; give them {h} heads "
+            "or a divisor of it"
+        )
+    repeat = h // h_kv
+    # [b, h_kv, n_k, d] -> [b, h, n_k, d]: key head g for query heads g*repeat .. (g+1)*repeat-1
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
 
 
 def _learned_mask(mask: Mask) -> bool:
@@ -621,6 +647,8 @@ def explain_call(
 ) -> Explanation:
     """The path :func:`attend` takes for these arguments, and why each path before it in
     ``PATHS[backend]`` does not (nothing is computed but what the paths' conditions read)."""
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        k, v = _repeat_heads(q, k, v)
     hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if backend != "math" and _learned_mask(mask):
