@@ -112,16 +112,30 @@ def test_kept_score_bias_declines_what_it_does_not_keep():
         def offset_bias(self, q_pos, k_pos):
             return super().offset_bias(q_pos, k_pos) - 1
 
+    class Tripled:
+        def score_bias(self, q_pos, k_pos):
+            return 3 * super().score_bias(q_pos, k_pos)
+
+    class TripledALiBi(Tripled, ALiBi):
+        pass
+
     pos = torch.arange(6)[None]
     on_instance = ALiBi(2)
     on_instance.slopes = lambda device=None: torch.ones(2, device=device)
-    for scheme in (ALiBi(2, learned=True), Halved(2), Steeper(2), Shifted(2), on_instance):
+    schemes = (ALiBi(2, learned=True), Halved(2), Steeper(2), Shifted(2), TripledALiBi(2))
+    for scheme in (*schemes, on_instance):
         assert scheme.kept_score_bias(pos, pos) is None
     assert ALiBi(2).kept_score_bias(torch.tensor([[0, 2, 3]]), pos) is None
     assert ALiBi(2).kept_score_bias(torch.arange(6).expand(2, 6), pos) is None  # per batch
     q_pos, k_pos = torch.arange(256)[None], torch.arange(257)[None]  # 16 x 256 x 257 > 2^20
     assert ALiBi(16).kept_score_bias(q_pos, k_pos) is None
     assert ALiBi(16).kept_score_bias(q_pos, k_pos[:, :256]) is not None  # 2^20
+    import posenc.alibi as alibi_module
+
+    alibi_module._paper_run_bias.cache_clear()
+    one, many = torch.tensor([[6000]]), torch.arange(6001)[None]  # 6001 offsets: not kept
+    assert ALiBi(8).kept_score_bias(one, many) is not None  # 8 x 6001: the dense bias kept
+    assert alibi_module._paper_run_bias.cache_info().currsize == 0  # its run is not
     fresh = ALiBi(2).score_bias(pos, pos)
     fresh.mul_(0)  # the caller's own: nothing kept changes
     assert ALiBi(2).kept_score_bias(pos, pos).abs().max() > 0

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from posenc.engine import Mask, attend
-from posenc.hooks import HOOK_NAMES, hooks_of
+from posenc.hooks import HOOK_NAMES, Hooks, hooks_of
 
 
 def run(backend, scheme, q, k, v, q_pos, k_pos, mask):
@@ -34,6 +34,13 @@ def test_a_subclass_overriding_a_hook_drops_the_parents_fast_forms():
         def offset_bias(self, q_pos, k_pos):
             return super().offset_bias(q_pos, k_pos)
 
+    class Tripled:  # a mixin: listed before the scheme, its score_bias comes first
+        def score_bias(self, q_pos, k_pos):
+            return 3 * super().score_bias(q_pos, k_pos)
+
+    class TripledALiBi(Tripled, ALiBi):
+        pass
+
     class Doubled(RelativeQueryEmbedding):
         def score_term(self, q, q_pos, k_pos):
             return 2 * super().score_term(q, q_pos, k_pos)
@@ -45,12 +52,19 @@ def test_a_subclass_overriding_a_hook_drops_the_parents_fast_forms():
     assert hooks_of(Both(4)).offset_bias is not None
     assert hooks_of(ALiBi(4)).offset_bias is not None
     assert hooks_of(Doubled(16, 8)).offset_term is None
+    for extra in ("offset_bias", "kept_score_bias", "flex_score_mod"):
+        assert getattr(hooks_of(TripledALiBi(4)), extra) is None
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4, 16, 8, dtype=torch.float64) for _ in range(3))
     pos = torch.arange(16)[None]
-    for scheme in (SteeperALiBi(4), SteeperSlopes(4), Doubled(16, 8).double()):
+    for scheme in (SteeperALiBi(4), SteeperSlopes(4), TripledALiBi(4), Doubled(16, 8).double()):
         expected = run("math", scheme, q, k, v, pos, pos, Mask(16, 16))
         torch.testing.assert_close(run("auto", scheme, q, k, v, pos, pos, Mask(16, 16)), expected)
+    long = torch.arange(600)[None]  # the per-offset bias path
+    q, k, v = (torch.randn(1, 4, 600, 8, dtype=torch.float64) for _ in range(3))
+    expected = run("math", TripledALiBi(4), q, k, v, long, long, Mask(600, 600))
+    got = run("auto", TripledALiBi(4), q, k, v, long, long, Mask(600, 600))
+    torch.testing.assert_close(got, expected)
 
 
 def test_every_hook_has_a_protocol_that_the_schemes_satisfy():
@@ -102,6 +116,11 @@ def test_checked_hooks_pass_declining_extras_and_reject_wrong_shapes():
         def kept_score_bias(self, q_pos, k_pos):
             return torch.zeros(1, 3, q_pos.shape[-1], k_pos.shape[-1])
 
+    class Marked(Hooks):
+        pass
+
+    marked = Marked(score_bias=Declines().score_bias)
+    assert type(checked_hooks(marked, Declines(), 2, 4, 8)) is Marked
     wrong = checked_hooks(hooks_of(KeptForThree()), KeptForThree(), 2, 4, 8)
     assert wrong.kept_score_bias is not None
     with pytest.raises(ValueError, match=r"kept_score_bias hook returned shape \(1, 3, 3, 3\)"):

@@ -35,10 +35,10 @@ def memo(maxsize: int) -> Callable[[Callable[P, Tensor]], Callable[P, Tensor]]:
     ``torch.device``) that returns a constant tensor, the ``maxsize`` most recently used.
 
     The kept tensor is built outside inference mode and autograd (usable in any later
-    call) and is shared: the functions of posenc that use it read it and never hand it to a
-    caller (one that returns it returns a copy), but an autograd node may save it for its
-    backward, where ``grad_fn``'s saved tensors reach it: writing into it there changes
-    every later call. Under ``torch.compile``, a dispatch mode,
+    call) and is shared: the functions of posenc that use it read it, and hand it to a
+    caller only as a kept tensor by name (``kept_score_bias``; others return a copy), but
+    an autograd node may save it for its backward, where ``grad_fn``'s saved tensors reach
+    it: writing into it there changes every later call. Under ``torch.compile``, a dispatch mode,
     a function mode or a ``torch.func`` transform the function runs as it is, and nothing
     is kept.
     """
@@ -56,6 +56,7 @@ def memo(maxsize: int) -> Callable[[Callable[P, Tensor]], Callable[P, Tensor]]:
             return fn(*args, **kwargs)
 
         call.cache_clear = kept.cache_clear  # type: ignore[attr-defined]
+        call.cache_info = kept.cache_info  # type: ignore[attr-defined]
         return call
 
     return wrap

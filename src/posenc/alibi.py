@@ -72,7 +72,7 @@ def _paper_dense_bias(heads: int, first: int, n_q: int, n_k: int, device: torch.
     """ALiBi's dense bias with the paper's slopes for ``n_q`` consecutive queries and ``n_k``
     consecutive keys whose first offset is ``first`` (see :func:`~posenc.indices.offset_run`):
     ``[1, heads, n_q, n_k]`` float32, kept (shared: read, never written)."""
-    run = _paper_run_bias(heads, first, n_q + n_k - 1, device)  # [heads, W]
+    run = _paper_run_bias.__wrapped__(heads, first, n_q + n_k - 1, device)  # [heads, W], not kept
     return toeplitz(run, n_q, n_k).unsqueeze(0)  # [1, heads, n_q, n_k]
 
 
@@ -153,18 +153,22 @@ class ALiBi(OffsetBias):
     def kept_score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         """:meth:`score_bias` kept between calls, for the engine to read (see
         :class:`~posenc.hooks.KeptScoreBias`): with the paper's slopes, for consecutive
-        positions and at most 2^20 elements ``h * n_q * n_k``, ``[1, h, n_q, n_k]`` shared
-        (never write into it); None otherwise (learned slopes, a :meth:`slopes`,
-        :meth:`bias` or :meth:`offset_bias` of a subclass's or set on the instance, other
-        positions, a larger bias).
+        positions on the CPU and at most 2^20 elements ``h * n_q * n_k``, ``[1, h, n_q,
+        n_k]`` shared by every ALiBi of ``h`` heads in the process (never write into it);
+        None otherwise (learned slopes, a :meth:`slopes`, :meth:`bias`,
+        :meth:`offset_bias` or ``score_bias`` of a subclass's, a mixin's or set on the
+        instance, other positions, a larger bias).
 
         Raises:
             ValueError: positions :meth:`check_positions` rejects.
         """
         if not self._has_paper_slopes() or _own_bias(self, ALiBi):
             return None
-        if type(self).offset_bias is not ALiBi.offset_bias or "offset_bias" in vars(self):
+        own = vars(self)
+        if type(self).offset_bias is not ALiBi.offset_bias or "offset_bias" in own:
             return None
+        if type(self).score_bias is not OffsetBias.score_bias or "score_bias" in own:
+            return None  # a score_bias of a subclass's, a mixin's or the instance's
         n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
         if self.heads * n_q * n_k > _KEPT_DENSE:
             return None

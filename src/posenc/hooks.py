@@ -47,8 +47,9 @@ them):
 - ``validate_attention(heads, head_dim)``: called once at construction, to reject a
   scheme built for another shape.
 
-An extra counts only where the hook it stands for is defined in the same class or above
-(:data:`DERIVED_HOOKS`): a subclass that overrides ``score_bias`` alone runs on its
+An extra counts only where the hook it stands for is defined in the same class or after it
+in the method resolution order (:data:`DERIVED_HOOKS`): a subclass that overrides
+``score_bias`` alone, or a mixin listed before the scheme that does, runs on its
 ``score_bias``, not on the parent's ``offset_bias``. Hooks must accept any positions (a
 block of queries against all keys, shifted, per-batch), never assume ``n_q == n_k``.
 Masks are the attention's job, never a hook's.
@@ -197,7 +198,6 @@ class Hooks:
     value_term: Callable[..., Tensor] | None = None
     contextual_term: Callable[..., Tensor] | None = None
     offset_bias: Callable[..., Tensor | None] | None = None
-    kept_score_bias: Callable[..., Tensor | None] | None = None
     key_shift: Callable[..., Tensor] | None = None
     offset_term: Callable[..., Tensor | None] | None = None
     grid_bias: Callable[..., Tensor | None] | None = None
@@ -207,6 +207,7 @@ class Hooks:
     reference_value_term: Callable[..., Tensor] | None = None
     flex_score_mod: Callable[..., Callable[..., Tensor]] | None = None
     flex_term_mod: Callable[..., Callable[..., Tensor] | None] | None = None
+    kept_score_bias: Callable[..., Tensor | None] | None = None
 
 
 HOOK_NAMES = ("rotate", "score_bias", "score_term", "value_term", "contextual_term")
@@ -279,21 +280,23 @@ def hooks_of(scheme: Any) -> Hooks:
         return Hooks()
     found = {name: getattr(scheme, name, None) for name in _hook_candidates(scheme)}
     hooks = {name: fn for name, fn in found.items() if callable(fn)}
+    mro = type(scheme).__mro__
     for extra, base in DERIVED_HOOKS.items():
         if extra in hooks and base in hooks:
             extra_cls, base_cls = _defined_by(scheme, extra), _defined_by(scheme, base)
             if extra_cls is None:  # set on the instance with its hook: trust the pair
                 continue
-            # the hook set on the instance, or redefined in a subclass of the extra's class
-            if base_cls is None or (base_cls is not extra_cls and issubclass(base_cls, extra_cls)):
+            # the hook set on the instance, or found before the extra's class in the method
+            # resolution order (a subclass of it, or a mixin listed before it)
+            if base_cls is None or mro.index(base_cls) < mro.index(extra_cls):
                 del hooks[extra]
-    return _new_hooks(hooks)
+    return _new_hooks(Hooks, hooks)
 
 
-def _new_hooks(found: dict[str, Any]) -> Hooks:
-    """``Hooks(**found)`` without the dataclass's ``__init__`` (once per attention call: the
+def _new_hooks(cls: type[Hooks], found: dict[str, Any]) -> Hooks:
+    """``cls(**found)`` without the dataclass's ``__init__`` (once per attention call: the
     hooks are written into the instance's dict at once)."""
-    hooks = object.__new__(Hooks)
+    hooks = object.__new__(cls)
     hooks.__dict__.update(dict.fromkeys(_HOOK_NAMES), **found)
     return hooks
 
@@ -393,4 +396,4 @@ def checked_hooks(hooks: Hooks, scheme: Any, b: int, h: int, d_v: int) -> Hooks:
         for name in _EXPECTED
         if own[name] is not None
     }
-    return _new_hooks({**own, **found}) if found else hooks
+    return _new_hooks(type(hooks), {**own, **found}) if found else hooks
