@@ -275,7 +275,7 @@ def _ops_forward(call: Call, scores: int) -> bool:
     """Whether a call that SDPA's fused kernel could run (no gradient for the bias or term)
     runs op by op instead: on CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more,
     no mask but a causal one, and at most :data:`tuning.OPS_IN_PLACE_SCORES` scores for a
-    call in one buffer (no-grad mode: :func:`_in_place`),
+    call in one buffer (no gradient asked for: :func:`_in_place`),
     :data:`tuning.OPS_FORWARD_SCORES` otherwise (a constant bias with gradients for
     ``q, k, v``: its graph keeps the weights, which SDPA's does not)."""
     limit = tuning.OPS_IN_PLACE_SCORES if _in_place(call) else tuning.OPS_FORWARD_SCORES
@@ -354,8 +354,8 @@ def _plan_materialised(call: Call) -> Plan:
       needed);
     - otherwise (no gradients, or a constant bias with gradients for ``q, k, v`` alone), on
       CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more and no mask but a causal
-      one, the same ops: at most :data:`tuning.OPS_IN_PLACE_SCORES` scores in no-grad
-      mode, in one buffer (:func:`~.reference._forward_in_place`), at most
+      one, the same ops: at most :data:`tuning.OPS_IN_PLACE_SCORES` scores with no
+      gradient asked for, in one buffer (:func:`~.reference._forward_in_place`), at most
       :data:`tuning.OPS_FORWARD_SCORES` otherwise: there SDPA's fused kernel costs more
       than the separate ones;
     - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call,

@@ -53,8 +53,8 @@ MATERIALISED_CAUSAL_PAIRS = 1 << 12
 #: two threads or more (on one thread the fused kernel was as fast or faster at every
 #: shape measured, b=2 n=64 and Swin's windows: never op by op)
 OPS_FORWARD_SCORES = 3 << 19
-#: scores at most for which the materialised path runs op by op, in one buffer, a call in
-#: no-grad mode that SDPA's fused kernel could run (no mask but a causal one, two threads
+#: scores at most for which the materialised path runs op by op, in one buffer, a call
+#: that asks for no gradient that SDPA's fused kernel could run (no mask but a causal one, two threads
 #: or more): BERT-size, where the in-place forward takes 0.76-0.94x SDPA's time (2^23:
 #: 1.06-1.21x for a bias)
 OPS_IN_PLACE_SCORES = 3 << 21
