@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from ..hooks import Hooks, _defined_by, checked_hooks, hooks_of
-from . import common
 from .blocks import _by_blocks, _mask_blocks
 from .flex import _flex
+from .inputs import finite, repeat_heads, sees_any, zeroed_non_finite
 from .learned import substituted
 from .mask import Mask
 from .plans import (
@@ -98,84 +98,26 @@ def attend(
         ValueError: keys and values whose heads differ or do not divide the queries'.
     """
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        k, v = _repeat_heads(q, k, v)
+        k, v = repeat_heads(q, k, v)
     hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
-    if mask.empty or (not torch.compiler.is_compiling() and _finite(q, k, v)):
+    if mask.empty or (not torch.compiler.is_compiling() and finite(q, k, v)):
         return _attend(
             q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale
         )
-    # NaN or inf somewhere: a masked key or value must not reach any query, not even as
-    # 0 x NaN, nor a query's NaN the gradients of the keys it sees through a zero gradient;
-    # each such token is replaced by zeros, and the queries it touches made NaN after
-    bad = ~torch.isfinite(k).all(dim=-1) | ~torch.isfinite(v).all(dim=-1)  # [b, h, n_k]
-    bad_q = ~torch.isfinite(q).all(dim=-1, keepdim=True)  # [b, h, n_q, 1]
-    k = k.masked_fill(bad[..., None], 0.0)
-    v = v.masked_fill(bad[..., None], 0.0)
-    q = q.masked_fill(bad_q, 0.0)
+    # NaN or inf somewhere: such tokens are zeroed, and the queries they touch made NaN after
+    q, k, v, bad, bad_q = zeroed_non_finite(q, k, v)
     out, weights = _attend(
         q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale
     )
-    sees = _sees_any(mask, bad, q.device) | bad_q  # [b, h, n_q, 1]
+    sees = sees_any(mask, bad, q.device) | bad_q  # [b, h, n_q, 1]
     out = out.masked_fill(sees, float("nan"))
     return out, None if weights is None else weights.masked_fill(sees, float("nan"))
-
-
-def _repeat_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Grouped-query keys and values ``[b, h_kv, n_k, d]`` repeated for their query heads:
-    ``[b, h, n_k, d]`` each (as HF's ``repeat_kv``).
-
-    Raises:
-        ValueError: ``k`` and ``v`` of different heads, or heads that do not divide ``h``.
-    """
-    h, h_kv = q.shape[1], k.shape[1]
-    if v.shape[1] != h_kv or h_kv == 0 or h % h_kv:
-        raise ValueError(
-            f"k and v must have the same number of heads, a divisor of q's {h} (grouped-query "
-            f"attention), got k {tuple(k.shape)} and v {tuple(v.shape)}; give them {h} heads "
-            "or a divisor of it"
-        )
-    repeat = h // h_kv
-    # [b, h_kv, n_k, d] -> [b, h, n_k, d]: key head g for query heads g*repeat .. (g+1)*repeat-1
-    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
 
 
 def _learned_mask(mask: Mask) -> bool:
     """A float ``attn_mask`` that asks for a gradient: the fast paths give it none, so the
     call takes the math path, which differentiates everything it adds."""
     return mask.bias is not None and mask.bias.requires_grad and torch.is_grad_enabled()
-
-
-def _finite(*xs: Tensor) -> bool:
-    """Whether every element of every tensor is finite (one sync with the device).
-
-    A tensor's min and max are both finite exactly when all its elements are (a NaN makes
-    both NaN, an infinity is one of them): two reductions in one pass, where an
-    elementwise ``isfinite`` writes a bool tensor and reads it again (10x slower on CPU).
-    """
-    with torch.no_grad():  # a check, not part of the graph
-        ends = [end for x in xs if x.numel() for end in torch.aminmax(x)]
-        return not ends or bool(torch.isfinite(torch.stack(ends)).all())
-
-
-def _sees_any(mask: Mask, keys: Tensor, device: torch.device) -> Tensor:
-    """``[b, h, n_q, 1]`` bool: whether query ``i`` sees any of the ``keys [b, h, n_k]`` (bool)
-    that the mask leaves visible to it; in blocks of rows (no ``[n_q, n_k]`` mask at once)."""
-    b, h, n_k = keys.shape
-    picked = keys.to(torch.float32)[..., None]  # [b, h, n_k, 1]
-
-    def seen(rows: slice | None) -> Tensor:
-        keep = mask.keep(rows, device=device)  # [b|1, 1, rows, n_k]
-        count = picked.sum(dim=2, keepdim=True) if keep is None else keep.float() @ picked
-        return count > 0  # [b, h, rows | 1, 1]
-
-    if torch.compiler.is_compiling():  # one graph for any length: the whole mask at once
-        return seen(None).expand(b, h, mask.n_q, 1)
-    rows = common.lean_block_rows(b, 1, mask.n_q, n_k)
-    parts = [
-        seen(slice(start, min(start + rows, mask.n_q))).expand(b, h, -1, 1)
-        for start in range(0, mask.n_q, rows)
-    ]
-    return torch.cat(parts, dim=2) if parts else keys.new_zeros(b, h, 0, 1, dtype=torch.bool)
 
 
 def _attend(
@@ -648,7 +590,7 @@ def explain_call(
     """The path :func:`attend` takes for these arguments, and why each path before it in
     ``PATHS[backend]`` does not (nothing is computed but what the paths' conditions read)."""
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        k, v = _repeat_heads(q, k, v)
+        k, v = repeat_heads(q, k, v)
     hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if backend != "math" and _learned_mask(mask):

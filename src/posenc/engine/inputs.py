@@ -1,0 +1,82 @@
+"""What the dispatcher does to its inputs before a path runs: grouped key/value heads
+repeated for their query heads, and non-finite values found and kept from the queries
+they must not reach.
+
+Shape legend: ``b`` batch, ``h`` heads, ``h_kv`` key/value heads, ``n_q`` queries, ``n_k``
+keys, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import common
+from .mask import Mask
+
+
+def repeat_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Grouped-query keys and values ``[b, h_kv, n_k, d]`` repeated for their query heads:
+    ``[b, h, n_k, d]`` each (as HF's ``repeat_kv``).
+
+    Raises:
+        ValueError: ``k`` and ``v`` of different heads, or heads that do not divide ``h``.
+    """
+    h, h_kv = q.shape[1], k.shape[1]
+    if v.shape[1] != h_kv or h_kv == 0 or h % h_kv:
+        raise ValueError(
+            f"k and v must have the same number of heads, a divisor of q's {h} (grouped-query "
+            f"attention), got k {tuple(k.shape)} and v {tuple(v.shape)}; give them {h} heads "
+            "or a divisor of it"
+        )
+    repeat = h // h_kv
+    # [b, h_kv, n_k, d] -> [b, h, n_k, d]: key head g for query heads g*repeat .. (g+1)*repeat-1
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+
+
+def finite(*xs: Tensor) -> bool:
+    """Whether every element of every tensor is finite (one sync with the device).
+
+    A tensor's min and max are both finite exactly when all its elements are (a NaN makes
+    both NaN, an infinity is one of them): two reductions in one pass, where an
+    elementwise ``isfinite`` writes a bool tensor and reads it again (10x slower on CPU).
+    """
+    with torch.no_grad():  # a check, not part of the graph
+        ends = [end for x in xs if x.numel() for end in torch.aminmax(x)]
+        return not ends or bool(torch.isfinite(torch.stack(ends)).all())
+
+
+def sees_any(mask: Mask, keys: Tensor, device: torch.device) -> Tensor:
+    """``[b, h, n_q, 1]`` bool: whether query ``i`` sees any of the ``keys [b, h, n_k]`` (bool)
+    that the mask leaves visible to it; in blocks of rows (no ``[n_q, n_k]`` mask at once)."""
+    b, h, n_k = keys.shape
+    picked = keys.to(torch.float32)[..., None]  # [b, h, n_k, 1]
+
+    def seen(rows: slice | None) -> Tensor:
+        keep = mask.keep(rows, device=device)  # [b|1, 1, rows, n_k]
+        count = picked.sum(dim=2, keepdim=True) if keep is None else keep.float() @ picked
+        return count > 0  # [b, h, rows | 1, 1]
+
+    if torch.compiler.is_compiling():  # one graph for any length: the whole mask at once
+        return seen(None).expand(b, h, mask.n_q, 1)
+    rows = common.lean_block_rows(b, 1, mask.n_q, n_k)
+    parts = [
+        seen(slice(start, min(start + rows, mask.n_q))).expand(b, h, -1, 1)
+        for start in range(0, mask.n_q, rows)
+    ]
+    return torch.cat(parts, dim=2) if parts else keys.new_zeros(b, h, 0, 1, dtype=torch.bool)
+
+
+def zeroed_non_finite(
+    q: Tensor, k: Tensor, v: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(q, k, v, bad [b, h, n_k], bad_q [b, h, n_q, 1])``: every token with a NaN or an
+    infinity replaced by zeros, and which those were. A masked key or value must not reach
+    any query, not even as 0 x NaN, nor a query's NaN the gradients of the keys it sees
+    through a zero gradient; the caller makes the queries they touch NaN after
+    (:func:`sees_any`)."""
+    bad = ~torch.isfinite(k).all(dim=-1) | ~torch.isfinite(v).all(dim=-1)  # [b, h, n_k]
+    bad_q = ~torch.isfinite(q).all(dim=-1, keepdim=True)  # [b, h, n_q, 1]
+    k = k.masked_fill(bad[..., None], 0.0)
+    v = v.masked_fill(bad[..., None], 0.0)
+    return q.masked_fill(bad_q, 0.0), k, v, bad, bad_q
