@@ -95,7 +95,9 @@ class ScoreTerm(Protocol):
 @runtime_checkable
 class ValueTerm(Protocol):
     """Place 5: ``value_term(weights [b, h, n_q, n_k], q_pos, k_pos) -> [b, h, n_q, d_v]``,
-    added to ``weights @ v`` (Shaw's ``a^V``)."""
+    added to ``weights @ v`` (Shaw's ``a^V``). ``weights`` is valid during the call only (a
+    forward without gradients reuses its memory): return what is computed from it, do not
+    keep it."""
 
     def value_term(self, weights: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor: ...
 

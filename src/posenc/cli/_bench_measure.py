@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..engine import release_workspace
 from ..shaw import ShawRelativePosition
 from ._bench_peers import peer_problem
 from ._bench_variants import (
@@ -340,6 +341,7 @@ def _measure_case(
             calls[key] = (_calls(fwd_bwd), _calls(fwd))
 
     def measured(meter: PeakMemory, key: str, fn: Callable[..., Tensor]) -> None:
+        release_workspace()  # the buffer a forward without gradients keeps counts as its own
         case.peak_mib[key] = meter.measure(lambda: _time_once(fn, inputs, backward, device))
 
     for _ in range(warmup):

@@ -19,5 +19,14 @@ positions ``q_pos [B', n_q]``, ``k_pos [B', n_k]`` with ``B'`` 1 (shared) or ``b
 
 from .dispatch import BACKENDS, PATHS, Explanation, attend, explain_call
 from .mask import Mask
+from .workspace import release_workspace
 
-__all__ = ["BACKENDS", "PATHS", "Explanation", "Mask", "attend", "explain_call"]
+__all__ = [
+    "BACKENDS",
+    "PATHS",
+    "Explanation",
+    "Mask",
+    "attend",
+    "explain_call",
+    "release_workspace",
+]

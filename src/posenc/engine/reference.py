@@ -13,6 +13,7 @@ from torch import Tensor
 from ..hooks import Hooks
 from . import tuning
 from .mask import Mask
+from .workspace import borrowed
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -177,9 +178,10 @@ def _forward_in_place(
     bias), and the masked fill and the softmax write into it (the softmax only for rows of
     a multiple of :data:`~.tuning.SOFTMAX_IN_PLACE_COLUMNS` keys; others get a second
     buffer). :func:`_math` allocates the scores and the weights apart and passes over them
-    three times more: a fresh ``[b, h, n_q, n_k]`` allocation of some MiB costs a page
-    fault per 4 KiB page each call where the C library hands it back to the system
-    between calls.
+    three times more. The buffer is the thread's kept one (:mod:`.workspace`): a fresh
+    ``[b, h, n_q, n_k]`` allocation costs a page fault per 4 KiB page in a call where the
+    C library has handed the last one back to the system. A value term reads the weights
+    there during the call only.
 
     Args:
         q: ``[b, h, n_q, d]`` float32 or float64, as many heads as ``k`` and ``v``.
@@ -203,39 +205,42 @@ def _forward_in_place(
         return _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, reference=False)[0]
     b, h, n_q, d = q.shape
     n_k, d_v = k.shape[2], v.shape[3]
-    scores = q.new_empty(b * h, n_q, n_k)  # [b h, n_q, n_k]
-    full = scores.view(b, h, n_q, n_k)
-    start = False  # whether the buffer holds what the GEMM adds to
-    if term is not None:  # [b|1, h|1, n_q, n_k]
-        if term.shape == full.shape:
-            torch.mul(term, scale, out=full)
-        else:  # shared by the batch or the heads: broadcast into the buffer
-            full.copy_(term).mul_(scale)
-        start = True
-    if bias is not None:  # [B', h or 1, n_q, n_k], read only
-        full.add_(bias) if start else full.copy_(bias)
-        start = True
-    added = mask.added()  # [b|1, h|1, n_q, n_k] or None
-    if added is not None:
-        full.add_(added) if start else full.copy_(added)
-        start = True
-    q3 = q.reshape(b * h, n_q, d)  # [b h, n_q, d]
-    k3 = k.reshape(b * h, n_k, d)  # [b h, n_k, d]
-    scores.baddbmm_(q3, k3.transpose(1, 2), beta=1 if start else 0, alpha=scale)
-    keep = mask.keep(device=q.device)  # [b|1, h|1, n_q, n_k] or None
-    if keep is not None:
-        full.masked_fill_(~keep, torch.finfo(scores.dtype).min)
-    if n_k % tuning.SOFTMAX_IN_PLACE_COLUMNS == 0:
-        weights = _softmax_out(scores, -1, False, out=scores)  # [b h, n_q, n_k]
-    else:  # a row's partial last vector, written, would stall the next row's first read
-        weights = scores.softmax(dim=-1)  # [b h, n_q, n_k]
-    full = weights.view(b, h, n_q, n_k)
-    if keep is not None and not (mask.causal_at_most and mask.n_q <= mask.n_k):
-        full.mul_(keep.any(dim=-1, keepdim=True))  # a query with no visible key: 0
-    if dropout_p > 0:
-        full = F.dropout(full, dropout_p)
-    out = torch.bmm(full.reshape(b * h, n_q, n_k), v.reshape(b * h, n_k, d_v))
-    out = out.view(b, h, n_q, d_v)  # [b h, n_q, d_v] -> [b, h, n_q, d_v]
-    if hooks.value_term is not None:
-        out = _plus(out, hooks.value_term(full, q_pos, k_pos), own=True)  # [b, h, n_q, d_v]
+    count = b * h * n_q * n_k
+    in_place = n_k % tuning.SOFTMAX_IN_PLACE_COLUMNS == 0
+    with borrowed(count if in_place else 2 * count, q.dtype, q.device) as flat:
+        scores = flat[:count].view(b * h, n_q, n_k)  # [b h, n_q, n_k]
+        full = scores.view(b, h, n_q, n_k)
+        start = False  # whether the buffer holds what the GEMM adds to
+        if term is not None:  # [b|1, h|1, n_q, n_k]
+            if term.shape == full.shape:
+                torch.mul(term, scale, out=full)
+            else:  # shared by the batch or the heads: broadcast into the buffer
+                full.copy_(term).mul_(scale)
+            start = True
+        if bias is not None:  # [B', h or 1, n_q, n_k], read only
+            full.add_(bias) if start else full.copy_(bias)
+            start = True
+        added = mask.added()  # [b|1, h|1, n_q, n_k] or None
+        if added is not None:
+            full.add_(added) if start else full.copy_(added)
+            start = True
+        q3 = q.reshape(b * h, n_q, d)  # [b h, n_q, d]
+        k3 = k.reshape(b * h, n_k, d)  # [b h, n_k, d]
+        scores.baddbmm_(q3, k3.transpose(1, 2), beta=1 if start else 0, alpha=scale)
+        keep = mask.keep(device=q.device)  # [b|1, h|1, n_q, n_k] or None
+        if keep is not None:
+            full.masked_fill_(~keep, torch.finfo(scores.dtype).min)
+        # a row's partial last vector, written, would stall the next row's first read:
+        # such rows are written into the second half of the buffer
+        weights = scores if in_place else flat[count : 2 * count].view(b * h, n_q, n_k)
+        _softmax_out(scores, -1, False, out=weights)  # [b h, n_q, n_k]
+        full = weights.view(b, h, n_q, n_k)
+        if keep is not None and not (mask.causal_at_most and mask.n_q <= mask.n_k):
+            full.mul_(keep.any(dim=-1, keepdim=True))  # a query with no visible key: 0
+        if dropout_p > 0:
+            full = F.dropout(full, dropout_p)
+        out = torch.bmm(full.reshape(b * h, n_q, n_k), v.reshape(b * h, n_k, d_v))
+        out = out.view(b, h, n_q, d_v)  # [b h, n_q, d_v] -> [b, h, n_q, d_v]
+        if hooks.value_term is not None:
+            out = _plus(out, hooks.value_term(full, q_pos, k_pos), own=True)  # [b, h, n_q, d_v]
     return out

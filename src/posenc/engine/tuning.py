@@ -58,6 +58,10 @@ OPS_FORWARD_SCORES = 3 << 19
 #: or more): BERT-size, where the in-place forward takes 0.76-0.94x SDPA's time (2^23:
 #: 1.06-1.21x for a bias)
 OPS_IN_PLACE_SCORES = 3 << 21
+#: values that a thread keeps, per device and dtype, for the in-place forward's scores
+#: (and its weights where its softmax is not in place), between calls (engine/workspace.py:
+#: 2^23 is 32 MiB in float32, above OPS_IN_PLACE_SCORES; a larger call borrows a fresh one)
+WORKSPACE_ELEMENTS = 1 << 23
 #: keys per row, a multiple of which the in-place forward's softmax writes into its input
 #: (AVX-512 holds 16 float32: a shorter last vector of a row, stored, stalls the next
 #: row's first load; softmax in place / into another buffer, 2^20 float32, AVX-512: rows
