@@ -15,6 +15,7 @@ from posenc.rotary import (
     Rotary,
     Rotary2D,
     YaRNScaling,
+    apply_rotary,
 )
 from tolerances import assert_close
 
@@ -474,3 +475,59 @@ def test_compile_fullgraph_parity():
     compiled = torch.compile(rope, fullgraph=True)
     for a, b in zip(compiled(q, k, offset=3), rope(q, k, offset=3), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def _per_call(rotary, x, positions):
+    """The rotation from cos and sin computed in the call (:func:`apply_rotary`)."""
+    cos, sin = rotary.cos_sin(positions)  # [1, n, r/2] float64
+    work = torch.promote_types(x.dtype, torch.float32)
+    return apply_rotary(x, cos.to(work), sin.to(work), interleaved=rotary.interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [None, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_runs_of_positions_rotate_with_kept_tables_as_with_tables_of_the_call(
+    interleaved, rotary_dim, dtype
+):
+    """Queries and keys at runs of positions (a decoding step's one query after the keys)
+    take tables kept between calls and a rotation of three ops; values and gradients equal
+    the per-call tables' to a few ulps, and both the float64 reference."""
+    import posenc.rotary as rotary_module
+
+    rotary_module._run_tables.cache_clear()
+    rotary = Rotary(8, interleaved=interleaved, rotary_dim=rotary_dim)
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 1, 8, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 3, 6, 8, dtype=dtype, requires_grad=True)
+    q_pos, k_pos = torch.tensor([[5]]), torch.arange(6)[None]
+    for _ in range(2):
+        rq, rk = rotary.rotate(q, k, q_pos, k_pos)
+    assert rotary_module._run_tables.cache_info().hits == 2  # the second call's two runs
+    eps = torch.finfo(dtype).eps
+    for x, pos, out in ((q, q_pos, rq), (k, k_pos, rk)):
+        expected = _per_call(rotary, x, pos)
+        torch.testing.assert_close(out, expected, rtol=0, atol=2 * eps * float(x.detach().abs().max()))
+        reference = reference_rope(
+            x.detach(), pos[0], interleaved=interleaved, rotary_dim=rotary_dim
+        )
+        assert_close(out, reference, terms=4)
+    grad = torch.randn_like(rk)
+    (gk,) = torch.autograd.grad(rk, k, grad)
+    (gk_call,) = torch.autograd.grad(_per_call(rotary, k, k_pos), k, grad)
+    torch.testing.assert_close(gk, gk_call, rtol=0, atol=4 * eps * float(grad.abs().max()))
+
+
+def test_positions_that_are_no_run_or_a_scaling_take_the_tables_of_the_call(monkeypatch):
+    import posenc.rotary as rotary_module
+
+    kept = []
+    original = rotary_module._run_tables
+    monkeypatch.setattr(rotary_module, "_run_tables", lambda *a: kept.append(a) or original(*a))
+    q = torch.randn(1, 2, 4, 8)
+    Rotary(8).rotate(q, q, torch.tensor([[0, 2, 3, 4]]), torch.tensor([[0, 2, 3, 4]]))
+    Rotary(8).rotate(q, q, torch.arange(4).expand(2, 4), torch.arange(4).expand(2, 4))
+    Rotary(8, scaling=LinearScaling(2.0)).rotate(q, q, torch.arange(4)[None], torch.arange(4)[None])
+    assert kept == []
+    Rotary(8).rotate(q, q, torch.arange(4)[None], torch.arange(2, 6)[None])
+    assert [a[3:5] for a in kept] == [(0, 4), (2, 4)]  # (first, n) of the queries, the keys

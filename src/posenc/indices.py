@@ -230,28 +230,43 @@ def offset_run(q_pos: Tensor, k_pos: Tensor) -> int | None:
     """
     firsts, lasts = [], []
     for pos in (q_pos, k_pos) if k_pos is not q_pos else (q_pos,):
-        if pos.ndim != 2 or pos.shape[0] != 1 or pos.device.type != "cpu":
-            return None
-        if not check._can_inspect(pos) or pos.is_floating_point() or pos.dtype == torch.bool:
-            return None
-        known = _known_run(pos)  # built as a run: no need to read it
-        if known is not None:
-            firsts.append(known[0])
-            lasts.append(known[1])
-            continue
-        row = host_row(pos)  # [n] on the host, no copy
-        if row is None:
-            if pos.shape[1] > 1 and not bool((pos[0, 1:] - pos[0, :-1] == 1).all()):
-                return None
-            firsts.append(int(pos[0, 0]))
-            lasts.append(int(pos[0, -1]))
-            continue
-        first, last = int(row[0]), int(row[-1])
-        if last - first != row.size - 1 or (row.size > 2 and not (row[1:] - row[:-1] == 1).all()):
+        first = run_start(pos)
+        if first is None:
             return None
         firsts.append(first)
-        lasts.append(last)
+        lasts.append(first + pos.shape[1] - 1)
     return firsts[-1] - lasts[0]  # k_pos_0 - q_pos_(n_q-1)
+
+
+def run_start(pos: Tensor) -> int | None:
+    """The first position when ``pos [1, n]`` is one run of consecutive integers, checked
+    only where that is free (see :func:`offset_run`: on CPU, outside ``torch.compile``),
+    else None. Positions :func:`run_positions` built are known without reading them.
+
+    Args:
+        pos: ``[B', n]`` int64 positions.
+
+    Returns:
+        ``pos[0, 0]``, or None when ``pos`` is not one such run or cannot be read cheaply.
+    """
+    if pos.ndim != 2 or pos.shape[0] != 1 or pos.device.type != "cpu":
+        return None
+    if not check._can_inspect(pos) or pos.is_floating_point() or pos.dtype == torch.bool:
+        return None
+    known = _known_run(pos)  # built as a run: no need to read it
+    if known is not None:
+        return known[0]
+    if pos.shape[1] == 0:
+        return None
+    row = host_row(pos)  # [n] on the host, no copy
+    if row is None:
+        if pos.shape[1] > 1 and not bool((pos[0, 1:] - pos[0, :-1] == 1).all()):
+            return None
+        return int(pos[0, 0])
+    first, last = int(row[0]), int(row[-1])
+    if last - first != row.size - 1 or (row.size > 2 and not (row[1:] - row[:-1] == 1).all()):
+        return None
+    return first
 
 
 def position_extremes(pos: Tensor) -> tuple[Tensor, Tensor] | tuple[int, int]:
