@@ -271,7 +271,11 @@ def run_start(pos: Tensor) -> int | None:
 
 def position_extremes(pos: Tensor) -> tuple[Tensor, Tensor] | tuple[int, int]:
     """``(min, max)`` of each row of ``pos [B', n]`` (``n >= 1``): ints for one row on the
-    CPU (read through NumPy), else ``[B']`` tensors."""
+    CPU (read through NumPy, or known without reading for positions :func:`run_positions`
+    built), else ``[B']`` tensors."""
+    known = _known_run(pos) if pos.shape[-1] else None
+    if known is not None:
+        return known
     row = (
         host_row(pos) if pos.ndim == 2 and pos.shape[0] == 1 and pos.device.type == "cpu" else None
     )
