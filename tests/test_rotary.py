@@ -507,7 +507,9 @@ def test_runs_of_positions_rotate_with_kept_tables_as_with_tables_of_the_call(
     eps = torch.finfo(dtype).eps
     for x, pos, out in ((q, q_pos, rq), (k, k_pos, rk)):
         expected = _per_call(rotary, x, pos)
-        torch.testing.assert_close(out, expected, rtol=0, atol=2 * eps * float(x.detach().abs().max()))
+        torch.testing.assert_close(
+            out, expected, rtol=0, atol=2 * eps * float(x.detach().abs().max())
+        )
         reference = reference_rope(
             x.detach(), pos[0], interleaved=interleaved, rotary_dim=rotary_dim
         )
