@@ -533,3 +533,24 @@ def test_positions_that_are_no_run_or_a_scaling_take_the_tables_of_the_call(monk
     assert kept == []
     Rotary(8).rotate(q, q, torch.arange(4)[None], torch.arange(2, 6)[None])
     assert [a[3:5] for a in kept] == [(0, 4), (2, 4)]  # (first, n) of the queries, the keys
+
+
+def test_a_cos_sin_of_a_subclass_is_used_for_runs_of_positions_too():
+    class Halved(Rotary):
+        def cos_sin(self, positions, *, length=None):
+            cos, sin = super().cos_sin(positions, length=length)
+            return cos * 0.5, sin * 0.5
+
+    q = torch.randn(1, 2, 4, 8)
+    pos = torch.arange(4)[None]
+    out, _ = Halved(8).rotate(q, q, pos, pos)
+    torch.testing.assert_close(out, _per_call(Halved(8), q, pos), rtol=0, atol=0)
+    torch.testing.assert_close(out, Rotary(8).rotate(q, q, pos, pos)[0] * 0.5)
+
+
+def test_vmap_over_positions_rotates_each_entry():
+    rotary, q = Rotary(8), torch.randn(1, 2, 4, 8)
+    pos = torch.stack([torch.arange(4)[None] + s for s in (0, 3, 7)])  # [3, 1, 4]
+    out = torch.vmap(lambda p: rotary.rotate(q, q, p, p)[0])(pos)
+    for i in range(3):
+        torch.testing.assert_close(out[i], _per_call(rotary, q, pos[i]), rtol=1e-6, atol=1e-6)

@@ -253,11 +253,11 @@ def run_start(pos: Tensor) -> int | None:
         return None
     if not check._can_inspect(pos) or pos.is_floating_point() or pos.dtype == torch.bool:
         return None
+    if torch._C._are_functorch_transforms_active():  # vmap: positions per batch entry
+        return None
     known = _known_run(pos)  # built as a run: no need to read it
     if known is not None:
         return known[0]
-    if pos.shape[1] == 0:
-        return None
     row = host_row(pos)  # [n] on the host, no copy
     if row is None:
         if pos.shape[1] > 1 and not bool((pos[0, 1:] - pos[0, :-1] == 1).all()):

@@ -146,7 +146,7 @@ def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -
     ``swapped`` exchanges each pair's two channels; the products and their sum round as
     ``x_i cos - x_j sin`` does."""
     rot = cos.shape[-1]
-    xr = x[..., :rot].to(cos.dtype)  # [b, h, n, r]
+    xr = x[..., :rot].to(torch.promote_types(x.dtype, cos.dtype))  # [b, h, n, r]
     if interleaved:
         swapped = xr.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)  # (2i, 2i+1) exchanged
     else:
@@ -297,10 +297,12 @@ class Rotary(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
         """The expanded tables ``(cos_q, sin_q, cos_k, sin_k)``, each ``[n, r]`` in ``work``,
         kept between calls (:func:`_run_tables`), when the queries' and the keys' positions
-        are each one run (:func:`~posenc.indices.run_start`) on the queries' device and
-        there is no scaling; else None."""
-        if self.scaling is not None or q_pos.device != device:
+        are each one run (:func:`~posenc.indices.run_start`) on the queries' device, there
+        is no scaling and :meth:`cos_sin` is this class's; else None."""
+        if self.scaling is not None or q_pos.device != device or k_pos.device != device:
             return None
+        if type(self).cos_sin is not Rotary.cos_sin or "cos_sin" in vars(self):
+            return None  # a cos_sin of a subclass's or the instance's: the call's tables
         firsts = [run_start(pos) for pos in ((q_pos,) if k_pos is q_pos else (q_pos, k_pos))]
         if None in firsts:
             return None

@@ -141,3 +141,31 @@ def test_borrowed_lends_once_at_a_time():
         assert first.data_ptr() != second.data_ptr()
     with borrowed(8, torch.float32, cpu) as again:
         assert again.data_ptr() == first.data_ptr()
+
+
+def test_a_value_term_reading_a_tensor_that_requires_grad_keeps_its_own_weights():
+    """In grad mode with nothing the plan differentiates, a value term may read a tensor
+    that requires grad: its graph saves the weights, which the next call must not write."""
+    from posenc.engine import attend
+
+    table = torch.randn(16, 4, requires_grad=True)
+    hooks = {
+        "score_bias": lambda q_pos, k_pos: torch.zeros(1, 2, q_pos.shape[-1], k_pos.shape[-1]),
+        "value_term": lambda weights, q_pos, k_pos: weights @ table,  # [b, h, n_q, 4]
+    }
+    scheme = type("ValueTable", (), {k: staticmethod(f) for k, f in hooks.items()})()
+    q = torch.randn(2, 2, 16, 4)
+    pos = torch.arange(16)[None]
+    outs = [attend(q * s, q, q, scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(16, 16))[0]
+            for s in (1.0, 2.0)]  # fmt: skip
+    (grad,) = torch.autograd.grad(outs[0].sum(), table)
+    expected = _math(q, q, q, Hooks(**hooks), pos, pos, Mask(16, 16), 0.5, 0.0)[0]
+    (expected_grad,) = torch.autograd.grad(expected.sum(), table)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_buffers_off_the_cpu_are_not_kept():
+    """A CUDA buffer kept across calls could still be read by another stream's kernels."""
+    with borrowed(8, torch.float32, torch.device("meta")) as flat:
+        assert flat.device.type == "meta"
+    assert kept_elements() == 0

@@ -207,7 +207,10 @@ def _forward_in_place(
     n_k, d_v = k.shape[2], v.shape[3]
     count = b * h * n_q * n_k
     in_place = n_k % tuning.SOFTMAX_IN_PLACE_COLUMNS == 0
-    with borrowed(count if in_place else 2 * count, q.dtype, q.device) as flat:
+    # in grad mode a value term may read a tensor that requires grad (one the plan did not
+    # see), and its graph then saves the weights: a buffer of the call's own
+    keep = not (torch.is_grad_enabled() and hooks.value_term is not None)
+    with borrowed(count if in_place else 2 * count, q.dtype, q.device, keep=keep) as flat:
         scores = flat[:count].view(b * h, n_q, n_k)  # [b h, n_q, n_k]
         full = scores.view(b, h, n_q, n_k)
         start = False  # whether the buffer holds what the GEMM adds to

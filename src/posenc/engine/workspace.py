@@ -8,9 +8,9 @@ back (above its mmap threshold, or after a trim of its heap), and each of its 4 
 then costs a page fault when first written: whether that happens depends on what the
 process allocated before, and it made a call 1x or 3x the time of the same call in another
 process. Each thread keeps its buffer instead, one per device, dtype and inference mode,
-grown to the largest call of at most :data:`~.tuning.WORKSPACE_ELEMENTS` elements; a
-larger call borrows a fresh one, as does a call made while the thread's buffer is lent
-(a hook that itself runs attention). :func:`release_workspace` hands the kept buffers
+grown to the largest call of at most :data:`~.tuning.WORKSPACE_ELEMENTS` elements, on
+the CPU; a larger call borrows a fresh one, as does a call made while the thread's buffer
+is lent (a hook that itself runs attention) or one whose graph may save the buffer. :func:`release_workspace` hands the kept buffers
 back.
 """
 
@@ -38,37 +38,42 @@ _kept = _Kept()
 
 class borrowed:
     """``with borrowed(elements, dtype, device) as flat:`` a flat buffer of at least
-    ``elements`` values, uninitialised, to be written and read inside the block only (the
-    thread's kept buffer, or a fresh one: see the module docstring).
+    ``elements`` values, uninitialised, to be written and read inside the block only: the
+    thread's kept buffer, or a fresh one (see the module docstring) when ``keep`` is False
+    (something may hold on to what is written: a graph), off the CPU (a CUDA buffer kept
+    across calls may still be read by another stream's kernels), above the cap, or while
+    the kept one is lent.
 
     Args:
         elements: how many values the block needs.
         dtype: their dtype.
         device: where.
+        keep: whether the buffer may be the kept one.
     """
 
-    __slots__ = ("_flat", "_lent")
+    __slots__ = ("_args", "_lent")
 
-    def __init__(self, elements: int, dtype: torch.dtype, device: torch.device) -> None:
-        self._lent = not _kept.lent and elements <= tuning.WORKSPACE_ELEMENTS
-        if not self._lent:
-            self._flat = torch.empty(elements, dtype=dtype, device=device)
-            return
+    def __init__(
+        self, elements: int, dtype: torch.dtype, device: torch.device, *, keep: bool = True
+    ) -> None:
+        self._args = (elements, dtype, device, keep)
+        self._lent = False
+
+    def __enter__(self) -> Tensor:
+        elements, dtype, device, keep = self._args
+        if not keep or _kept.lent or device.type != "cpu" or elements > tuning.WORKSPACE_ELEMENTS:
+            return torch.empty(elements, dtype=dtype, device=device)
         key = (device, dtype, torch.is_inference_mode_enabled())
         flat = _kept.buffers.get(key)
         if flat is None or flat.numel() < elements:
             _kept.buffers.pop(key, None)  # the smaller one goes before the larger comes
             flat = _kept.buffers[key] = torch.empty(elements, dtype=dtype, device=device)
-        _kept.lent = True
-        self._flat = flat
-
-    def __enter__(self) -> Tensor:
-        return self._flat
+        _kept.lent = self._lent = True
+        return flat
 
     def __exit__(self, *exc: object) -> None:
         if self._lent:
-            _kept.lent = False
-        del self._flat
+            _kept.lent = self._lent = False
 
 
 def release_workspace() -> None:
