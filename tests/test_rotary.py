@@ -493,7 +493,7 @@ def test_runs_of_positions_rotate_with_kept_tables_as_with_tables_of_the_call(
     """Queries and keys at runs of positions (a decoding step's one query after the keys)
     take tables kept between calls and a rotation of three ops; values and gradients equal
     the per-call tables' to a few ulps, and both the float64 reference."""
-    import posenc.rotary as rotary_module
+    import posenc._rotary_runs as rotary_module
 
     rotary_module._run_tables.cache_clear()
     rotary = Rotary(8, interleaved=interleaved, rotary_dim=rotary_dim)
@@ -521,7 +521,7 @@ def test_runs_of_positions_rotate_with_kept_tables_as_with_tables_of_the_call(
 
 
 def test_positions_that_are_no_run_or_a_scaling_take_the_tables_of_the_call(monkeypatch):
-    import posenc.rotary as rotary_module
+    import posenc._rotary_runs as rotary_module
 
     kept = []
     original = rotary_module._run_tables

@@ -41,9 +41,8 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._memo import memo
+from ._rotary_runs import _apply_expanded, run_tables
 from .absolute import inverse_frequencies
-from .indices import run_start
 from .rotary_scaling import (
     DynamicNTKScaling,
     LinearScaling,
@@ -118,43 +117,6 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
     if rot == x.shape[-1]:
         return rotated.to(x.dtype)
     return torch.cat((rotated.to(x.dtype), x[..., rot:]), dim=-1)
-
-
-def _expanded_tables(cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """``[2, ..., r]``: ``cos`` and ``sin [..., r/2]`` spread over the ``r`` channels that
-    :func:`_apply_expanded` multiplies, ``sin`` with the sign of the channel it lands on."""
-    if interleaved:  # channel 2i takes -sin_i (times x_2i+1), 2i+1 takes +sin_i (times x_2i)
-        return torch.stack((cos.repeat_interleave(2, -1), torch.stack((-sin, sin), -1).flatten(-2)))
-    return torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)))
-
-
-@memo(maxsize=16)
-def _run_tables(
-    rotary_dim: int, base: float, interleaved: bool, first: int, n: int, dtype: torch.dtype,
-    device: torch.device,
-) -> Tensor:  # fmt: skip
-    """``[2, n, r]`` in ``dtype``: the expanded cos and signed sin (:func:`_expanded_tables`)
-    of the positions ``first .. first + n - 1``, angles in float64 (float32 on MPS)."""
-    positions = torch.arange(first, first + n, device=device)  # [n]
-    angles = rotary_angles(positions, inverse_frequencies(rotary_dim, base, device=device))
-    return _expanded_tables(angles.cos(), angles.sin(), interleaved).to(dtype)  # [2, n, r]
-
-
-def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -> Tensor:
-    """:func:`apply_rotary` with the tables of :func:`_expanded_tables` (``[..., n, r]``, in
-    the dtype the rotation computes in): ``x_r * cos + swapped(x_r) * sin``, where
-    ``swapped`` exchanges each pair's two channels; the products and their sum round as
-    ``x_i cos - x_j sin`` does."""
-    rot = cos.shape[-1]
-    xr = x[..., :rot].to(torch.promote_types(x.dtype, cos.dtype))  # [b, h, n, r]
-    if interleaved:
-        swapped = xr.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)  # (2i, 2i+1) exchanged
-    else:
-        swapped = torch.cat((xr[..., rot // 2 :], xr[..., : rot // 2]), dim=-1)
-    rotated = torch.addcmul(xr * cos, swapped, sin).to(x.dtype)
-    if rot == x.shape[-1]:
-        return rotated
-    return torch.cat((rotated, x[..., rot:]), dim=-1)
 
 
 # ----- modules ---------------------------------------------------------------------------------
@@ -292,28 +254,6 @@ class Rotary(nn.Module):
         """The attention hook: rotate ``q [b,h,n_q,d]`` at ``q_pos`` and ``k`` at ``k_pos``."""
         return self._rotate(q, k, q_pos, k_pos, layout="bhnd")
 
-    def _kept_tables(
-        self, q_pos: Tensor, k_pos: Tensor, work: torch.dtype, device: torch.device
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-        """The expanded tables ``(cos_q, sin_q, cos_k, sin_k)``, each ``[n, r]`` in ``work``,
-        kept between calls (:func:`_run_tables`), when the queries' and the keys' positions
-        are each one run (:func:`~posenc.indices.run_start`) on the queries' device, there
-        is no scaling and :meth:`cos_sin` is this class's; else None."""
-        if self.scaling is not None or q_pos.device != device or k_pos.device != device:
-            return None
-        if type(self).cos_sin is not Rotary.cos_sin or "cos_sin" in vars(self):
-            return None  # a cos_sin of a subclass's or the instance's: the call's tables
-        firsts = [run_start(pos) for pos in ((q_pos,) if k_pos is q_pos else (q_pos, k_pos))]
-        if None in firsts:
-            return None
-        tables = [
-            _run_tables(
-                self.rotary_dim, self.base, self.interleaved, first, pos.shape[-1], work, device
-            ).unbind(0)
-            for first, pos in zip(firsts, (q_pos, k_pos), strict=False)
-        ]
-        return (*tables[0], *tables[-1])
-
     def _rotate(
         self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, *, layout: str
     ) -> tuple[Tensor, Tensor]:
@@ -325,8 +265,15 @@ class Rotary(nn.Module):
             if ends:
                 length = (torch.maximum(*ends) if len(ends) == 2 else ends[0]) + 1  # [B', 1]
         work = torch.promote_types(q.dtype, torch.float32)  # what apply_rotary computes in
-        kept = self._kept_tables(q_pos, k_pos, work, q.device)
-        if kept is not None:  # positions that are runs: tables kept between calls
+        # runs of positions: tables kept between calls (not with a scaling, nor a cos_sin
+        # of a subclass's or the instance's, which the call's tables follow)
+        plain = type(self).cos_sin is Rotary.cos_sin and "cos_sin" not in vars(self)
+        kept = None
+        if self.scaling is None and plain:
+            kept = run_tables(
+                q_pos, k_pos, self.rotary_dim, self.base, self.interleaved, work, q.device
+            )
+        if kept is not None:
             if layout == "bnhd":  # [n, r] -> [n, 1, r], the heads after the sequence
                 kept = tuple(t.unsqueeze(-2) for t in kept)
             cos_q, sin_q, cos_k, sin_k = kept

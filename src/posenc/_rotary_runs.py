@@ -1,0 +1,76 @@
+"""Rotary tables kept between calls for runs of positions, and the rotation that reads them.
+
+:class:`~posenc.rotary.Rotary` rotates queries and keys whose positions are each one run
+of consecutive integers with cos and sin spread over the ``r`` rotated channels, the sin
+signed by the channel it lands on, built once per run (:func:`_run_tables`): the rotation
+is then a swap of each pair's channels, a product and an ``addcmul``
+(:func:`_apply_expanded`), where :func:`~posenc.rotary.apply_rotary` takes seven ops.
+
+Shape legend: ``b`` batch, ``h`` heads, ``n`` positions, ``r`` rotated channels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._memo import memo
+from .absolute import inverse_frequencies
+from .indices import run_start
+
+
+def _expanded_tables(cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """``[2, ..., r]``: ``cos`` and ``sin [..., r/2]`` spread over the ``r`` channels that
+    :func:`_apply_expanded` multiplies, ``sin`` with the sign of the channel it lands on."""
+    if interleaved:  # channel 2i takes -sin_i (times x_2i+1), 2i+1 takes +sin_i (times x_2i)
+        return torch.stack((cos.repeat_interleave(2, -1), torch.stack((-sin, sin), -1).flatten(-2)))
+    return torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)))
+
+
+@memo(maxsize=16)
+def _run_tables(
+    rotary_dim: int, base: float, interleaved: bool, first: int, n: int, dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:  # fmt: skip
+    """``[2, n, r]`` in ``dtype``: the expanded cos and signed sin (:func:`_expanded_tables`)
+    of the positions ``first .. first + n - 1``, angles in float64 (float32 on MPS)."""
+    inv_freq = inverse_frequencies(rotary_dim, base, device=device)  # [r/2] float64
+    positions = torch.arange(first, first + n, dtype=inv_freq.dtype, device=device)  # [n]
+    angles = positions[:, None] * inv_freq  # [n, r/2], as rotary_angles
+    return _expanded_tables(angles.cos(), angles.sin(), interleaved).to(dtype)  # [2, n, r]
+
+
+def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -> Tensor:
+    """:func:`apply_rotary` with the tables of :func:`_expanded_tables` (``[..., n, r]``, in
+    the dtype the rotation computes in): ``x_r * cos + swapped(x_r) * sin``, where
+    ``swapped`` exchanges each pair's two channels; the products and their sum round as
+    ``x_i cos - x_j sin`` does."""
+    rot = cos.shape[-1]
+    xr = x[..., :rot].to(torch.promote_types(x.dtype, cos.dtype))  # [b, h, n, r]
+    if interleaved:
+        swapped = xr.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)  # (2i, 2i+1) exchanged
+    else:
+        swapped = torch.cat((xr[..., rot // 2 :], xr[..., : rot // 2]), dim=-1)
+    rotated = torch.addcmul(xr * cos, swapped, sin).to(x.dtype)
+    if rot == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., rot:]), dim=-1)
+
+
+def run_tables(
+    q_pos: Tensor, k_pos: Tensor, rotary_dim: int, base: float, interleaved: bool,
+    dtype: torch.dtype, device: torch.device,
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:  # fmt: skip
+    """The tables ``(cos_q, sin_q, cos_k, sin_k)``, each ``[n, r]`` in ``dtype``, kept
+    between calls (:func:`_run_tables`), when the queries' and the keys' positions are each
+    one run (:func:`~posenc.indices.run_start`) on ``device``; else None."""
+    if q_pos.device != device or k_pos.device != device:
+        return None
+    firsts = [run_start(pos) for pos in ((q_pos,) if k_pos is q_pos else (q_pos, k_pos))]
+    if None in firsts:
+        return None
+    tables = [
+        _run_tables(rotary_dim, base, interleaved, first, pos.shape[-1], dtype, device).unbind(0)
+        for first, pos in zip(firsts, (q_pos, k_pos), strict=False)
+    ]
+    return (*tables[0], *tables[-1])
