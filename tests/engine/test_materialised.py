@@ -232,8 +232,9 @@ def test_materialised_equals_math_outputs_and_gradients(monkeypatch, case):
         torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
     value = case.startswith("value term")
     plain = "padding" not in case  # no mask but, perhaps, the causal one
-    for limit, kernel in ((tuning.OPS_IN_PLACE_SCORES, "ops" if plain else "sdpa"), (0, "sdpa")):
+    for limit, kernel in ((1 << 62, "ops" if plain else "sdpa"), (0, "sdpa")):
         monkeypatch.setattr(tuning, "OPS_IN_PLACE_SCORES", limit)
+        monkeypatch.setattr(tuning, "OPS_IN_PLACE_BIAS_SCORES", limit)
         calls.clear()
         with torch.no_grad():
             out = posenc.attention(q, k, v, position=scheme, **kwargs)
@@ -241,16 +242,30 @@ def test_materialised_equals_math_outputs_and_gradients(monkeypatch, case):
         torch.testing.assert_close(out, results["math"][0], rtol=1e-10, atol=1e-10)
 
 
-def test_a_call_without_gradients_runs_op_by_op_up_to_ops_in_place_scores(monkeypatch):
-    """In no-grad mode, a bias or term runs op by op (not SDPA with a float mask) up to
-    OPS_IN_PLACE_SCORES scores, on CPU, with two threads or more and no mask but a causal
-    one; the same values. OPS_FORWARD_SCORES, the limit of a call that records a graph,
-    does not bound it."""
+@pytest.mark.parametrize(
+    ("build", "limit_name"),
+    [
+        (lambda: posenc.RelativeQueryEmbedding(16, 8, heads=2), "OPS_IN_PLACE_SCORES"),
+        (
+            lambda: posenc.T5RelativeBias(2, num_buckets=8, max_distance=16),
+            "OPS_IN_PLACE_BIAS_SCORES",
+        ),
+    ],
+    ids=["term", "bias alone"],
+)
+def test_a_call_without_gradients_runs_op_by_op_up_to_its_in_place_limit(
+    monkeypatch, build, limit_name
+):
+    """In no-grad mode, a term runs op by op (not SDPA with a float mask) up to
+    OPS_IN_PLACE_SCORES scores, a bias alone up to OPS_IN_PLACE_BIAS_SCORES, on CPU, with
+    two threads or more and no mask but a causal one; the same values. OPS_FORWARD_SCORES,
+    the limit of a call that records a graph, does not bound it, nor the other limit."""
     calls = _spy_kernels(monkeypatch)
-    scheme = posenc.T5RelativeBias(2, num_buckets=8, max_distance=16)
+    scheme = build()
     q = torch.randn(2, 2, 16, 8)  # 2^10 scores
     padding = torch.zeros(2, 16, dtype=torch.bool)
     padding[0, -3:] = True
+    other = ({"OPS_IN_PLACE_SCORES", "OPS_IN_PLACE_BIAS_SCORES"} - {limit_name}).pop()
     with torch.no_grad():
         expected = posenc.attention(q, q, q, position=scheme, causal=True, backend="math")
         for limit, masks, threads, kernel in (
@@ -259,7 +274,8 @@ def test_a_call_without_gradients_runs_op_by_op_up_to_ops_in_place_scores(monkey
             (2**10 - 1, ({}, {"causal": True}), 2, "sdpa"),
             (2**10, ({"key_padding_mask": padding},), 2, "sdpa"),
         ):
-            monkeypatch.setattr(tuning, "OPS_IN_PLACE_SCORES", limit)
+            monkeypatch.setattr(tuning, limit_name, limit)
+            monkeypatch.setattr(tuning, other, 0)
             monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 0)
             monkeypatch.setattr(plans, "_threads", lambda threads=threads: threads)
             for kwargs in masks:
@@ -268,6 +284,26 @@ def test_a_call_without_gradients_runs_op_by_op_up_to_ops_in_place_scores(monkey
                 assert calls == [kernel], (limit, kwargs, threads)
                 if kwargs.get("causal"):
                     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_by_default_a_bias_alone_without_gradients_runs_sdpa_and_a_term_op_by_op(monkeypatch):
+    """The defaults: SDPA with a bias alone as its float mask (the route of the code posenc
+    replaces), a score term in one buffer op by op; with gradients a constant bias runs op
+    by op up to OPS_FORWARD_SCORES."""
+    calls = _spy_kernels(monkeypatch)
+    q = torch.randn(2, 2, 16, 8)
+    for scheme, kernel in (
+        (posenc.ALiBi(2), "sdpa"),
+        (posenc.T5RelativeBias(2, num_buckets=8, max_distance=16), "sdpa"),
+        (posenc.RelativeQueryEmbedding(16, 8, heads=2), "ops"),
+    ):
+        calls.clear()
+        with torch.no_grad():
+            posenc.attention(q, q, q, position=scheme)
+        assert calls == [kernel], type(scheme).__name__
+    calls.clear()
+    posenc.attention(q.clone().requires_grad_(), q, q, position=posenc.ALiBi(2)).sum().backward()
+    assert calls == ["ops"]
 
 
 def test_the_math_path_zeroes_a_query_that_sees_no_key_under_a_causal_mask():

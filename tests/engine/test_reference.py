@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import posenc
-from posenc.engine import Mask, attend, plans, reference
+from posenc.engine import Mask, attend, plans, reference, tuning
 from posenc.engine.reference import _forward_in_place, _math, _plus
 from posenc.hooks import Hooks
 
@@ -124,8 +124,10 @@ def test_the_forward_in_one_buffer_equals_the_formula_op_by_op(parts, masked, n_
 
 def test_the_forward_in_one_buffer_runs_where_nothing_records_a_graph(monkeypatch):
     """``auto``'s op-by-op forward runs in one buffer in no-grad mode, and as the formula
-    op by op when grad mode is on (ALiBi's constant bias, gradients for q, k, v alone)."""
+    op by op when grad mode is on (ALiBi's constant bias, gradients for q, k, v alone;
+    a bias alone in one buffer where OPS_IN_PLACE_BIAS_SCORES allows it)."""
     monkeypatch.setattr(plans, "_threads", lambda: 2)
+    monkeypatch.setattr(tuning, "OPS_IN_PLACE_BIAS_SCORES", tuning.OPS_IN_PLACE_SCORES)
     ran = []
     in_place, ops = plans._forward_in_place, plans._math
     monkeypatch.setattr(
@@ -143,8 +145,10 @@ def test_the_forward_in_one_buffer_runs_where_nothing_records_a_graph(monkeypatc
 
 def test_grad_mode_with_nothing_to_differentiate_runs_in_one_buffer(monkeypatch):
     """Grad mode on but nothing requiring grad (an evaluation without ``no_grad``) records
-    no graph: the forward in one buffer, the no-grad values."""
+    no graph: the forward in one buffer (a bias alone there where
+    OPS_IN_PLACE_BIAS_SCORES allows it), the no-grad values."""
     monkeypatch.setattr(plans, "_threads", lambda: 2)
+    monkeypatch.setattr(tuning, "OPS_IN_PLACE_BIAS_SCORES", tuning.OPS_IN_PLACE_SCORES)
     ran = []
     in_place = plans._forward_in_place
     monkeypatch.setattr(

@@ -277,8 +277,15 @@ def _ops_forward(call: Call, scores: int) -> bool:
     no mask but a causal one, and at most :data:`tuning.OPS_IN_PLACE_SCORES` scores for a
     call in one buffer (no gradient asked for: :func:`_in_place`),
     :data:`tuning.OPS_FORWARD_SCORES` otherwise (a constant bias with gradients for
-    ``q, k, v``: its graph keeps the weights, which SDPA's does not)."""
-    limit = tuning.OPS_IN_PLACE_SCORES if _in_place(call) else tuning.OPS_FORWARD_SCORES
+    ``q, k, v``: its graph keeps the weights, which SDPA's does not). A bias alone in one
+    buffer: at most :data:`tuning.OPS_IN_PLACE_BIAS_SCORES` (0: SDPA with it as the float
+    mask, the route of the code posenc replaces, whose time no CPU's GEMMs can worsen)."""
+    if not _in_place(call):
+        limit = tuning.OPS_FORWARD_SCORES
+    elif call.hooks.score_term is None:
+        limit = tuning.OPS_IN_PLACE_BIAS_SCORES
+    else:
+        limit = tuning.OPS_IN_PLACE_SCORES
     return (
         scores <= limit
         and call.q.device.type == "cpu"
@@ -355,7 +362,8 @@ def _plan_materialised(call: Call) -> Plan:
     - otherwise (no gradients, or a constant bias with gradients for ``q, k, v`` alone), on
       CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more and no mask but a causal
       one, the same ops: at most :data:`tuning.OPS_IN_PLACE_SCORES` scores with no
-      gradient asked for, in one buffer (:func:`~.reference._forward_in_place`), at most
+      gradient asked for, in one buffer (:func:`~.reference._forward_in_place`; a bias
+      alone at most :data:`tuning.OPS_IN_PLACE_BIAS_SCORES`), at most
       :data:`tuning.OPS_FORWARD_SCORES` otherwise: there SDPA's fused kernel costs more
       than the separate ones;
     - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call,

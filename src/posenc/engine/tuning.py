@@ -54,10 +54,15 @@ MATERIALISED_CAUSAL_PAIRS = 1 << 12
 #: shape measured, b=2 n=64 and Swin's windows: never op by op)
 OPS_FORWARD_SCORES = 3 << 19
 #: scores at most for which the materialised path runs op by op, in one buffer, a call
-#: that asks for no gradient that SDPA's fused kernel could run (no mask but a causal one, two threads
-#: or more): BERT-size, where the in-place forward takes 0.76-0.94x SDPA's time (2^23:
-#: 1.06-1.21x for a bias)
+#: with a score term that asks for no gradient and that SDPA's fused kernel could run (no
+#: mask but a causal one, two threads or more): at BERT-size the in-place forward takes
+#: 0.76-0.94x SDPA's time on one CPU, about 1.0x on another (docs/performance.md)
 OPS_IN_PLACE_SCORES = 3 << 21
+#: the same for a bias alone (no score term): 0, SDPA with the bias as its float mask at
+#: every size, the route of the code it replaces (the in-place forward took 0.65-0.94x
+#: SDPA's time on one CPU and 1.05-1.36x on another: its gain depends on the machine's
+#: GEMMs, SDPA's route never loses to that code)
+OPS_IN_PLACE_BIAS_SCORES = 0
 #: values that a thread keeps, per device and dtype, for the in-place forward's scores
 #: (and its weights where its softmax is not in place), between calls (engine/workspace.py:
 #: 2^23 is 32 MiB in float32, above OPS_IN_PLACE_SCORES; a larger call borrows a fresh one)
@@ -68,6 +73,6 @@ WORKSPACE_ELEMENTS = 1 << 23
 #: of 48, 64, 96, 128, 256 keys 0.93-0.99, of 49, 56, 60, 100, 120, 196, 200 keys
 #: 1.14-1.43; AVX2: 0.96-1.01 for all)
 SOFTMAX_IN_PLACE_COLUMNS = 16
-#: threads at least for which a call runs op by op under OPS_FORWARD_SCORES or
-#: OPS_IN_PLACE_SCORES
+#: threads at least for which a call runs op by op under OPS_FORWARD_SCORES,
+#: OPS_IN_PLACE_SCORES or OPS_IN_PLACE_BIAS_SCORES
 OPS_FORWARD_THREADS = 2
