@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._memo import memo
+
 
 @dataclass(frozen=True)
 class Mask:
@@ -85,7 +87,8 @@ class Mask:
 
     def keep(self, rows: slice | None = None, device: torch.device | None = None) -> Tensor | None:
         """The boolean mask ``[b|1, h|1, n_rows|1, n_k]`` (True = attend) for query ``rows``
-        (heads only with a per-head ``allowed``, one row for key padding alone).
+        (heads only with a per-head ``allowed``, one row for key padding alone), to read
+        only: a causal or window band alone is a tensor kept between calls (:func:`_band`).
 
         Returns None when nothing is masked.
         """
@@ -97,18 +100,14 @@ class Mask:
         def both(a: Tensor | None, b: Tensor) -> Tensor:
             return b if a is None else a & b
 
-        offset = self.n_k - self.n_q
         if self.causal or self.behind is not None or self.ahead is not None:
-            q_idx = torch.arange(start, stop, device=device)[:, None] + offset  # [n_rows, 1]
-            k_idx = torch.arange(self.n_k, device=device)[None, :]  # [1, n_k]
-            band = torch.ones((), dtype=torch.bool, device=device)
-            if self.causal:
-                band = band & (k_idx <= q_idx)
-            if self.behind is not None:
-                band = band & (k_idx > q_idx - self.behind)
-            if self.ahead is not None:
-                band = band & (k_idx < q_idx + self.ahead)
-            keep = band.expand(stop - start, self.n_k)[None, None]  # [1, 1, n_rows, n_k]
+            device = None if device is None else torch.device(device)  # one key for "cpu"
+            on_cpu = device is None or device.type == "cpu"
+            band = _kept_band if on_cpu and (stop - start) * self.n_k <= _KEPT_BAND else _band
+            keep = band(
+                start + self.n_k - self.n_q, stop - start, self.n_k, self.causal, self.behind,
+                self.ahead, device,
+            )  # fmt: skip
         if self.lengths is not None:
             k_idx = torch.arange(self.n_k, device=self.lengths.device)
             visible = k_idx[None, None, :] < self.lengths[:, start:stop, None]  # [b, n_rows, n_k]
@@ -164,6 +163,41 @@ class Mask:
             return keep
 
         return mask_mod
+
+
+def _band(
+    first: int,
+    rows: int,
+    n_k: int,
+    causal: bool,
+    behind: int | None,
+    ahead: int | None,
+    device: torch.device | str | None,
+) -> Tensor:
+    """The causal or window band ``[1, 1, rows, n_k]`` bool (True = attend) of ``rows``
+    queries whose first is aligned with key ``first`` (query ``i`` of the block sees key
+    ``j`` when ``j <= first + i`` if ``causal``, ``j > first + i - behind``,
+    ``j < first + i + ahead``)."""
+    q_idx = torch.arange(first, first + rows, device=device)[:, None]  # [rows, 1]
+    k_idx = torch.arange(n_k, device=device)[None, :]  # [1, n_k]
+    band = torch.ones((), dtype=torch.bool, device=device)
+    if causal:
+        band = band & (k_idx <= q_idx)
+    if behind is not None:
+        band = band & (k_idx > q_idx - behind)
+    if ahead is not None:
+        band = band & (k_idx < q_idx + ahead)
+    return band.expand(rows, n_k)[None, None]  # [1, 1, rows, n_k]
+
+
+#: elements at most of a band kept between calls (256 KiB of bool; a dozen small kernel
+#: calls saved per call, where a small attention costs a few dozen microseconds)
+_KEPT_BAND = 1 << 18
+
+#: :func:`_band` kept between calls, on the CPU (plain eager tensors:
+#: :func:`posenc._memo.memo`; a device of None is the default one, on the CPU unless a
+#: function mode sets another, which the memo does not keep)
+_kept_band = memo(maxsize=16)(_band)
 
 
 def _rows_of(x: Tensor, rows: slice | None) -> Tensor:

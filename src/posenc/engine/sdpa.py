@@ -58,7 +58,8 @@ def _sdpa(
         and mask.causal_at_most
     ):
         keep, is_causal = None, True  # SDPA's own causal flag: its fastest path
-    if keep is not None:
+    if keep is not None and not (mask.causal_at_most and mask.n_q <= mask.n_k):
+        # a causal mask aligned at the end leaves every query key 0 when n_q <= n_k
         has_key = keep.any(dim=-1, keepdim=True)  # [b|1, 1, n_q, 1]
         keep = keep | ~has_key  # rows with no key attend to all keys, and are zeroed below
     if extra is None:
