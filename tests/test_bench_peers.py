@@ -93,7 +93,7 @@ def test_peer_baseline_columns_json_and_skip_reasons(tmp_path, capsys, monkeypat
     out = capsys.readouterr().out
     assert "to the scheme as other code computes it (peer)" in out
     header = next(line for line in out.splitlines() if line.startswith("| scheme"))
-    assert header.endswith("| fwd+bwd time / peer | peak memory / peer |")
+    assert header.endswith("| fwd+bwd time / peer | fwd-only time / peer | peak memory / peer |")
     assert "peer skipped for kerple-log (n = 16): no peer is written for KerpleBias" in out
     cases = {c["scheme"]: c for c in json.loads(record.read_text())["cases"]}
     for name in ("t5", "rotary"):

@@ -18,7 +18,9 @@ For each scheme and length it measures, interleaved in the same run:
 
 ``--shapes`` runs presets of ``(b, h, n, d)`` (:data:`SHAPES`: Swin's windows, BERT-base,
 long sequences) in place of ``--lengths``, ``--batch``, ``--heads`` and ``--head-dim``;
-``--busy N`` measures with ``N`` neighbour processes spinning matrix products.
+``--busy N`` measures with ``N`` neighbour processes spinning matrix products;
+``--processes N`` runs the whole measurement in ``N`` fresh processes, one after another,
+and reports each ratio's median over them with its range (:mod:`._bench_processes`).
 
 A variant that runs out of CUDA memory is skipped with the reason, the others go on.
 
@@ -47,6 +49,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -64,6 +68,7 @@ from ._bench_measure import (  # noqa: F401  (_peak_*: re-exported, tests import
     busy_neighbours,
     run_bench,
 )
+from ._bench_processes import in_processes, merged, spread
 from ._bench_variants import (  # noqa: F401  (_core, the floors: re-exported for the tests)
     BASELINES,
     _causal_floor,
@@ -104,10 +109,26 @@ def _baselines_in(cases: Sequence[Case]) -> list[str]:
     ]
 
 
-def format_table(cases: Sequence[Case], *, backward: bool = True) -> str:
+def _cell(case: Case, rows: list[Case] | None, what: str, variant: str, against: str) -> str:
+    """A table cell: ``variant``'s ratio to ``against``; with several processes' ``rows``,
+    the median of their ratios and the range (``1.02x (0.97-1.06)``)."""
+    if rows is None:
+        return _fmt(case.ratio(what, variant, against))
+    found = spread(rows, what, variant, against)
+    if found is None:
+        return "n/a"
+    median, low, high = found
+    return f"{median:.2f}x ({low:.2f}-{high:.2f})"
+
+
+def format_table(
+    cases: Sequence[Case], *, backward: bool = True, runs: Sequence[Sequence[Case]] | None = None
+) -> str:
     """A Markdown table: ratios to the floor, and to the literal reference (and to each
-    baseline of the run: time and peak memory), then why a baseline (or a variant that ran
-    out of memory) was skipped."""
+    baseline of the run: time, forward-only time when the backward is timed, and peak
+    memory), then why a baseline (or a variant that ran out of memory) was skipped. With
+    ``runs`` (the cases of each process of ``--processes``, row for row as ``cases``) each
+    ratio is their median, with its range."""
     what = "fwd+bwd" if backward else "fwd"
     baselines = _baselines_in(cases)
     shaped = any(case.shape for case in cases)  # --shapes: a first column names the preset
@@ -116,23 +137,30 @@ def format_table(cases: Sequence[Case], *, backward: bool = True) -> str:
         f"| fwd-only time / floor | peak memory / floor "
         f"| {what} time / reference | peak memory / reference |"
     )
-    head += "".join(f" {what} time / {key} | peak memory / {key} |" for key in baselines)
-    rule = ("|---" if shaped else "") + "|---|---:" + "|---:" * (5 + 2 * len(baselines)) + "|"
+    per_baseline = [("time", what)] + ([("fwd", "fwd-only")] if backward else [])
+    per_baseline.append(("memory", "peak memory"))
+    head += "".join(
+        f" {label} {'' if kind == 'memory' else 'time '}/ {key} |"
+        for key in baselines
+        for kind, label in per_baseline
+    )
+    columns = 5 + len(per_baseline) * len(baselines)
+    rule = ("|---" if shaped else "") + "|---|---:" + "|---:" * columns + "|"
     lines = [head, rule]
-    for case in cases:
-        row = (
-            f"| {f'{case.shape} | ' if shaped else ''}{case.scheme} | {case.n} "
-            f"| {_fmt(case.ratio('time', 'posenc'))} "
-            f"| {_fmt(case.ratio('fwd', 'posenc'))} | {_fmt(case.ratio('memory', 'posenc'))} "
-            f"| {_fmt(case.ratio('time', 'posenc', 'reference'))} "
-            f"| {_fmt(case.ratio('memory', 'posenc', 'reference'))} |"
-        )
-        for key in baselines:
-            row += (
-                f" {_fmt(case.ratio('time', 'posenc', key))} "
-                f"| {_fmt(case.ratio('memory', 'posenc', key))} |"
-            )
-        lines.append(row)
+    for index, case in enumerate(cases):
+        rows = None if runs is None else [run[index] for run in runs]
+        cells = [
+            _cell(case, rows, "time", "posenc", "floor"),
+            _cell(case, rows, "fwd", "posenc", "floor"),
+            _cell(case, rows, "memory", "posenc", "floor"),
+            _cell(case, rows, "time", "posenc", "reference"),
+            _cell(case, rows, "memory", "posenc", "reference"),
+        ]
+        cells += [
+            _cell(case, rows, kind, "posenc", key) for key in baselines for kind, _ in per_baseline
+        ]
+        shape = f"{case.shape} | " if shaped else ""
+        lines.append(f"| {shape}{case.scheme} | {case.n} | " + " | ".join(cells) + " |")
     # why, grouped: "materialised skipped for shaw (n = 16, 32): ..."
     skipped: dict[tuple[str, str], dict[str, list[int]]] = {}
     for case in cases:
@@ -148,25 +176,43 @@ def format_table(cases: Sequence[Case], *, backward: bool = True) -> str:
     return "\n".join(lines)
 
 
-def _to_json(cases: Sequence[Case], config: dict[str, Any]) -> dict[str, Any]:
+def _to_json(
+    cases: Sequence[Case],
+    config: dict[str, Any],
+    runs: Sequence[Sequence[Case]] | None = None,
+) -> dict[str, Any]:
+    """The cases with their ratios (with ``runs``, the processes of ``--processes``: the
+    median of their ratios, their range under ``"ranges"``, and each process's cases)."""
     baselines = _baselines_in(cases)
-    rows = []
-    for case in cases:
+    named = [
+        ("time_vs_floor", "time", "floor"),
+        ("fwd_time_vs_floor", "fwd", "floor"),
+        ("memory_vs_floor", "memory", "floor"),
+        ("time_vs_reference", "time", "reference"),
+        ("memory_vs_reference", "memory", "reference"),
+    ]
+    for key in baselines:  # time_vs_flex_floor, ..., memory_vs_materialised
+        name = key.replace("-", "_")
+        named += [
+            (f"time_vs_{name}", "time", key),
+            (f"fwd_time_vs_{name}", "fwd", key),
+            (f"memory_vs_{name}", "memory", key),
+        ]
+    out_rows = []
+    for index, case in enumerate(cases):
         row = asdict(case)
-        row["ratios"] = {
-            "time_vs_floor": case.ratio("time", "posenc"),
-            "fwd_time_vs_floor": case.ratio("fwd", "posenc"),
-            "memory_vs_floor": case.ratio("memory", "posenc"),
-            "time_vs_reference": case.ratio("time", "posenc", "reference"),
-            "memory_vs_reference": case.ratio("memory", "posenc", "reference"),
-        }
-        for key in baselines:  # time_vs_flex_floor, ..., memory_vs_materialised
-            name = key.replace("-", "_")
-            row["ratios"][f"time_vs_{name}"] = case.ratio("time", "posenc", key)
-            row["ratios"][f"fwd_time_vs_{name}"] = case.ratio("fwd", "posenc", key)
-            row["ratios"][f"memory_vs_{name}"] = case.ratio("memory", "posenc", key)
-        rows.append(row)
-    return {"config": config, "cases": rows}
+        if runs is None:
+            row["ratios"] = {label: case.ratio(w, "posenc", a) for label, w, a in named}
+        else:
+            rows = [run[index] for run in runs]
+            found = {label: spread(rows, w, "posenc", a) for label, w, a in named}
+            row["ratios"] = {label: None if f is None else f[0] for label, f in found.items()}
+            row["ranges"] = {label: None if f is None else f[1:] for label, f in found.items()}
+        out_rows.append(row)
+    result: dict[str, Any] = {"config": config, "cases": out_rows}
+    if runs is not None:
+        result["processes"] = [[asdict(case) for case in run] for run in runs]
+    return result
 
 
 # ----- the command ---------------------------------------------------------------------------
@@ -360,25 +406,46 @@ def run(args: argparse.Namespace) -> int:
         "baselines": args.baselines,
         "shapes": {name: dict(zip("bhnd", SHAPES[name], strict=True)) for name in args.shapes},
         "busy": args.busy,
+        "processes": args.processes,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
     if torch.device(args.device).type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
 
-    cases: list[Case] = []
+    processes: list[list[Case]] | None = None
     with busy_neighbours(args.busy):  # stopped whatever happens
-        for name, sized in runs:
-            for case in _bench(sized, dtype):
-                case.shape = name
-                cases.append(case)
+        if args.processes == 1:
+            cases = _measured(runs, dtype)
+        else:
+            processes = in_processes(args, args.processes)
+            cases = merged(processes)
     print(_header(args, config.get("gpu")) + "\n")
-    print(format_table(cases, backward=not args.no_backward))
+    print(format_table(cases, backward=not args.no_backward, runs=processes))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(_to_json(cases, config), indent=2))
+        args.json.write_text(json.dumps(_to_json(cases, config, processes), indent=2))
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _measured(runs: list[tuple[str, argparse.Namespace]], dtype: torch.dtype) -> list[Case]:
+    """The cases of each run of :func:`_runs`, named by its preset."""
+    cases: list[Case] = []
+    for name, sized in runs:
+        for case in _bench(sized, dtype):
+            case.shape = name
+            cases.append(case)
+    return cases
+
+
+def measure_as_child() -> None:
+    """A measuring process of ``--processes``: the options pickled on standard input, the
+    cases written as JSON to their ``child_out`` (:func:`._bench_processes.in_processes`)."""
+    args = pickle.loads(sys.stdin.buffer.read())
+    cases = _measured(_runs(args), getattr(torch, args.dtype))
+    with open(args.child_out, "w") as out:
+        json.dump([asdict(case) for case in cases], out)
 
 
 def _bench(args: argparse.Namespace, dtype: torch.dtype) -> list[Case]:
@@ -423,6 +490,8 @@ def _header(args: argparse.Namespace, gpu: str | None) -> str:
         masks += f"window {args.window}, "
     if args.busy:
         masks += f"{args.busy} busy neighbour process{'es' if args.busy > 1 else ''}, "
+    if args.processes > 1:
+        masks += f"in each of {args.processes} processes the "
     baselines = "".join(f", to {_BASELINE_WORDS[b]}" for b in args.baselines)
     on = args.device + (f" ({gpu})" if gpu else "")
     if args.shapes:
@@ -433,6 +502,11 @@ def _header(args: argparse.Namespace, gpu: str | None) -> str:
         f"posenc bench: {sizes} {args.dtype} on {on}, backend={args.backend}, {masks}median "
         f"of {args.repeats}; ratios to plain SDPA without positions (floor){baselines} and "
         f"to the literal implementation (reference)"
+        + (
+            f"; each ratio the median over the {args.processes} processes (lowest-highest)"
+            if args.processes > 1
+            else ""
+        )
     )
 
 
@@ -535,6 +609,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=0,
         help="measure with this many busy neighbour processes (each one thread spinning "
         "matrix products), stopped after the run (0)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=positive_int,
+        default=1,
+        help="run the measurement in this many fresh processes, one after another, and "
+        "report each ratio's median over them with its range: a small call's time moves "
+        "with the process it runs in (1)",
     )
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs (3)")
     parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed runs (1)")
