@@ -285,13 +285,14 @@ def test_the_wrapped_fast_path_backwards_twice_with_retain_graph_and_lets_go_wit
     """The fast path's graph inside the create_graph wrapper: with retain_graph=True it is
     kept and a second backward gives the same gradients; without, the first backward lets
     it go (q, k, v are not held through the rest of the backward, a rotation's for one),
-    and a second backward raises as autograd does."""
+    and a second backward raises as autograd does (the lean path: SDPA's needs no
+    wrapper on the CPU)."""
     torch.manual_seed(0)
     x = torch.randn(2, 2, 16, 8, requires_grad=True)
     pos = torch.arange(16)[None]
 
     def attended():
-        out, _ = attend(x * 2, x * 3, x, q_pos=pos, k_pos=pos, mask=Mask(16, 16))
+        out, _ = attend(x * 2, x * 3, x, q_pos=pos, k_pos=pos, mask=Mask(16, 16), backend="lean")
         node = out.grad_fn  # the wrapper's node, its ctx
         assert "TwiceDifferentiable" in type(node).__name__ and hasattr(node, "graph")
         return out.square().sum(), node

@@ -38,7 +38,7 @@ from .plans import (
     _plan_offset_term,
 )
 from .reference import _math
-from .sdpa import _sdpa
+from .sdpa import _sdpa, plain_autograd
 
 BACKENDS = ("auto", "math", "sdpa", "flex", "lean")
 
@@ -210,11 +210,11 @@ def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
     scheme's before a key shift was folded into the keys."""
     if name == "math":
         return True
-    if name != "materialised":
+    if name not in ("materialised", "sdpa"):
         return False
     b, h, n_q, _ = call.q.shape
-    if not _op_by_op(call, b * h * n_q * call.k.shape[2]):
-        return False
+    if name == "sdpa" or not _op_by_op(call, b * h * n_q * call.k.shape[2]):
+        return _kernel_alone(name, call, hooks)
     scheme = call.scheme
     for fast, other in _TWO_FORMS:
         if getattr(hooks, fast) is None or getattr(hooks, other) is None:
@@ -223,6 +223,24 @@ def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
         if owner is None or owner.__module__.partition(".")[0] != "posenc":
             return False
     return True
+
+
+def _kernel_alone(name: str, call: Call, hooks: Hooks) -> bool:
+    """Whether path ``name``'s SDPA route has a graph of SDPA's kernel alone on the CPU
+    (whose fused kernel runs through :class:`~.sdpa._CPUFlash`, differentiable twice, and
+    whose math kernel is plain ops): no dropout, eager autograd, no tensor the hooks read
+    that asks for a gradient, and nothing positional that records a graph: no key shift,
+    term or value term, and a bias only on the materialised path, which has found it
+    constant (``Call.constant_bias``, read once per call)."""
+    if call.q.device.type != "cpu" or call.dropout_p > 0 or not plain_autograd():
+        return False
+    if hooks.key_shift is not None or hooks.score_term is not None:
+        return False
+    if hooks.value_term is not None or hooks.contextual_term is not None:
+        return False
+    if call.params or call.histories:
+        return False
+    return hooks.score_bias is None or (name == "materialised" and call.constant_bias)
 
 
 class _TwiceDifferentiable(torch.autograd.Function):

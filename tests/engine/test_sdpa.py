@@ -1,0 +1,123 @@
+"""posenc.engine.sdpa: SDPA's fused CPU kernel with gradients through ``_CPUFlash`` (the
+same values and gradients as SDPA, a second derivative from its math kernel), and the
+dispatcher's SDPA route without the create_graph wrapper on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import posenc
+from posenc.engine import sdpa, tuning
+
+
+def _masks(n_q, n_k, dtype):
+    torch.manual_seed(3)
+    allowed = torch.rand(2, 1, n_q, n_k) > 0.3
+    allowed[..., 0] = True
+    return {
+        "none": (None, False),
+        "float": (torch.randn(1, 3, n_q, n_k, dtype=dtype), False),
+        "bool": (allowed, False),
+        "causal": (None, True),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("which", ["none", "float", "bool", "causal"])
+@pytest.mark.parametrize(("n_q", "n_k"), [(6, 6), (4, 9)])
+def test_the_kernel_route_equals_sdpa_bit_for_bit(dtype, which, n_q, n_k):
+    """Values and gradients of q, k, v (one tensor passed as k and v) equal SDPA's own, bit
+    for bit: the same fused kernel forward and backward, a boolean mask made the float mask
+    SDPA makes of it."""
+    attn_mask, causal = _masks(n_q, n_k, dtype)[which]
+    if causal and n_q != n_k:
+        pytest.skip("SDPA's causal flag is aligned at the top left: posenc uses it on squares")
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, n_q, 8, dtype=dtype)
+    kv = torch.randn(2, 3, n_k, 8, dtype=dtype)
+    weights = torch.randn(2, 3, n_q, 8, dtype=dtype)
+    results = []
+    for kernel in (F.scaled_dot_product_attention, sdpa._kernel):
+        leaves = [q.clone().requires_grad_(), kv.clone().requires_grad_()]
+        if kernel is F.scaled_dot_product_attention:
+            out = kernel(*leaves, leaves[1], attn_mask=attn_mask, is_causal=causal, scale=0.3)
+        else:
+            out = kernel(*leaves, leaves[1], attn_mask, 0.0, causal, 0.3)
+        (out * weights).sum().backward()
+        results.append((out, *(x.grad for x in leaves), out.grad_fn))
+    (*expected, native), (*found, node) = results
+    assert type(node).__name__ == "_CPUFlashBackward", type(native).__name__
+    for a, b in zip(found, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_without_gradients_or_with_a_learned_mask_sdpa_runs_itself():
+    """No gradient asked for, dropout, or a mask that asks for one: SDPA itself (its math
+    kernel differentiates the mask)."""
+    q = torch.randn(1, 2, 5, 4, requires_grad=True)
+    with torch.no_grad():
+        assert sdpa._kernel(q, q, q, None, 0.0, False, 0.5).grad_fn is None
+    assert "CPUFlash" not in type(sdpa._kernel(q, q, q, None, 0.1, False, 0.5).grad_fn).__name__
+    mask = torch.zeros(1, 2, 5, 5, requires_grad=True)
+    out = sdpa._kernel(q.detach(), q.detach(), q.detach(), mask, 0.0, False, 0.5)
+    assert "CPUFlash" not in type(out.grad_fn).__name__
+    (grad,) = torch.autograd.grad(out.sum(), mask)
+    assert grad.shape == mask.shape
+
+
+def _second_derivatives(scheme, backend, x, **kwargs):
+    """The gradient of a gradient penalty: d/dx sum((d/dx sum(out * sin(out)))^2)."""
+    leaf = x.clone().requires_grad_()
+    out = posenc.attention(leaf * 2, leaf * 3, leaf, position=scheme, backend=backend, **kwargs)
+    (g,) = torch.autograd.grad((out * out.detach().sin()).sum(), leaf, create_graph=True)
+    (gg,) = torch.autograd.grad(g.square().sum(), leaf)
+    return out, g, gg
+
+
+@pytest.mark.parametrize(
+    ("build", "n", "kwargs"),
+    [
+        (lambda: None, 12, {}),
+        (lambda: None, 12, {"causal": True}),
+        (lambda: posenc.Rotary(8), 12, {"key_padding_mask": torch.arange(12)[None] > 9}),
+        (lambda: posenc.ALiBi(2), 12, {}),
+    ],
+    ids=["none", "causal", "rotary, padding", "alibi, sdpa route"],
+)
+def test_a_gradient_penalty_through_the_sdpa_route_equals_math_with_no_wrapper(
+    monkeypatch, build, n, kwargs
+):
+    """float64: the first and second derivatives through auto's SDPA route equal the math
+    path's, and the route's output node is the kernel's (no create_graph wrapper); ALiBi's
+    constant bias on the materialised path's SDPA route (OPS_FORWARD_SCORES at 0, as past
+    it)."""
+    monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 0)
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, n, 8, dtype=torch.float64)
+    scheme = build()
+    out = posenc.attention(x.clone().requires_grad_(), x, x, position=scheme, **kwargs)
+    assert "TwiceDifferentiable" not in type(out.grad_fn).__name__
+    auto = _second_derivatives(scheme, "auto", x, **kwargs)
+    math = _second_derivatives(scheme, "math", x, **kwargs)
+    for a, b in zip(auto, math, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_dropout_keeps_the_wrapper():
+    """Attention dropout (SDPA's math kernel, a mask drawn per call) takes the create_graph
+    wrapper as before."""
+    x = torch.randn(1, 2, 8, 4, requires_grad=True)
+    out = posenc.attention(x, x, x, dropout_p=0.1)
+    assert "TwiceDifferentiable" in type(out.grad_fn).__name__
+
+
+def test_the_kernel_route_backwards_twice_with_retain_graph_and_raises_without():
+    x = torch.randn(1, 2, 8, 4, requires_grad=True)
+    loss = posenc.attention(x * 2, x, x).square().sum()
+    (first,) = torch.autograd.grad(loss, x, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, x)
+    assert torch.equal(first, second)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(loss, x)
