@@ -9,6 +9,10 @@ repeat runs every variant once, in turn), the forward in no-grad mode of:
   keeps for the forward in one buffer (``engine/workspace.py``);
 - ``fresh``: the same with ``WORKSPACE_ELEMENTS = 0``: a new buffer every call.
 
+A bias alone takes SDPA by default (``OPS_IN_PLACE_BIAS_SCORES = 0``); both posenc
+variants lift that limit to ``OPS_IN_PLACE_SCORES``, so that a bias runs in the buffer
+this compares.
+
 Prints one line per case: each variant's median time as a ratio to the peer's. Whether a
 fresh buffer costs page faults depends on what the process allocated before: run it a few
 times (one process each) to see both.
@@ -36,6 +40,7 @@ Run = Callable[[Tensor, Tensor, Tensor], Tensor]
 def _with_buffer(run: Run, elements: int) -> Run:
     def timed(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         tuning.WORKSPACE_ELEMENTS = elements
+        tuning.OPS_IN_PLACE_BIAS_SCORES = tuning.OPS_IN_PLACE_SCORES  # a bias in the buffer
         return run(q, k, v)
 
     return timed
@@ -47,7 +52,7 @@ def _case(name: str, shape: tuple[int, int, int, int], repeats: int, calls: int)
     q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
     scheme = build_scheme(name, h, d, n)
     core = _core(scheme, "auto")
-    kept_elements = tuning.WORKSPACE_ELEMENTS
+    kept_elements, bias_limit = tuning.WORKSPACE_ELEMENTS, tuning.OPS_IN_PLACE_BIAS_SCORES
     variants: dict[str, Run] = {
         "floor": _floor,
         "peer": _peer_of(scheme),
@@ -66,6 +71,7 @@ def _case(name: str, shape: tuple[int, int, int, int], repeats: int, calls: int)
                     times[key].append((time.perf_counter() - start) / calls)
     finally:
         tuning.WORKSPACE_ELEMENTS = kept_elements
+        tuning.OPS_IN_PLACE_BIAS_SCORES = bias_limit
     median = {key: statistics.median(t) for key, t in times.items()}
     ratios = " ".join(f"{key}={t / median['peer']:.2f}" for key, t in median.items())
     return f"{name} {b}x{h}x{n}x{d}: {ratios} (peer {median['peer'] * 1e6:.0f} us)"

@@ -143,7 +143,7 @@ def as_attn_mask(
     bias = hooks.score_bias(q_pos, k_pos)  # [B', h|1, n_q, n_k]
     bias = bias.to(torch.promote_types(bias.dtype, torch.promote_types(dtype, torch.float32)))
     keep = Mask(q_len, k_len, causal=causal, behind=window, ahead=None if causal else window)
-    allowed = keep.keep(device=bias.device)  # [1, 1, n_q, n_k] or None
+    allowed = keep.shared_keep(device=bias.device)  # [1, 1, n_q, n_k] or None
     if allowed is not None:
         bias = bias.masked_fill(~allowed, float("-inf"))
     bias = bias.to(dtype)

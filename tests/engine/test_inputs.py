@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import posenc
+from posenc.engine import dispatch
 from posenc.engine.inputs import finite
 
 
@@ -28,20 +29,29 @@ def test_finite_sums_half_precision_in_float32():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_finite_reads_an_overflowing_sum_as_not_finite_and_attention_stays_exact(dtype):
-    """Finite values whose sum passes float32's largest: the check answers "perhaps not"
-    (never "finite" for a tensor with a NaN), and the careful path that follows finds
-    nothing to zero: the output equals the math reference's, finite."""
-    big = torch.full((64,), 3e37, dtype=dtype)  # sum 1.9e39
-    assert not finite(big)
+def test_finite_never_reads_a_nan_as_finite_past_the_float_range(dtype):
+    big = torch.full((64,), 3e37, dtype=dtype)  # a sum of 1.9e39
     assert not finite(big, torch.tensor([float("nan")], dtype=dtype))
+    assert not finite(torch.cat([big, torch.tensor([float("-inf")], dtype=dtype)]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_careful_path_on_finite_inputs_equals_the_fast_one(monkeypatch, causal):
+    """Where the check answers "perhaps not" for finite inputs (a sum past the float
+    range), the careful path zeroes nothing: its output and gradients equal the call's with
+    the check answering "finite"."""
     torch.manual_seed(0)
-    q = torch.randn(1, 2, 8, 4, dtype=dtype) * 1e-3
-    k = torch.full((1, 2, 8, 4), 3e37, dtype=dtype)  # q . k about 1e35: finite scores
-    assert not finite(q, k, q)
-    padding = torch.zeros(1, 8, dtype=torch.bool)
+    q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
+    padding = torch.zeros(2, 8, dtype=torch.bool)
     padding[0, -2:] = True
-    out = posenc.attention(q, k, q, key_padding_mask=padding)
-    expected = posenc.attention(q, k, q, key_padding_mask=padding, backend="math")
-    torch.testing.assert_close(out, expected)
-    assert torch.isfinite(out).all()
+    results = []
+    for answer in (True, False):
+        monkeypatch.setattr(dispatch, "finite", lambda *xs, answer=answer: answer)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = posenc.attention(
+            *leaves, position=posenc.ALiBi(2), key_padding_mask=padding, causal=causal
+        )
+        (out * torch.linspace(-1, 1, 4)).sum().backward()
+        results.append([out, *(x.grad for x in leaves)])
+    for careful, fast in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(careful, fast, rtol=0, atol=0)

@@ -40,25 +40,41 @@ def test_keep_equals_the_definition(causal, behind, ahead, n_q, n_k, rows):
     assert torch.equal(keep[0, 0], _definition(n_q, n_k, span, causal, behind, ahead))
 
 
-def test_a_small_band_is_kept_between_calls_and_a_large_one_is_not(monkeypatch):
-    """The same tensor for the same band (no dozen kernel calls per call), to read only;
-    past _KEPT_BAND elements a new one each call, equal."""
+@pytest.mark.parametrize("read", ["keep", "shared_keep"])
+def test_shared_keep_equals_keep(read):
+    mask = Mask(9, 12, causal=True, behind=4)
+    for rows in (None, slice(2, 7)):
+        found = getattr(mask, read)(rows)
+        assert torch.equal(
+            found[0, 0], _definition(9, 12, range(9)[rows or slice(None)], True, 4, None)
+        )
+
+
+def test_a_small_band_is_shared_between_calls_and_a_large_one_is_not(monkeypatch):
+    """The engine's band is the same tensor for the same band (no dozen kernel calls per
+    call), to read only; past _KEPT_BAND elements a new one each call, equal; keep() hands
+    out a tensor of the caller's own, which it may write into."""
     mask = Mask(16, 16, causal=True)
-    assert mask.keep() is Mask(16, 16, causal=True).keep()
-    assert mask.keep(device="cpu") is mask.keep(device=torch.device("cpu"))
-    assert mask.keep(slice(0, 8)) is not mask.keep(slice(8, 16))
+    assert mask.shared_keep() is Mask(16, 16, causal=True).shared_keep()
+    assert mask.shared_keep(device="cpu") is mask.shared_keep(device=torch.device("cpu"))
+    assert mask.shared_keep(slice(0, 8)) is not mask.shared_keep(slice(8, 16))
+    mine = mask.keep()
+    assert mine is not mask.shared_keep() and mine is not mask.keep()
+    mine |= True  # the caller's own: the engine's band is untouched
+    assert not mask.shared_keep()[0, 0, 0, 1]
     monkeypatch.setattr(mask_module, "_KEPT_BAND", 16 * 16 - 1)
-    fresh = mask.keep()
-    assert fresh is not mask.keep()
+    fresh = mask.shared_keep()
+    assert fresh is not mask.shared_keep()
     assert torch.equal(fresh, _definition(16, 16, range(16), True, None, None)[None, None])
 
 
-def test_the_default_device_of_a_function_mode_is_not_kept():
-    """``keep()`` without a device under a device context builds the band there (the kept
-    CPU band is not handed out)."""
+def test_a_band_built_under_a_function_mode_is_not_shared():
+    """``shared_keep()`` without a device under a device context builds the band there,
+    and keeps nothing: a later call on the CPU gets a CPU band."""
     with torch.device("meta"):
-        keep = Mask(8, 8, causal=True).keep()
+        keep = Mask(8, 8, causal=True).shared_keep()
     assert keep.device.type == "meta"
+    assert Mask(8, 8, causal=True).shared_keep().device.type == "cpu"
 
 
 @pytest.mark.parametrize(("n_q", "n_k"), [(5, 8), (8, 8), (8, 5)])

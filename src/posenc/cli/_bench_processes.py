@@ -53,15 +53,16 @@ def in_processes(args: argparse.Namespace, count: int) -> list[list[Case]]:
 
 
 def merged(runs: list[list[Case]]) -> list[Case]:
-    """One case per row: each variant's median time and peak over the processes (the same
-    rows in the same order in each), the reasons a variant was skipped in any of them."""
+    """One case per row: each variant's median time and peak over the processes that
+    measured it (the same rows in the same order in each), the reasons a variant was
+    skipped in any of them."""
     cases = []
     for rows in zip(*runs, strict=True):
         first = rows[0]
         case = Case(first.scheme, first.n, first.backend, first.shape)
         for name in ("fwd_bwd_s", "fwd_s", "peak_mib"):
             tables = [getattr(row, name) for row in rows]
-            for variant in tables[0]:
+            for variant in dict.fromkeys(v for table in tables for v in table):
                 values = [t.get(variant) for t in tables]
                 known = [v for v in values if v is not None]
                 getattr(case, name)[variant] = statistics.median(known) if known else None

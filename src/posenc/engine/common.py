@@ -157,7 +157,7 @@ def _visible(mask: Mask, rows: slice, device: torch.device) -> tuple[Tensor | No
     """``(keep, has_key)`` for a block of rows: ``keep [b|1, h|1, rows, n_k]`` with rows that
     see no key opened to all keys, ``has_key [b|1, h|1, rows, 1]``; ``(None, None)``
     unmasked."""
-    keep = mask.keep(rows, device=device)
+    keep = mask.shared_keep(rows, device=device)
     if keep is None:
         return None, None
     has_key = keep.any(dim=-1, keepdim=True)

@@ -182,7 +182,7 @@ def _flex_forward(
         shape_only = replace(mask, causal=False, behind=None, ahead=None, bias=None).empty
         # a mask of the shape alone, queries no more than keys: each sees its aligned key
         if not (shape_only and 0 < mask.n_q <= mask.n_k):
-            keep = mask.keep(device=q.device)
+            keep = mask.shared_keep(device=q.device)
             if keep is not None:
                 has_key = keep.any(dim=-1, keepdim=True)
     flex = _compiled_flex(q.device.type)

@@ -54,7 +54,9 @@ def finite(*xs: Tensor) -> bool:
             return True
         if sums[0].device.type == "cpu":  # a float each: no stack, no kernel to combine them
             return math.isfinite(sum(float(s) for s in sums))
-        return bool(torch.stack([s.double() for s in sums]).sum().isfinite())
+        # float32: a device may have no float64 (MPS); a sum past float32's largest reads
+        # as not finite, as above
+        return bool(torch.stack([s.float() for s in sums]).sum().isfinite())
 
 
 def sees_any(mask: Mask, keys: Tensor, device: torch.device) -> Tensor:
@@ -64,7 +66,7 @@ def sees_any(mask: Mask, keys: Tensor, device: torch.device) -> Tensor:
     picked = keys.to(torch.float32)[..., None]  # [b, h, n_k, 1]
 
     def seen(rows: slice | None) -> Tensor:
-        keep = mask.keep(rows, device=device)  # [b|1, 1, rows, n_k]
+        keep = mask.shared_keep(rows, device=device)  # [b|1, 1, rows, n_k]
         count = picked.sum(dim=2, keepdim=True) if keep is None else keep.float() @ picked
         return count > 0  # [b, h, rows | 1, 1]
 

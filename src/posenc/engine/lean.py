@@ -86,7 +86,7 @@ class _LeanAttention(torch.autograd.Function):
             extra = _fold_scores(
                 hooks, q_blk, qp, k_pos, scale, reference=False, mask=mask, rows=blk
             )
-            keep = mask.keep(blk, device=q.device)
+            keep = mask.shared_keep(blk, device=q.device)
             scores = _block_scores(q_blk, k, extra, keep, scale)
             block_lse = scores.logsumexp(dim=-1, keepdim=True)  # [b, h, rows, 1]
             probs = _exp_no_denormals(scores.sub_(block_lse))
@@ -119,7 +119,7 @@ class _LeanAttention(torch.autograd.Function):
                 extra = _fold_scores(
                     hooks, q_blk, qp, k_pos, scale, reference=False, mask=mask, rows=blk
                 )
-            keep = mask.keep(blk, device=q.device)
+            keep = mask.shared_keep(blk, device=q.device)
             scores = _block_scores(
                 q_blk.detach(), k, None if extra is None else extra.detach(), keep, scale
             )

@@ -87,11 +87,24 @@ class Mask:
 
     def keep(self, rows: slice | None = None, device: torch.device | None = None) -> Tensor | None:
         """The boolean mask ``[b|1, h|1, n_rows|1, n_k]`` (True = attend) for query ``rows``
-        (heads only with a per-head ``allowed``, one row for key padding alone), to read
-        only: a causal or window band alone is a tensor kept between calls (:func:`_band`).
+        (heads only with a per-head ``allowed``, one row for key padding alone): a tensor
+        of the caller's own.
 
         Returns None when nothing is masked.
         """
+        return self._keep(rows, device, _band)
+
+    def shared_keep(
+        self, rows: slice | None = None, device: torch.device | None = None
+    ) -> Tensor | None:
+        """:meth:`keep` to read only, for the engine: a causal or window band alone (on the
+        CPU, at most :data:`_KEPT_BAND` pairs) is a tensor kept between calls and shared by
+        every call of its sizes (:func:`_kept_band`: a dozen small kernel calls fewer)."""
+        return self._keep(rows, device, _kept_band)
+
+    def _keep(
+        self, rows: slice | None, device: torch.device | None, kept: Callable[..., Tensor]
+    ) -> Tensor | None:
         if self.empty:
             return None
         start, stop = (0, self.n_q) if rows is None else (rows.start or 0, rows.stop)
@@ -103,7 +116,7 @@ class Mask:
         if self.causal or self.behind is not None or self.ahead is not None:
             device = None if device is None else torch.device(device)  # one key for "cpu"
             on_cpu = device is None or device.type == "cpu"
-            band = _kept_band if on_cpu and (stop - start) * self.n_k <= _KEPT_BAND else _band
+            band = kept if on_cpu and (stop - start) * self.n_k <= _KEPT_BAND else _band
             keep = band(
                 start + self.n_k - self.n_q, stop - start, self.n_k, self.causal, self.behind,
                 self.ahead, device,

@@ -86,7 +86,7 @@ def _contextual_extra(
     logits = (q @ k.transpose(-2, -1)) * scale  # [b, h, n_q, n_k]
     if own is not None:
         logits = logits + own
-    term = _contextual(hooks, logits, mask.keep(device=q.device), q, q_pos, k_pos)
+    term = _contextual(hooks, logits, mask.shared_keep(device=q.device), q, q_pos, k_pos)
     extra = term if own is None else own + term
     added = mask.added()  # [b|1, h|1, n_q, n_k] or None
     if added is not None:
@@ -131,7 +131,7 @@ def _math(
     if hooks.score_bias is not None:
         bias = hooks.score_bias(q_pos, k_pos) if reference else _dense_bias(hooks, q_pos, k_pos)
         scores = _plus(scores, bias, own)  # reads the bias
-    keep = mask.keep(device=q.device)
+    keep = mask.shared_keep(device=q.device)
     if hooks.contextual_term is not None:  # CoPE: a term read from the masked logits
         scores = scores + _contextual(hooks, scores, keep, q, q_pos, k_pos)
     if mask.bias is not None:  # a float attn_mask, added as SDPA adds it
@@ -230,7 +230,7 @@ def _forward_in_place(
         q3 = q.reshape(b * h, n_q, d)  # [b h, n_q, d]
         k3 = k.reshape(b * h, n_k, d)  # [b h, n_k, d]
         scores.baddbmm_(q3, k3.transpose(1, 2), beta=1 if start else 0, alpha=scale)
-        keep = mask.keep(device=q.device)  # [b|1, h|1, n_q, n_k] or None
+        keep = mask.shared_keep(device=q.device)  # [b|1, h|1, n_q, n_k] or None
         if keep is not None:
             full.masked_fill_(~keep, torch.finfo(scores.dtype).min)
         # a row's partial last vector, written, would stall the next row's first read:

@@ -57,7 +57,7 @@ def _sdpa(
         if pieces is not None:  # padding at the ends, documents, a window: no [n_q, n_k] mask
             block = functools.partial(_sdpa, blocks=False)
             return _by_blocks(q, k, v, hooks, q_pos, k_pos, scale, pieces, block)
-    keep = mask.keep(device=q.device)
+    keep = mask.shared_keep(device=q.device)
     has_key: Tensor | None = None
     is_causal = False
     if (

@@ -59,9 +59,11 @@ OPS_FORWARD_SCORES = 3 << 19
 #: 0.76-0.94x SDPA's time on one CPU, about 1.0x on another (docs/performance.md)
 OPS_IN_PLACE_SCORES = 3 << 21
 #: the same for a bias alone (no score term): 0, SDPA with the bias as its float mask at
-#: every size, the route of the code it replaces (the in-place forward took 0.65-0.94x
-#: SDPA's time on one CPU and 1.05-1.36x on another: its gain depends on the machine's
-#: GEMMs, SDPA's route never loses to that code)
+#: every size, the route of the code it replaces, for a call the buffer would take (eager,
+#: no forward-mode AD or torch.func: those stay op by op under OPS_FORWARD_SCORES); the
+#: in-place forward took 0.77-0.94x SDPA's time on one CPU and 1.05-1.36x on another
+#: (docs/performance.md): its gain depends on the machine's GEMMs, SDPA's route never
+#: loses to that code
 OPS_IN_PLACE_BIAS_SCORES = 0
 #: values that a thread keeps, per device and dtype, for the in-place forward's scores
 #: (and its weights where its softmax is not in place), between calls (engine/workspace.py:
