@@ -165,7 +165,8 @@ def _prepare(
             )
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or h % k.shape[1]:
+    grouped = h % k.shape[1] == 0 if k.shape[1] else h == 0  # no key heads: no query heads
+    if k.shape[0] != b or v.shape[0] != b or k.shape[1] != v.shape[1] or not grouped:
         raise ValueError(
             f"q, k and v must share the batch, and k and v their heads, which must divide q's "
             f"(grouped-query attention: q [b, h, n_q, d], k and v [b, h_kv, n_k, d] with h a "

@@ -121,3 +121,55 @@ def test_the_kernel_route_backwards_twice_with_retain_graph_and_raises_without()
     assert torch.equal(first, second)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         torch.autograd.grad(loss, x)
+
+
+def test_a_second_derivative_sets_none_of_sdpas_process_flags(monkeypatch):
+    """The create_graph backward calls SDPA's math kernel itself: no ``sdpa_kernel()``
+    context, whose save and restore of the process's flags interleave across threads."""
+    set_flags = []
+    for name in ("flash", "mem_efficient", "math", "cudnn", "overrideable"):
+        flag = f"_set_sdp_use_{name}"
+        if hasattr(torch._C, flag):
+            monkeypatch.setattr(torch._C, flag, lambda on, name=name: set_flags.append(name))
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    _second_derivatives(None, "auto", x)
+    assert set_flags == []
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 5, 4), (2, 0, 5, 4), (2, 2, 5, 0)])
+def test_empty_inputs_keep_sdpas_own_answer_and_a_second_derivative(shape):
+    """No batch, no heads or no channels: SDPA itself (the fused kernel's route would crash
+    on no heads) with its answer (no channels: every score 0, each query the mean of the
+    values), and the wrapper's second derivative."""
+    torch.manual_seed(0)
+    q = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(*shape[:3], 3, dtype=torch.float64)
+    out = posenc.attention(q * 2, q, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q * 2, q, v))
+    assert "CPUFlash" not in type(out.grad_fn).__name__
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    assert g.shape == shape
+    assert sdpa._kernel(q, q, v, None, 0.0, False, 0.5).shape == (*shape[:3], 3)
+
+
+def test_no_query_heads_against_one_key_head():
+    """Grouped-query attention with no query heads: an empty output, with gradients."""
+    q = torch.randn(2, 0, 5, 8, requires_grad=True)
+    k = torch.randn(2, 1, 5, 8, requires_grad=True)
+    out = posenc.attention(q, k, k)
+    assert out.shape == (2, 0, 5, 8)
+    out.sum().backward()
+    assert k.grad.abs().sum() == 0
+
+
+def test_the_mask_is_saved_through_autograd():
+    """The mask goes through the saved-tensor hooks as SDPA's own node's does (activation
+    checkpointing and offloading see it)."""
+    q = torch.randn(1, 2, 6, 4, requires_grad=True)
+    mask = torch.randn(1, 2, 6, 6)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = sdpa._kernel(q, q, q, mask, 0.0, False, 0.5)
+    assert type(out.grad_fn).__name__ == "_CPUFlashBackward"
+    assert any(t is mask for t in packed)

@@ -114,6 +114,12 @@ def attend(
     return out, None if weights is None else weights.masked_fill(sees, float("nan"))
 
 
+def default_scale(d: int) -> float:
+    """``1 / sqrt(d)``; 1 for queries with no channels, whose scores are all 0 whatever the
+    scale (SDPA's answer: each query gets the mean of the values it sees)."""
+    return d**-0.5 if d else 1.0
+
+
 def _learned_mask(mask: Mask) -> bool:
     """A float ``attn_mask`` that asks for a gradient: the fast paths give it none, so the
     call takes the math path, which differentiates everything it adds."""
@@ -135,7 +141,7 @@ def _attend(
     scale: float | None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`attend` for inputs whose masked keys and values are finite."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     if need_weights or backend == "math" or _learned_mask(mask):
         out, weights = _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)
         return out, (weights if need_weights else None)
@@ -234,6 +240,8 @@ def _kernel_alone(name: str, call: Call, hooks: Hooks) -> bool:
     constant (``Call.constant_bias``, read once per call)."""
     if call.q.device.type != "cpu" or call.dropout_p > 0 or not plain_autograd():
         return False
+    if not (call.q.numel() and call.k.numel() and call.v.numel()):
+        return False  # SDPA answers empty inputs apart, with no second derivative
     if hooks.key_shift is not None or hooks.score_term is not None:
         return False
     if hooks.value_term is not None or hooks.contextual_term is not None:
@@ -610,7 +618,7 @@ def explain_call(
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         k, v = repeat_heads(q, k, v)
     hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     if backend != "math" and _learned_mask(mask):
         return Explanation("math", {backend: "a float attn_mask that requires grad"})
     call = Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme)

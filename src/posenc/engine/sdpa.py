@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import forward_ad
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from ..hooks import Hooks
 from .blocks import _by_blocks, _mask_blocks
@@ -117,6 +117,9 @@ def _kernel(
         and q.device.type == "cpu"
         and torch.is_grad_enabled()
         and (q.requires_grad or k.requires_grad or v.requires_grad)
+        and q.numel() > 0
+        and k.numel() > 0
+        and v.numel() > 0  # SDPA answers empty inputs apart
         and (attn_mask is None or not attn_mask.requires_grad)
         and plain_autograd()
         and torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale) == _FLASH
@@ -162,24 +165,24 @@ class _CPUFlash(torch.autograd.Function):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale
         )  # out [b, h, n_q, d_v], lse [b, h, n_q]
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.attn_mask, ctx.is_causal, ctx.scale = attn_mask, is_causal, scale
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+        ctx.is_causal, ctx.scale = is_causal, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, attn_mask = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: the math kernel, with a graph
             slots = [x.view_as(x) for x in (q, k, v)]  # one per argument: q is k is v too
-            with sdpa_kernel(SDPBackend.MATH):
-                ref = F.scaled_dot_product_attention(
-                    *slots, attn_mask=ctx.attn_mask, is_causal=ctx.is_causal, scale=ctx.scale
-                )
+            # the kernel itself: sdpa_kernel() would set the process's SDPA flags
+            ref, _ = torch.ops.aten._scaled_dot_product_attention_math(
+                *slots, attn_mask, 0.0, ctx.is_causal, scale=ctx.scale
+            )
             wrt = [x for x in slots if x.requires_grad]
             found = iter(torch.autograd.grad(ref, wrt, grad_out, create_graph=True))
             grads = [next(found) if x.requires_grad else None for x in slots]
         else:
             backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
             args = (grad_out, q, k, v, out, lse, 0.0, ctx.is_causal)
-            grads = list(backward(*args, attn_mask=ctx.attn_mask, scale=ctx.scale))
+            grads = list(backward(*args, attn_mask=attn_mask, scale=ctx.scale))
         return (*grads, None, None, None)
