@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from ._memo import memo
 from .absolute import inverse_frequencies
@@ -44,17 +45,40 @@ def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -
     """:func:`apply_rotary` with the tables of :func:`_expanded_tables` (``[..., n, r]``, in
     the dtype the rotation computes in): ``x_r * cos + swapped(x_r) * sin``, where
     ``swapped`` exchanges each pair's two channels; the products and their sum round as
-    ``x_i cos - x_j sin`` does."""
+    ``x_i cos - x_j sin`` does.
+
+    The half layout, where nothing records a graph or a tangent (:func:`_records`), adds
+    each half's product into the half of ``x_r * cos`` it lands on: no swapped copy (one
+    buffer and two passes over the channels fewer), the same values."""
     rot = cos.shape[-1]
     xr = x[..., :rot].to(torch.promote_types(x.dtype, cos.dtype))  # [b, h, n, r]
     if interleaved:
         swapped = xr.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)  # (2i, 2i+1) exchanged
-    else:
+        rotated = torch.addcmul(xr * cos, swapped, sin)
+    elif _records(xr, cos, sin):
         swapped = torch.cat((xr[..., rot // 2 :], xr[..., : rot // 2]), dim=-1)
-    rotated = torch.addcmul(xr * cos, swapped, sin).to(x.dtype)
+        rotated = torch.addcmul(xr * cos, swapped, sin)
+    else:
+        half = rot // 2
+        rotated = xr * cos  # [b, h, n, r]
+        rotated[..., :half].addcmul_(xr[..., half:], sin[..., :half])  # x_1 cos - x_2 sin
+        rotated[..., half:].addcmul_(xr[..., :half], sin[..., half:])  # x_2 cos + x_1 sin
+    rotated = rotated.to(x.dtype)
     if rot == x.shape[-1]:
         return rotated
     return torch.cat((rotated, x[..., rot:]), dim=-1)
+
+
+def _records(*xs: Tensor) -> bool:
+    """Whether an op on ``xs`` may record a graph or a tangent, or runs traced
+    (``torch.compile``, a ``torch.func`` transform): then the rotation takes out-of-place
+    ops alone (the halves written in place would put a copy of each into the graph)."""
+    return (
+        (torch.is_grad_enabled() and any(x.requires_grad for x in xs))
+        or forward_ad._current_level >= 0
+        or torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+    )
 
 
 def run_tables(
