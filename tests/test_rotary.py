@@ -520,34 +520,38 @@ def test_runs_of_positions_rotate_with_kept_tables_as_with_tables_of_the_call(
     torch.testing.assert_close(gk, gk_call, rtol=0, atol=4 * eps * float(grad.abs().max()))
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [None, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_without_a_graph_the_halves_are_written_in_place_with_the_same_values(
-    monkeypatch, rotary_dim, dtype
+def test_without_a_graph_the_pairs_are_written_in_place_with_the_same_values(
+    monkeypatch, interleaved, rotary_dim, dtype
 ):
-    """No gradient asked for: the half layout adds each half's product into ``x * cos`` in
-    place (no swapped copy: ``torch.cat`` runs only for a partial rotary_dim's pass-through
-    channels), bit for bit the values of the out-of-place form that a graph records; the
+    """No gradient asked for: each pair's products are added into ``x * cos`` in place (no
+    swapped copy: ``torch.cat`` runs only for a partial rotary_dim's pass-through channels,
+    no ``flip``), bit for bit the values of the out-of-place form that a graph records; the
     input is left as it was."""
     import posenc._rotary_runs as rotary_module
 
-    rotary = Rotary(8, rotary_dim=rotary_dim)
+    rotary = Rotary(8, rotary_dim=rotary_dim, interleaved=interleaved)
     torch.manual_seed(0)
     q = torch.randn(2, 3, 6, 8, dtype=dtype)
     pos = torch.arange(6)[None]
     (recorded,) = rotary.rotate(q.clone().requires_grad_(), q, pos, pos)[:1]
     kept = q.clone()
-    cats = []
-    original = torch.cat
+    copies = []
+    original_cat, original_flip = torch.cat, torch.Tensor.flip
     monkeypatch.setattr(
-        rotary_module.torch, "cat", lambda *a, **kw: cats.append(1) or original(*a, **kw)
+        rotary_module.torch, "cat", lambda *a, **kw: copies.append(1) or original_cat(*a, **kw)
+    )
+    monkeypatch.setattr(
+        torch.Tensor, "flip", lambda *a, **kw: copies.append(1) or original_flip(*a, **kw)
     )
     for context in (torch.no_grad, torch.inference_mode):
         with context():
             quiet, _ = rotary.rotate(q, q, pos, pos)
         assert torch.equal(quiet, recorded.detach())
     assert torch.equal(q, kept)
-    assert len(cats) == (0 if rotary_dim is None else 4)  # 2 calls x (q, k): pass-through only
+    assert len(copies) == (0 if rotary_dim is None else 4)  # 2 calls x (q, k): pass-through only
 
 
 def test_positions_that_are_no_run_or_a_scaling_take_the_tables_of_the_call(monkeypatch):

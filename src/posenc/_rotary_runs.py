@@ -47,22 +47,27 @@ def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -
     ``swapped`` exchanges each pair's two channels; the products and their sum round as
     ``x_i cos - x_j sin`` does.
 
-    The half layout, where nothing records a graph or a tangent (:func:`_records`), adds
-    each half's product into the half of ``x_r * cos`` it lands on: no swapped copy (one
+    Where nothing records a graph or a tangent (:func:`_records`), each pair's second
+    channel times its sin is added in place into the first's channel of ``x_r * cos`` and
+    the first's into the second's (halves, or even and odd channels): no swapped copy (one
     buffer and two passes over the channels fewer), the same values."""
     rot = cos.shape[-1]
     xr = x[..., :rot].to(torch.promote_types(x.dtype, cos.dtype))  # [b, h, n, r]
-    if interleaved:
-        swapped = xr.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)  # (2i, 2i+1) exchanged
+    if _records(xr, cos, sin):
+        if interleaved:  # (2i, 2i+1) exchanged
+            swapped = xr.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)
+        else:
+            swapped = torch.cat((xr[..., rot // 2 :], xr[..., : rot // 2]), dim=-1)
         rotated = torch.addcmul(xr * cos, swapped, sin)
-    elif _records(xr, cos, sin):
-        swapped = torch.cat((xr[..., rot // 2 :], xr[..., : rot // 2]), dim=-1)
-        rotated = torch.addcmul(xr * cos, swapped, sin)
-    else:
-        half = rot // 2
+    else:  # each pair's first and second channels: even and odd, or the two halves
+        first, second = (
+            (slice(0, rot, 2), slice(1, rot, 2))
+            if interleaved
+            else (slice(0, rot // 2), slice(rot // 2, rot))
+        )
         rotated = xr * cos  # [b, h, n, r]
-        rotated[..., :half].addcmul_(xr[..., half:], sin[..., :half])  # x_1 cos - x_2 sin
-        rotated[..., half:].addcmul_(xr[..., :half], sin[..., half:])  # x_2 cos + x_1 sin
+        rotated[..., first].addcmul_(xr[..., second], sin[..., first])  # x_1 cos - x_2 sin
+        rotated[..., second].addcmul_(xr[..., first], sin[..., second])  # x_2 cos + x_1 sin
     rotated = rotated.to(x.dtype)
     if rot == x.shape[-1]:
         return rotated
