@@ -520,23 +520,35 @@ def test_runs_of_positions_rotate_with_kept_tables_as_with_tables_of_the_call(
     torch.testing.assert_close(gk, gk_call, rtol=0, atol=4 * eps * float(grad.abs().max()))
 
 
+def _swapped_reference(rotary, x, n):
+    """The rotation in out-of-place ops (the swapped copy) with the kept tables."""
+    import posenc._rotary_runs as rotary_module
+
+    work = torch.promote_types(x.dtype, torch.float32)
+    r = rotary.rotary_dim
+    tables = rotary_module._run_tables(r, rotary.base, rotary.interleaved, 0, n, work, x.device)
+    cos, sin = tables.unbind(0)
+    out = rotary_module._swapped_sum(x[..., :r].to(work), cos, sin, rotary.interleaved)
+    return torch.cat((out.to(x.dtype), x[..., r:]), dim=-1)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [None, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_without_a_graph_the_pairs_are_written_in_place_with_the_same_values(
+def test_the_pairs_written_in_place_equal_the_swapped_copy(
     monkeypatch, interleaved, rotary_dim, dtype
 ):
-    """No gradient asked for: each pair's products are added into ``x * cos`` in place (no
-    swapped copy: ``torch.cat`` runs only for a partial rotary_dim's pass-through channels,
-    no ``flip``), bit for bit the values of the out-of-place form that a graph records; the
-    input is left as it was."""
+    """Without a graph, and with one (through the rotation's own autograd Function), each
+    pair's products are added into ``x * cos`` in place (no swapped copy: ``torch.cat``
+    runs only for a partial rotary_dim's pass-through channels, no ``flip``): bit for bit
+    the values of the out-of-place form; the input is left as it was."""
     import posenc._rotary_runs as rotary_module
 
     rotary = Rotary(8, rotary_dim=rotary_dim, interleaved=interleaved)
     torch.manual_seed(0)
     q = torch.randn(2, 3, 6, 8, dtype=dtype)
     pos = torch.arange(6)[None]
-    (recorded,) = rotary.rotate(q.clone().requires_grad_(), q, pos, pos)[:1]
+    expected = _swapped_reference(rotary, q, 6)
     kept = q.clone()
     copies = []
     original_cat, original_flip = torch.cat, torch.Tensor.flip
@@ -546,12 +558,37 @@ def test_without_a_graph_the_pairs_are_written_in_place_with_the_same_values(
     monkeypatch.setattr(
         torch.Tensor, "flip", lambda *a, **kw: copies.append(1) or original_flip(*a, **kw)
     )
-    for context in (torch.no_grad, torch.inference_mode):
+    for context in (torch.no_grad, torch.inference_mode, torch.enable_grad):
         with context():
-            quiet, _ = rotary.rotate(q, q, pos, pos)
-        assert torch.equal(quiet, recorded.detach())
+            leaf = q.clone().requires_grad_(context is torch.enable_grad)
+            found, _ = rotary.rotate(leaf, q, pos, pos)
+        assert torch.equal(found.detach(), expected)
     assert torch.equal(q, kept)
-    assert len(copies) == (0 if rotary_dim is None else 4)  # 2 calls x (q, k): pass-through only
+    assert len(copies) == (0 if rotary_dim is None else 6)  # 3 calls x (q, k): pass-through
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_the_rotations_backward_is_the_rotation_by_the_opposite_angles(interleaved):
+    """float64: the gradient through the rotation's autograd Function equals autograd's
+    through the swapped copy (to rounding: one fused multiply-add fewer), and it is
+    differentiable again (gradgradcheck)."""
+    import posenc._rotary_runs as rotary_module
+
+    rotary = Rotary(8, interleaved=interleaved)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 8, dtype=torch.float64, requires_grad=True)
+    pos = torch.arange(6)[None]
+    grad = torch.randn(2, 3, 6, 8, dtype=torch.float64)
+    out, _ = rotary.rotate(x, x, pos, pos)
+    assert type(out.grad_fn).__name__ == "_RotationBackward"
+    (found,) = torch.autograd.grad(out, x, grad)
+    (expected,) = torch.autograd.grad(_swapped_reference(rotary, x, 6), x, grad)
+    torch.testing.assert_close(found, expected, rtol=1e-15, atol=1e-15)
+    tables = rotary_module._run_tables(8, rotary.base, interleaved, 0, 6, torch.float64, x.device)
+    cos, sin = tables.unbind(0)
+    torch.autograd.gradgradcheck(
+        lambda y: rotary_module._Rotation.apply(y, cos, sin, interleaved), (x,)
+    )
 
 
 def test_positions_that_are_no_run_or_a_scaling_take_the_tables_of_the_call(monkeypatch):

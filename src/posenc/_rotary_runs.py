@@ -3,13 +3,16 @@
 :class:`~posenc.rotary.Rotary` rotates queries and keys whose positions are each one run
 of consecutive integers with cos and sin spread over the ``r`` rotated channels, the sin
 signed by the channel it lands on, built once per run (:func:`_run_tables`): the rotation
-is then a swap of each pair's channels, a product and an ``addcmul``
-(:func:`_apply_expanded`), where :func:`~posenc.rotary.apply_rotary` takes seven ops.
+is then a product and two ``addcmul_`` into it, or where it is traced a swap of each pair's
+channels, a product and an ``addcmul`` (:func:`_apply_expanded`), where
+:func:`~posenc.rotary.apply_rotary` takes seven ops.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n`` positions, ``r`` rotated channels.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,43 +50,76 @@ def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -
     ``swapped`` exchanges each pair's two channels; the products and their sum round as
     ``x_i cos - x_j sin`` does.
 
-    Where nothing records a graph or a tangent (:func:`_records`), each pair's second
-    channel times its sin is added in place into the first's channel of ``x_r * cos`` and
-    the first's into the second's (halves, or even and odd channels): no swapped copy (one
-    buffer and two passes over the channels fewer), the same values."""
+    Eager, with constant tables, the rotation writes each pair's products in place into
+    ``x_r * cos`` (:func:`_rotated`: no swapped copy, one buffer and two passes over the
+    channels fewer), through :class:`_Rotation` where a graph is recorded (its backward,
+    the rotation by the opposite angles, in one buffer too); otherwise (a tangent,
+    ``torch.compile``, a ``torch.func`` transform, tables that ask for a gradient) in
+    out-of-place ops."""
     rot = cos.shape[-1]
     xr = x[..., :rot].to(torch.promote_types(x.dtype, cos.dtype))  # [b, h, n, r]
-    if _records(xr, cos, sin):
-        if interleaved:  # (2i, 2i+1) exchanged
-            swapped = xr.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)
-        else:
-            swapped = torch.cat((xr[..., rot // 2 :], xr[..., : rot // 2]), dim=-1)
-        rotated = torch.addcmul(xr * cos, swapped, sin)
-    else:  # each pair's first and second channels: even and odd, or the two halves
-        first, second = (
-            (slice(0, rot, 2), slice(1, rot, 2))
-            if interleaved
-            else (slice(0, rot // 2), slice(rot // 2, rot))
-        )
-        rotated = xr * cos  # [b, h, n, r]
-        rotated[..., first].addcmul_(xr[..., second], sin[..., first])  # x_1 cos - x_2 sin
-        rotated[..., second].addcmul_(xr[..., first], sin[..., second])  # x_2 cos + x_1 sin
+    traced = (
+        forward_ad._current_level >= 0
+        or torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+    )
+    if traced or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
+        rotated = _swapped_sum(xr, cos, sin, interleaved)
+    elif torch.is_grad_enabled() and xr.requires_grad:
+        rotated = _Rotation.apply(xr, cos, sin, interleaved)
+    else:
+        rotated = _rotated(xr, cos, sin, interleaved)
     rotated = rotated.to(x.dtype)
     if rot == x.shape[-1]:
         return rotated
     return torch.cat((rotated, x[..., rot:]), dim=-1)
 
 
-def _records(*xs: Tensor) -> bool:
-    """Whether an op on ``xs`` may record a graph or a tangent, or runs traced
-    (``torch.compile``, a ``torch.func`` transform): then the rotation takes out-of-place
-    ops alone (the halves written in place would put a copy of each into the graph)."""
-    return (
-        (torch.is_grad_enabled() and any(x.requires_grad for x in xs))
-        or forward_ad._current_level >= 0
-        or torch.compiler.is_compiling()
-        or torch._C._are_functorch_transforms_active()
-    )
+def _swapped_sum(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """``x * cos + swapped(x) * sin`` in out-of-place ops: ``[..., r]``."""
+    rot = x.shape[-1]
+    if interleaved:  # (2i, 2i+1) exchanged
+        swapped = x.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)
+    else:
+        swapped = torch.cat((x[..., rot // 2 :], x[..., : rot // 2]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+def _rotated(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """:func:`_swapped_sum` in one buffer: each pair's second channel times its sin added
+    in place into the first's channel of ``x * cos``, and the first's into the second's
+    (even and odd channels, or the two halves): ``[..., r]``, the same values."""
+    rot = x.shape[-1]
+    if interleaved:
+        first, second = slice(0, rot, 2), slice(1, rot, 2)
+    else:
+        first, second = slice(0, rot // 2), slice(rot // 2, rot)
+    out = x * cos  # [b, h, n, r]
+    out[..., first].addcmul_(x[..., second], sin[..., first])  # x_1 cos - x_2 sin
+    out[..., second].addcmul_(x[..., first], sin[..., second])  # x_2 cos + x_1 sin
+    return out
+
+
+class _Rotation(torch.autograd.Function):
+    """The rotation by constant tables with a backward in one buffer: the gradient of a
+    rotation is the rotation of the gradient by the opposite angles (``cos``, ``-sin``),
+    written as :func:`_rotated` writes the forward; with ``create_graph=True`` in
+    out-of-place ops, so that it is differentiable again."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool
+    ) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _rotated(x, cos, sin, interleaved)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable form
+            return _swapped_sum(grad, cos, -sin, ctx.interleaved), None, None, None
+        return _rotated(grad, cos, -sin, ctx.interleaved), None, None, None
 
 
 def run_tables(
