@@ -570,8 +570,8 @@ def test_the_pairs_written_in_place_equal_the_swapped_copy(
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_the_rotations_backward_is_the_rotation_by_the_opposite_angles(interleaved):
     """float64: the gradient through the rotation's autograd Function equals autograd's
-    through the swapped copy (to rounding: one fused multiply-add fewer), and it is
-    differentiable again (gradgradcheck)."""
+    through the swapped copy (to rounding: one fused multiply-add more where the CPU's
+    addcmul fuses them), and it is differentiable again (gradgradcheck)."""
     import posenc._rotary_runs as rotary_module
 
     rotary = Rotary(8, interleaved=interleaved)
@@ -625,3 +625,19 @@ def test_vmap_over_positions_rotates_each_entry():
     out = torch.vmap(lambda p: rotary.rotate(q, q, p, p)[0])(pos)
     for i in range(3):
         torch.testing.assert_close(out[i], _per_call(rotary, q, pos[i]), rtol=1e-6, atol=1e-6)
+
+
+def test_jit_trace_records_the_out_of_place_rotation():
+    """``torch.jit.trace`` with gradients on (a module's parameters ask for them) records
+    the rotation in plain ops, so that the trace checks and saves, with the same values."""
+    import io
+    import warnings
+
+    torch.manual_seed(0)
+    model = MultiHeadAttention(32, 2, position=Rotary(16), backend="math").eval()
+    x = torch.randn(2, 7, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's own deprecation warnings
+        traced = torch.jit.trace(model, (x,))
+        torch.jit.save(traced, io.BytesIO())
+    torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)

@@ -47,20 +47,22 @@ def _run_tables(
 def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -> Tensor:
     """:func:`apply_rotary` with the tables of :func:`_expanded_tables` (``[..., n, r]``, in
     the dtype the rotation computes in): ``x_r * cos + swapped(x_r) * sin``, where
-    ``swapped`` exchanges each pair's two channels; the products and their sum round as
-    ``x_i cos - x_j sin`` does.
+    ``swapped`` exchanges each pair's two channels: ``x_i cos`` rounded, then ``x_j (-sin)``
+    added (``addcmul``: in one rounding where the CPU's kernel fuses the multiply-add, so
+    it may differ from :func:`apply_rotary`'s ``x_i cos - x_j sin`` by an ulp).
 
     Eager, with constant tables, the rotation writes each pair's products in place into
     ``x_r * cos`` (:func:`_rotated`: no swapped copy, one buffer and two passes over the
     channels fewer), through :class:`_Rotation` where a graph is recorded (its backward,
-    the rotation by the opposite angles, in one buffer too); otherwise (a tangent,
-    ``torch.compile``, a ``torch.func`` transform, tables that ask for a gradient) in
-    out-of-place ops."""
+    the rotation by the opposite angles, in one buffer too); otherwise (inside a
+    forward-AD dual level, ``torch.compile``, ``torch.jit.trace``, a ``torch.func``
+    transform, tables that ask for a gradient) in out-of-place ops."""
     rot = cos.shape[-1]
     xr = x[..., :rot].to(torch.promote_types(x.dtype, cos.dtype))  # [b, h, n, r]
     traced = (
         forward_ad._current_level >= 0
         or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
         or torch._C._are_functorch_transforms_active()
     )
     if traced or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
@@ -101,10 +103,11 @@ def _rotated(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
 
 
 class _Rotation(torch.autograd.Function):
-    """The rotation by constant tables with a backward in one buffer: the gradient of a
-    rotation is the rotation of the gradient by the opposite angles (``cos``, ``-sin``),
-    written as :func:`_rotated` writes the forward; with ``create_graph=True`` in
-    out-of-place ops, so that it is differentiable again."""
+    """The rotation by constant tables of :func:`_expanded_tables` (a pair's two channels
+    share their cos, their sins are opposite) with a backward in one buffer: the gradient
+    of a rotation is the rotation of the gradient by the opposite angles (``cos``,
+    ``-sin``), written as :func:`_rotated` writes the forward; with ``create_graph=True``
+    in out-of-place ops, so that it is differentiable again."""
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -89,11 +89,12 @@ _FLASH = int(SDPBackend.FLASH_ATTENTION)
 
 
 def plain_autograd() -> bool:
-    """Whether autograd records as in eager code: not inside ``torch.compile``, no
-    ``torch.func`` transform, no forward-mode AD level (:class:`_CPUFlash` has neither a
-    vmap rule nor a forward derivative)."""
+    """Whether autograd records as in eager code: not inside ``torch.compile`` or
+    ``torch.jit.trace``, no ``torch.func`` transform, no forward-mode AD level
+    (:class:`_CPUFlash` has neither a vmap rule nor a forward derivative)."""
     return not (
         torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
         or torch._C._are_functorch_transforms_active()
         or forward_ad._current_level >= 0
     )
