@@ -58,7 +58,10 @@ def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -
     forward-AD dual level, ``torch.compile``, ``torch.jit.trace``, a ``torch.func``
     transform, tables that ask for a gradient) in out-of-place ops."""
     rot = cos.shape[-1]
-    xr = x[..., :rot].to(torch.promote_types(x.dtype, cos.dtype))  # [b, h, n, r]
+    xr = x if rot == x.shape[-1] else x[..., :rot]  # [b, h, n, r]
+    wide = torch.promote_types(x.dtype, cos.dtype)
+    if xr.dtype != wide:
+        xr = xr.to(wide)
     traced = (
         forward_ad._current_level >= 0
         or torch.compiler.is_compiling()
@@ -71,7 +74,8 @@ def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -
         rotated = _Rotation.apply(xr, cos, sin, interleaved)
     else:
         rotated = _rotated(xr, cos, sin, interleaved)
-    rotated = rotated.to(x.dtype)
+    if rotated.dtype != x.dtype:
+        rotated = rotated.to(x.dtype)
     if rot == x.shape[-1]:
         return rotated
     return torch.cat((rotated, x[..., rot:]), dim=-1)
