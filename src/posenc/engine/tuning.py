@@ -56,7 +56,8 @@ OPS_FORWARD_SCORES = 3 << 19
 #: scores at most for which the materialised path runs op by op, in one buffer, a call
 #: with a score term that asks for no gradient and that SDPA's fused kernel could run (no
 #: mask but a causal one, two threads or more): at BERT-size the in-place forward takes
-#: 0.76-0.94x SDPA's time on one CPU, about 1.0x on another (docs/performance.md)
+#: 0.76-0.94x SDPA's time on one CPU, 1.00x (causal 0.96-1.04x) for a term on another
+#: (docs/performance.md)
 OPS_IN_PLACE_SCORES = 3 << 21
 #: the same for a bias alone (no score term): 0, SDPA with the bias as its float mask at
 #: every size, the route of the code it replaces, for a call the buffer would take (eager,
