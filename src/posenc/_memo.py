@@ -14,6 +14,7 @@ from typing import ParamSpec
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 P = ParamSpec("P")
 
@@ -27,6 +28,19 @@ def _plain() -> bool:
         or torch._C._len_torch_dispatch_stack() > 0
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._are_functorch_transforms_active()
+    )
+
+
+def plain_autograd() -> bool:
+    """Whether autograd records as in eager code: not inside ``torch.compile`` or
+    ``torch.jit.trace``, no ``torch.func`` transform, no forward-mode AD level (where
+    posenc's own autograd Functions, with neither a vmap rule nor a forward derivative,
+    may stand in for plain ops)."""
+    return not (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or torch._C._are_functorch_transforms_active()
+        or forward_ad._current_level >= 0
     )
 
 

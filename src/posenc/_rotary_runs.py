@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd import forward_ad
 
-from ._memo import memo
+from ._memo import memo, plain_autograd
 from .absolute import inverse_frequencies
 from .indices import run_start
 
@@ -62,13 +61,9 @@ def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -
     wide = torch.promote_types(x.dtype, cos.dtype)
     if xr.dtype != wide:
         xr = xr.to(wide)
-    traced = (
-        forward_ad._current_level >= 0
-        or torch.compiler.is_compiling()
-        or torch.jit.is_tracing()
-        or torch._C._are_functorch_transforms_active()
-    )
-    if traced or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
+    if not plain_autograd() or (
+        torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    ):
         rotated = _swapped_sum(xr, cos, sin, interleaved)
     elif torch.is_grad_enabled() and xr.requires_grad:
         rotated = _Rotation.apply(xr, cos, sin, interleaved)

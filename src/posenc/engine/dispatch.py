@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._memo import plain_autograd
 from ..hooks import Hooks, _defined_by, checked_hooks, hooks_of
 from .blocks import _by_blocks, _mask_blocks
 from .flex import _flex
@@ -38,7 +39,7 @@ from .plans import (
     _plan_offset_term,
 )
 from .reference import _math
-from .sdpa import _sdpa, plain_autograd
+from .sdpa import _sdpa
 
 BACKENDS = ("auto", "math", "sdpa", "flex", "lean")
 

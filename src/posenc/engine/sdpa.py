@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd import forward_ad
 from torch.nn.attention import SDPBackend
 
+from .._memo import plain_autograd
 from ..hooks import Hooks
 from .blocks import _by_blocks, _mask_blocks
 from .mask import Mask
@@ -86,18 +86,6 @@ def _sdpa(
 
 #: :func:`torch._fused_sdp_choice`'s answer for the fused (flash) kernel
 _FLASH = int(SDPBackend.FLASH_ATTENTION)
-
-
-def plain_autograd() -> bool:
-    """Whether autograd records as in eager code: not inside ``torch.compile`` or
-    ``torch.jit.trace``, no ``torch.func`` transform, no forward-mode AD level
-    (:class:`_CPUFlash` has neither a vmap rule nor a forward derivative)."""
-    return not (
-        torch.compiler.is_compiling()
-        or torch.jit.is_tracing()
-        or torch._C._are_functorch_transforms_active()
-        or forward_ad._current_level >= 0
-    )
 
 
 def _kernel(
