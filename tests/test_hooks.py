@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from posenc.engine import Mask, attend
-from posenc.hooks import HOOK_NAMES, Hooks, hooks_of
+from posenc.hooks import DERIVED_HOOKS, HOOK_NAMES, Hooks, hooks_of
 
 
 def run(backend, scheme, q, k, v, q_pos, k_pos, mask):
@@ -268,3 +268,81 @@ def test_a_hook_behind_a_descriptor_that_needs_an_instance_is_found():
             self.implementation = bias
 
     assert hooks_of(Scheme()).score_bias is bias
+
+
+def _hooks_by_definition(scheme):
+    """hooks_of written the slow obvious way: every hook name looked up on the instance,
+    each extra's owner found by walking the MRO's class dicts."""
+    found = {}
+    for name in Hooks.__dataclass_fields__:
+        fn = getattr(scheme, name, None)
+        if callable(fn):
+            found[name] = fn
+
+    def owner(name):
+        if name in vars(scheme):
+            return None
+        return next((c for c in type(scheme).__mro__ if name in vars(c)), None)
+
+    mro = type(scheme).__mro__
+    for extra, base in DERIVED_HOOKS.items():
+        if extra in found and base in found and owner(extra) is not None:
+            base_cls, extra_cls = owner(base), owner(extra)
+            if base_cls is None or mro.index(base_cls) < mro.index(extra_cls):
+                del found[extra]
+    return found
+
+
+def _named_hooks(hooks):
+    return {name: fn for name, fn in vars(hooks).items() if fn is not None}
+
+
+def _same(found, expected):
+    """The same hook names, each the same callable (a property that builds a new function
+    per lookup, such as Shaw's offset_value, compared by what it builds)."""
+    assert found.keys() == expected.keys()
+    for name, fn in found.items():
+        other = expected[name]
+        assert fn == other or fn.__qualname__ == other.__qualname__, name
+
+
+def test_hooks_of_finds_each_hook_and_owner_as_the_definition_does():
+    """One pass over the class dicts gives every scheme's hooks, and keeps or drops each
+    extra, as looking up every name and walking the MRO for each does."""
+    from posenc import ALiBi, RelativeQueryEmbedding
+    from schemes import SCHEMES
+
+    schemes = [entry.build(4, 8, 16, (4, 4)) for entry in SCHEMES.values()]
+
+    class Mixin:
+        def score_bias(self, q_pos, k_pos):
+            return 2 * super().score_bias(q_pos, k_pos)
+
+    class Mixed(Mixin, ALiBi):  # the mixin's score_bias comes first: ALiBi's extras go
+        pass
+
+    on_instance = ALiBi(4)  # a hook set on the instance: its class's extras go
+    on_instance.score_bias = lambda q_pos, k_pos: torch.zeros(
+        1, 4, q_pos.shape[-1], k_pos.shape[-1]
+    )
+    pair = ALiBi(4)  # a hook and its extra set on the instance together: both kept
+    pair.score_bias = on_instance.score_bias
+    pair.offset_bias = lambda q_pos, k_pos: None
+
+    class Submodule(nn.Module):
+        def forward(self, q, q_pos, k_pos):
+            return torch.zeros(q.shape[0], q.shape[1], q.shape[2], k_pos.shape[-1])
+
+    holder = RelativeQueryEmbedding(max_len=16, head_dim=8)
+    holder.value_term = Submodule()  # a submodule named as a hook: nn.Module's __getattr__
+
+    class NotAModule:
+        def score_bias(self, q_pos, k_pos):
+            return torch.zeros(1, 1, q_pos.shape[-1], k_pos.shape[-1])
+
+    for scheme in [*schemes, Mixed(4), on_instance, pair, holder, NotAModule()]:
+        _same(_named_hooks(hooks_of(scheme)), _hooks_by_definition(scheme))
+    assert "offset_bias" not in _named_hooks(hooks_of(Mixed(4)))
+    assert "offset_bias" not in _named_hooks(hooks_of(on_instance))
+    assert "offset_bias" in _named_hooks(hooks_of(pair))
+    assert _named_hooks(hooks_of(holder))["value_term"] is holder.value_term

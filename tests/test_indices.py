@@ -222,3 +222,33 @@ def test_grid_offset_index_is_key_minus_query_and_swins_index_reversed():
     assert torch.equal(index, rows - 1 - relative_position_index((height, width)))
     batch = grid_offset_index(tokens[None, :5].expand(2, -1), tokens[None].expand(2, -1), (3, 4))
     assert batch.shape == (2, 5, 12) and torch.equal(batch[1], index[:5])
+
+
+def test_gather_rows_without_a_gradient_records_no_graph_and_equals_the_graphs_values():
+    torch.manual_seed(0)
+    table = torch.randn(7, 4, requires_grad=True)  # [rows, h]
+    index = torch.randint(0, 7, (2, 5, 6))
+    with_graph = gather_rows(table, index)
+    with torch.no_grad():
+        without = gather_rows(table, index)
+    constant = gather_rows(table.detach(), index)  # grad mode, a table that asks for none
+    assert with_graph.grad_fn is not None
+    assert without.grad_fn is None and constant.grad_fn is None
+    expected = table.detach()[index].permute(0, 3, 1, 2)  # [B', n_q, n_k, h] -> [B', h, ..]
+    assert torch.equal(without, expected) and torch.equal(constant, expected)
+    assert torch.equal(with_graph.detach(), expected)
+
+
+def test_value_range_reads_the_smallest_and_largest_position():
+    from posenc.indices import run_positions, value_range
+
+    run = run_positions(3, 5)  # known as a run: not read
+    assert value_range(run) == (3, 7)
+    run.mul_(2)  # written into: read again
+    assert value_range(run) == (6, 14)
+    row = torch.tensor([[4, -2, 9, 0]])
+    assert value_range(row) == (-2, 9)
+    rows = torch.tensor([[4, 1], [7, -5]])  # per sequence: over every row
+    assert value_range(rows) == (-5, 7)
+    assert value_range(torch.tensor([5, 2, 8])) == (2, 8)  # one dimension
+    assert all(type(x) is int for x in value_range(rows))

@@ -39,6 +39,7 @@ from .indices import (
     select_rows,
     t5_bucket,
     toeplitz,
+    value_range,
     window_relative_index,
     window_size,
 )
@@ -64,11 +65,11 @@ def _check_heads(scheme: str, built: int, heads: int) -> None:
 
 
 def _check_range(name: str, pos: Tensor, stop: int, what: str) -> None:
-    if check._can_inspect(pos) and (int(pos.min()) < 0 or int(pos.max()) >= stop):
-        raise ValueError(
-            f"{name} must be in [0, {stop}) ({what}), got values from {int(pos.min())} to "
-            f"{int(pos.max())}"
-        )
+    if not check._can_inspect(pos):
+        return
+    low, high = value_range(pos)
+    if low < 0 or high >= stop:
+        raise ValueError(f"{name} must be in [0, {stop}) ({what}), got values from {low} to {high}")
 
 
 # ----- Swin ------------------------------------------------------------------------------------

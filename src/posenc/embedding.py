@@ -42,7 +42,7 @@ from .families import (
     relative_query_term_2d,
     table_logits,
 )
-from .indices import position_extremes, relative_to_absolute, select_rows
+from .indices import position_extremes, relative_to_absolute, select_rows, value_range
 
 __all__ = [
     "AbsoluteQueryEmbedding",
@@ -68,7 +68,7 @@ def _check_range(name: str, pos: Tensor, low: int, high: int, fix: str) -> Tenso
     clamped into the range so that a table lookup can never read out of bounds.
     """
     if check._can_inspect(pos):
-        lo, hi = int(pos.min()), int(pos.max())
+        lo, hi = value_range(pos)
         if lo < low or hi >= high:
             raise ValueError(
                 f"{name} must lie in [{low}, {high}), got values from {lo} to {hi}; {fix}"

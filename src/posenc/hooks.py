@@ -57,6 +57,7 @@ Masks are the attention's job, never a hook's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -245,30 +246,39 @@ def _defined_by(scheme: Any, name: str) -> type | None:
 #: every hook name, in the order of :class:`Hooks`'s fields
 _HOOK_NAMES = tuple(Hooks.__dataclass_fields__)
 _HOOK_SET = frozenset(_HOOK_NAMES)
+_NO_HOOKS = dict.fromkeys(_HOOK_NAMES)
 
 
-def _hook_candidates(scheme: Any) -> tuple[str, ...]:
-    """The hook names ``getattr`` may find on ``scheme``: those a class of its MRO defines
-    (read from the class dicts: a descriptor is not run without an instance), set on the
-    instance, or submodules of that name; every name for a class with its own attribute
-    lookup (``__getattr__`` other than ``nn.Module``'s, or ``__getattribute__``), which may
-    answer any, and inside ``torch.compile`` (as eager code saw it). A name missing from an
-    instance costs ``nn.Module.__getattr__`` an exception; these lookups are cheaper."""
+def _hook_owners(scheme: Any) -> dict[str, type | None] | None:
+    """Each hook name ``getattr`` may find on ``scheme``, with what :func:`_defined_by`
+    says of it (the class of its MRO that defines it, None: set on the instance or a
+    submodule of that name), in one pass over the class dicts as they are now (a
+    descriptor is not run without an instance; no cache to go stale). None for a class
+    with its own attribute lookup (``__getattr__`` other than ``nn.Module``'s, or
+    ``__getattribute__``), which may answer any name, and inside ``torch.compile`` (as
+    eager code saw it). A name missing from an instance costs ``nn.Module.__getattr__``
+    an exception; these lookups are cheaper."""
     cls = type(scheme)
     if torch.compiler.is_compiling():
-        return _HOOK_NAMES
+        return None
     if getattr(cls, "__getattr__", nn.Module.__getattr__) is not nn.Module.__getattr__:
-        return _HOOK_NAMES
+        return None
     if cls.__getattribute__ is not object.__getattribute__:
-        return _HOOK_NAMES
+        return None
+    owners: dict[str, type | None] = {}
+    for c in cls.__mro__:
+        if c is object:  # immutable, and defines no hook
+            continue
+        for name in _HOOK_SET & vars(c).keys():  # a set against a dict's keys: in C
+            owners.setdefault(name, c)
     own = getattr(scheme, "__dict__", {})
-    found = _HOOK_SET & own.keys()  # a set against a dict's keys: 17 lookups in C
+    for name in _HOOK_SET & own.keys():
+        owners[name] = None
     modules = own.get("_modules")
     if modules:
-        found |= _HOOK_SET & modules.keys()
-    for c in cls.__mro__:  # the class dicts as they are now: no cache to go stale
-        found |= _HOOK_SET & vars(c).keys()
-    return tuple(name for name in _HOOK_NAMES if name in found)
+        for name in _HOOK_SET & modules.keys():
+            owners.setdefault(name, None)
+    return owners
 
 
 def hooks_of(scheme: Any) -> Hooks:
@@ -280,12 +290,22 @@ def hooks_of(scheme: Any) -> Hooks:
     """
     if scheme is None:
         return Hooks()
-    found = {name: getattr(scheme, name, None) for name in _hook_candidates(scheme)}
-    hooks = {name: fn for name, fn in found.items() if callable(fn)}
+    owners = _hook_owners(scheme)
+    if owners is None:  # every name, each owner looked up
+        names = _HOOK_NAMES
+        owner = functools.partial(_defined_by, scheme)
+    else:
+        names = tuple(owners)
+        owner = owners.__getitem__
+    hooks = {}
+    for name in names:
+        fn = getattr(scheme, name, None)
+        if callable(fn):
+            hooks[name] = fn
     mro = type(scheme).__mro__
     for extra, base in DERIVED_HOOKS.items():
         if extra in hooks and base in hooks:
-            extra_cls, base_cls = _defined_by(scheme, extra), _defined_by(scheme, base)
+            extra_cls, base_cls = owner(extra), owner(base)
             if extra_cls is None:  # set on the instance with its hook: trust the pair
                 continue
             # the hook set on the instance, or found before the extra's class in the method
@@ -299,17 +319,19 @@ def _new_hooks(cls: type[Hooks], found: dict[str, Any]) -> Hooks:
     """``cls(**found)`` without the dataclass's ``__init__`` (once per attention call: the
     hooks are written into the instance's dict at once)."""
     hooks = object.__new__(cls)
-    hooks.__dict__.update(dict.fromkeys(_HOOK_NAMES), **found)
+    fields = hooks.__dict__
+    fields.update(_NO_HOOKS)
+    fields.update(found)
     return hooks
 
 
-def _batch(pos: Tensor, b: int) -> set[int]:
-    return {1, pos.shape[0], b}
+def _batch(pos: Tensor, b: int) -> tuple[int, int, int]:
+    return (1, pos.shape[0], b)
 
 
 #: for each hook whose result :func:`checked_hooks` checks, the shape it expects from the
 #: heads allowed, the batch, the value head dim and the hook's arguments: per dimension an
-#: int, a set of allowed ints, or None (any)
+#: int, a tuple of allowed ints, or None (any)
 _EXPECTED: dict[str, Callable[..., tuple[Any, ...]]] = {
     "score_bias": lambda heads, b, d_v, qp, kp: (_batch(qp, b), heads, qp.shape[-1], kp.shape[-1]),
     "kept_score_bias": lambda heads, b, d_v, qp, kp: (
@@ -319,26 +341,26 @@ _EXPECTED: dict[str, Callable[..., tuple[Any, ...]]] = {
         kp.shape[-1],
     ),
     "score_term": lambda heads, b, d_v, q, qp, kp: (
-        {1, q.shape[0]},
+        (1, q.shape[0]),
         heads,
         q.shape[2],
         kp.shape[-1],
     ),
     "reference_score_term": lambda heads, b, d_v, q, qp, kp: (
-        {1, q.shape[0]},
+        (1, q.shape[0]),
         heads,
         q.shape[2],
         kp.shape[-1],
     ),
-    "value_term": lambda heads, b, d_v, w, qp, kp: ({1, w.shape[0]}, heads, w.shape[2], d_v),
+    "value_term": lambda heads, b, d_v, w, qp, kp: ((1, w.shape[0]), heads, w.shape[2], d_v),
     "reference_value_term": lambda heads, b, d_v, w, qp, kp: (
-        {1, w.shape[0]},
+        (1, w.shape[0]),
         heads,
         w.shape[2],
         d_v,
     ),
     "contextual_term": lambda heads, b, d_v, z, q, qp, kp: (
-        {1, q.shape[0]},
+        (1, q.shape[0]),
         heads,
         q.shape[2],
         z.shape[-1],
@@ -351,7 +373,19 @@ def _said(a: Any) -> str:
     """An expected dimension as a message says it."""
     if a is None:
         return "any"
-    return " or ".join(map(str, sorted(a))) if isinstance(a, set) else str(a)
+    return " or ".join(map(str, sorted(set(a)))) if isinstance(a, tuple) else str(a)
+
+
+def _fits(shape: torch.Size, allowed: tuple[Any, ...]) -> bool:
+    """Whether ``shape`` has the dimensions ``allowed`` (see :data:`_EXPECTED`)."""
+    if len(shape) != len(allowed):
+        return False
+    for size, a in zip(shape, allowed, strict=True):
+        if a is None:
+            continue
+        if size not in a if type(a) is tuple else size != a:
+            return False
+    return True
 
 
 def _shape_check(scheme: Any, name: str, fn: Callable[..., Any], b: int, h: int, d_v: int):
@@ -359,22 +393,19 @@ def _shape_check(scheme: Any, name: str, fn: Callable[..., Any], b: int, h: int,
     attention of ``b`` sequences, ``h`` heads and value head dim ``d_v``. ``None`` results
     (an extra declining) pass."""
     expect = _EXPECTED[name]
+    heads = (1, h)
 
     def checked(*args: Any) -> Any:
         out = fn(*args)
         if out is None or not isinstance(out, Tensor):
             return out
-        allowed = expect({1, h}, b, d_v, *args)
-        shape = tuple(out.shape)
-        if len(shape) != len(allowed) or any(
-            a is not None and (s not in a if isinstance(a, set) else s != a)
-            for s, a in zip(shape, allowed, strict=False)
-        ):
+        allowed = expect(heads, b, d_v, *args)
+        if not _fits(out.shape, allowed):
             raise ValueError(
-                f"position={type(scheme).__name__}: its {name} hook returned shape {shape}, "
-                f"expected [{', '.join(map(_said, allowed))}] for the positions it was given "
-                f"(heads: 1, shared, or this attention's {h}); build the scheme for "
-                f"heads={h}"
+                f"position={type(scheme).__name__}: its {name} hook returned shape "
+                f"{tuple(out.shape)}, expected [{', '.join(map(_said, allowed))}] for the "
+                f"positions it was given (heads: 1, shared, or this attention's {h}); build "
+                f"the scheme for heads={h}"
             )
         return out
 
@@ -393,9 +424,11 @@ def checked_hooks(hooks: Hooks, scheme: Any, b: int, h: int, d_v: int) -> Hooks:
     if torch.compiler.is_compiling():
         return hooks
     own = vars(hooks)
-    found = {
-        name: _shape_check(scheme, name, own[name], b, h, d_v)
-        for name in _EXPECTED
-        if own[name] is not None
-    }
-    return _new_hooks(type(hooks), {**own, **found}) if found else hooks
+    found = None
+    for name in _EXPECTED:
+        fn = own[name]
+        if fn is not None:
+            if found is None:
+                found = dict(own)
+            found[name] = _shape_check(scheme, name, fn, b, h, d_v)
+    return hooks if found is None else _new_hooks(type(hooks), found)

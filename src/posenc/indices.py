@@ -84,12 +84,7 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx: Any, table: Tensor, index: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(index)
         ctx.rows = table.shape[0]
-        # each head's column made contiguous once ([rows, h] is small), then one
-        # index_select along it: about half the time of advanced indexing of table.t()
-        columns = table.t().contiguous()  # [h, rows]
-        rows = index.flatten().to(table.device)  # [B' * n_q * n_k] (positions on the host)
-        out = columns.index_select(1, rows)  # [h, B' * n_q * n_k]
-        return out.view(table.shape[1], *index.shape).transpose(0, 1)  # [h, B', ..] -> [B', h, ..]
+        return _gathered(table, index)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
@@ -98,6 +93,16 @@ class _GatherRows(torch.autograd.Function):
         flat = grad.transpose(0, 1).reshape(heads, -1)  # [h, B' * n_q * n_k]
         table_grad = grad.new_zeros(heads, ctx.rows).index_add_(1, index.flatten(), flat)
         return table_grad.t(), None  # [rows, h]
+
+
+def _gathered(table: Tensor, index: Tensor) -> Tensor:
+    """:class:`_GatherRows`'s forward: ``[B', h, n_q, n_k]``."""
+    # each head's column made contiguous once ([rows, h] is small), then one
+    # index_select along it: about half the time of advanced indexing of table.t()
+    columns = table.t().contiguous()  # [h, rows]
+    rows = index.flatten().to(table.device)  # [B' * n_q * n_k] (positions on the host)
+    out = columns.index_select(1, rows)  # [h, B' * n_q * n_k]
+    return out.view(table.shape[1], *index.shape).transpose(0, 1)  # [h, B', ..] -> [B', h, ..]
 
 
 def gather_rows(table: Tensor, index: Tensor) -> Tensor:
@@ -115,7 +120,9 @@ def gather_rows(table: Tensor, index: Tensor) -> Tensor:
     Returns:
         ``[B', h, n_q, n_k]``.
     """
-    return _GatherRows.apply(table, index)
+    if torch.is_grad_enabled() and table.requires_grad:
+        return _GatherRows.apply(table, index)
+    return _gathered(table, index)  # no graph to record: the forward alone
 
 
 def select_rows(table: Tensor, index: Tensor) -> Tensor:
@@ -284,6 +291,18 @@ def position_extremes(pos: Tensor) -> tuple[Tensor, Tensor] | tuple[int, int]:
     return pos.amin(-1), pos.amax(-1)
 
 
+def value_range(pos: Tensor) -> tuple[int, int]:
+    """``(min, max)`` over every position of a non-empty ``pos`` as ints: known without
+    reading for positions :func:`run_positions` built, one NumPy read of a CPU row
+    ``[1, n]``, else two reductions (:func:`position_extremes`)."""
+    if pos.ndim != 2:
+        return int(pos.min()), int(pos.max())
+    low, high = position_extremes(pos)
+    if isinstance(low, Tensor):
+        return int(low.min()), int(high.max())  # type: ignore[union-attr]
+    return low, high  # type: ignore[return-value]
+
+
 def host_row(pos: Tensor) -> np.ndarray | None:
     """Row 0 of an integer CPU tensor ``[1, n]`` as a NumPy view (no copy), or None where
     NumPy cannot view it (a tensor subclass, a functorch wrapper). NumPy reads a short row
@@ -318,13 +337,8 @@ def is_whole_map(q_pos: Tensor, k_pos: Tensor, cells: int) -> bool:
     shapes = q_pos.shape == (1, cells) and k_pos.shape == (1, cells)
     if not shapes:
         return False
-    # both runs of `cells` consecutive integers, and the keys' first offset from the last
-    # query -(cells - 1): the keys start where the queries do; then the queries' start
-    first = offset_run(q_pos, k_pos)
-    if first != 1 - cells:
-        return False
-    row = host_row(q_pos)
-    return (int(row[0]) if row is not None else int(q_pos[0, 0])) == 0
+    # both runs of `cells` consecutive integers from 0
+    return run_start(q_pos) == 0 and (k_pos is q_pos or run_start(k_pos) == 0)
 
 
 #: the most cells of a map whose pairs' rows :func:`whole_map_offset_index` keeps between

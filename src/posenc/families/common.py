@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate as check
+from ..indices import value_range
 
 __all__ = [
     "check_cells",
@@ -119,10 +120,13 @@ def check_cells(size: tuple[int, int], q_pos: Tensor, k_pos: Tensor) -> None:
     """Raise unless both are token indices of a row-major ``H x W`` map, ``[0, H*W)``."""
     cells = math.prod(size)
     for name, pos in (("q_pos", q_pos), ("k_pos", k_pos))[: 1 if k_pos is q_pos else 2]:
-        if check._can_inspect(pos) and (int(pos.min()) < 0 or int(pos.max()) >= cells):
+        if not check._can_inspect(pos):
+            continue
+        low, high = value_range(pos)
+        if low < 0 or high >= cells:
             raise ValueError(
                 f"{name} must be in [0, {cells}) (row-major token indices of a {size[0]}x"
-                f"{size[1]} map), got values from {int(pos.min())} to {int(pos.max())}"
+                f"{size[1]} map), got values from {low} to {high}"
             )
 
 
