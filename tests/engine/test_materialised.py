@@ -289,7 +289,8 @@ def test_a_call_without_gradients_runs_op_by_op_up_to_its_in_place_limit(
 def test_by_default_a_bias_alone_without_gradients_runs_sdpa_and_a_term_op_by_op(monkeypatch):
     """The defaults: SDPA with a bias alone as its float mask (the route of the code posenc
     replaces), a score term in one buffer op by op; with gradients a constant bias runs op
-    by op up to OPS_FORWARD_SCORES."""
+    by op up to OPS_FORWARD_SCORES where the weights its graph keeps are no larger than the
+    values (n_q <= d_v), SDPA's fused route, which keeps none, beyond."""
     calls = _spy_kernels(monkeypatch)
     q = torch.randn(2, 2, 16, 8)
     for scheme, kernel in (
@@ -301,9 +302,12 @@ def test_by_default_a_bias_alone_without_gradients_runs_sdpa_and_a_term_op_by_op
         with torch.no_grad():
             posenc.attention(q, q, q, position=scheme)
         assert calls == [kernel], type(scheme).__name__
-    calls.clear()
-    posenc.attention(q.clone().requires_grad_(), q, q, position=posenc.ALiBi(2)).sum().backward()
-    assert calls == ["ops"]
+    for n, kernel in ((8, "ops"), (9, "sdpa"), (16, "sdpa")):  # 8 channels per value
+        calls.clear()
+        x = torch.randn(2, 2, n, 8, requires_grad=True)
+        posenc.attention(x, x, x, position=posenc.ALiBi(2)).sum().backward()
+        assert calls == [kernel], n
+        assert x.grad is not None
 
 
 def test_the_math_path_zeroes_a_query_that_sees_no_key_under_a_causal_mask():
@@ -528,6 +532,7 @@ def test_a_constant_bias_with_gradients_takes_sdpas_fused_kernel(monkeypatch, bu
         assert calls == ["ops"], learned
     if not kwargs:  # small enough on CPU: the constant bias op by op too, the same values
         monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 2 * 2 * 12 * 12)
+        monkeypatch.setattr(tuning, "OPS_GRAD_WEIGHTS_PER_VALUE", 2)  # 12 queries, 8 channels
         firsts = {}
         for backend in ("math", "auto"):
             calls.clear()
@@ -657,3 +662,23 @@ def test_the_thread_count_is_read_once_per_call(monkeypatch):
         grads[backend] = [out, dq, *(t.grad for t in leaves)]
     for a, c in zip(grads["math"], grads["auto"], strict=True):
         torch.testing.assert_close(c, a, rtol=1e-10, atol=1e-10)
+
+
+def test_a_constant_bias_with_gradients_is_computed_once_per_call(monkeypatch):
+    """SDPA's route with gradients asks the scheme for its bias once: the check that it is
+    constant and the float mask read the same tensor."""
+    kept = posenc.ALiBi.kept_score_bias
+    asked = []
+
+    def counted(self, q_pos, k_pos):
+        asked.append(1)
+        return kept(self, q_pos, k_pos)
+
+    monkeypatch.setattr(posenc.ALiBi, "kept_score_bias", counted)
+    calls = _spy_kernels(monkeypatch)
+    x = torch.randn(2, 2, 16, 8, requires_grad=True)  # 16 queries > 8 channels: SDPA's route
+    out = posenc.attention(x, x, x, position=posenc.ALiBi(2))
+    assert calls == ["sdpa"] and len(asked) == 1
+    out.sum().backward()
+    reference = posenc.attention(x.detach(), x.detach(), x.detach(), position=posenc.ALiBi(2))
+    torch.testing.assert_close(out.detach(), reference, rtol=0, atol=1e-6)

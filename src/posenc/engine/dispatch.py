@@ -29,7 +29,6 @@ from .plans import (
     Call,
     Path,
     Plan,
-    _op_by_op,
     _plan_grid_bias,
     _plan_grid_term,
     _plan_lean,
@@ -219,8 +218,7 @@ def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
         return True
     if name not in ("materialised", "sdpa"):
         return False
-    b, h, n_q, _ = call.q.shape
-    if name == "sdpa" or not _op_by_op(call, b * h * n_q * call.k.shape[2]):
+    if name == "sdpa" or not call.op_by_op:
         return _kernel_alone(name, call, hooks)
     scheme = call.scheme
     for fast, other in _TWO_FORMS:

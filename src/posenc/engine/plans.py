@@ -83,6 +83,19 @@ class Call:
         return _constant_bias(self)
 
     @functools.cached_property
+    def dense_bias(self) -> Tensor:
+        """The scheme's bias for these positions, ``[B', h or 1, n_q, n_k]`` (read once per
+        call: :func:`~.reference._dense_bias`; only with a ``score_bias``)."""
+        return _dense_bias(self.hooks, self.q_pos, self.k_pos)
+
+    @functools.cached_property
+    def op_by_op(self) -> bool:
+        """Whether the materialised path runs the call op by op (:func:`_op_by_op`, read
+        once per call: the path's plan and the dispatcher's check of its graph ask)."""
+        b, h, n_q, _ = self.q.shape
+        return _op_by_op(self, b * h * n_q * self.k.shape[2])
+
+    @functools.cached_property
     def threads(self) -> int:
         """The threads torch's CPU kernels run on, read once per call (the path's choice
         and the dispatcher's check of its graph must see the same count)."""
@@ -279,9 +292,13 @@ def _ops_forward(call: Call, scores: int) -> bool:
     :data:`tuning.OPS_FORWARD_SCORES` otherwise (a constant bias with gradients for
     ``q, k, v``: its graph keeps the weights, which SDPA's does not). A bias alone in one
     buffer: at most :data:`tuning.OPS_IN_PLACE_BIAS_SCORES` (0: SDPA with it as the float
-    mask, the route of the code posenc replaces, whose time no CPU's GEMMs can worsen)."""
+    mask, the route of the code posenc replaces, whose time no CPU's GEMMs can worsen).
+    With gradients, not where the weights its graph keeps outweigh the values
+    (:func:`_weights_outweigh_values`): SDPA's route holds less memory there."""
     if not _in_place(call):
         limit = tuning.OPS_FORWARD_SCORES
+        if call.grad and _weights_outweigh_values(call):
+            return False
     elif call.hooks.score_term is None:
         limit = tuning.OPS_IN_PLACE_BIAS_SCORES
     else:
@@ -292,6 +309,13 @@ def _ops_forward(call: Call, scores: int) -> bool:
         and call.mask.causal_at_most
         and call.threads >= tuning.OPS_FORWARD_THREADS
     )
+
+
+def _weights_outweigh_values(call: Call) -> bool:
+    """Whether the ``[b, h, n_q, n_k]`` weights that the op-by-op graph keeps for its
+    backward are more than :data:`tuning.OPS_GRAD_WEIGHTS_PER_VALUE` times the values
+    ``[b, h, n_k, d_v]``: where SDPA's fused route, which keeps none, holds less memory."""
+    return call.q.shape[2] > tuning.OPS_GRAD_WEIGHTS_PER_VALUE * call.v.shape[3]
 
 
 def _in_place(call: Call) -> bool:
@@ -327,7 +351,7 @@ def _constant_bias(call: Call) -> bool:
         return False
     if call.scheme_params:
         return False
-    return not _dense_bias(hooks, call.q_pos, call.k_pos).requires_grad
+    return not call.dense_bias.requires_grad
 
 
 def _op_by_op(call: Call, scores: int) -> bool:
@@ -365,7 +389,9 @@ def _plan_materialised(call: Call) -> Plan:
       gradient asked for, in one buffer (:func:`~.reference._forward_in_place`; a bias
       alone at most :data:`tuning.OPS_IN_PLACE_BIAS_SCORES`), at most
       :data:`tuning.OPS_FORWARD_SCORES` otherwise: there SDPA's fused kernel costs more
-      than the separate ones;
+      than the separate ones (with gradients, only where the weights the graph keeps are
+      at most :data:`tuning.OPS_GRAD_WEIGHTS_PER_VALUE` times the values: beyond, SDPA's
+      route holds less memory);
     - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call,
       whose backward keeps no ``[b, h, n_q, n_k]`` weights (:func:`_op_by_op`).
 
@@ -433,7 +459,7 @@ def _plan_materialised(call: Call) -> Plan:
             f"MATERIALISED_CAUSAL_PAIRS = {tuning.MATERIALISED_CAUSAL_PAIRS}: the lean paths "
             "skip the hidden pairs, which SDPA with a float mask computes"
         )
-    if _op_by_op(call, scores):
+    if call.op_by_op:
         if _in_place(call):
             return lambda: _forward_in_place(
                 call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
@@ -445,5 +471,5 @@ def _plan_materialised(call: Call) -> Plan:
         )[0]  # fmt: skip
     return lambda: _sdpa(
         call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
-        call.dropout_p,
+        call.dropout_p, bias=None if hooks.score_bias is None else call.dense_bias,
     )  # fmt: skip

@@ -42,15 +42,18 @@ def _fold_scores(
     reference: bool,
     mask: Mask | None = None,
     rows: slice | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor | None:
     """``score_term * scale + score_bias`` plus the float ``attn_mask`` of ``mask`` for query
-    ``rows`` (None when nothing is added)."""
+    ``rows`` (None when nothing is added; ``bias``: the scheme's bias for these positions
+    where the caller has it)."""
     extra: Tensor | None = None
     term = (hooks.reference_score_term if reference else None) or hooks.score_term
     if term is not None:
         extra = term(q, q_pos, k_pos) * scale  # [b, h, n_q, n_k]
     if hooks.score_bias is not None:
-        bias = _dense_bias(hooks, q_pos, k_pos)  # [B', h or 1, n_q, n_k], read only
+        if bias is None:
+            bias = _dense_bias(hooks, q_pos, k_pos)  # [B', h or 1, n_q, n_k], read only
         extra = bias if extra is None else extra + bias
     added = None if mask is None else mask.added(rows)  # [b|1, h|1, rows|1, n_k|1]
     if added is not None:  # at least the scores' width, and the mask's own if wider

@@ -40,9 +40,11 @@ def _sdpa(
     dropout_p: float,
     *,
     blocks: bool = True,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """SDPA with the hooks' terms and the mask in its ``attn_mask`` (``blocks``: a mask that
-    runs in blocks, :func:`_mask_blocks`, does; False for a block itself)."""
+    runs in blocks, :func:`_mask_blocks`, does; False for a block itself; ``bias``: the
+    scheme's bias for these positions where the caller has it)."""
     if hooks.value_term is not None:
         raise ValueError(
             "backend='sdpa' cannot add a value term (Shaw's a^V needs the attention weights); "
@@ -51,7 +53,7 @@ def _sdpa(
     if hooks.contextual_term is not None:  # the logits once more, and the term read from them
         extra = _contextual_extra(hooks, q, k, q_pos, k_pos, mask, scale)
     else:
-        extra = _fold_scores(hooks, q, q_pos, k_pos, scale, reference=False, mask=mask)
+        extra = _fold_scores(hooks, q, q_pos, k_pos, scale, reference=False, mask=mask, bias=bias)
     if extra is None and dropout_p == 0 and blocks:
         pieces = _mask_blocks(mask, q, cut=False)
         if pieces is not None:  # padding at the ends, documents, a window: no [n_q, n_k] mask
