@@ -346,3 +346,42 @@ def test_hooks_of_finds_each_hook_and_owner_as_the_definition_does():
     assert "offset_bias" not in _named_hooks(hooks_of(on_instance))
     assert "offset_bias" in _named_hooks(hooks_of(pair))
     assert _named_hooks(hooks_of(holder))["value_term"] is holder.value_term
+
+
+def test_hooks_of_answers_the_same_when_a_lookup_writes_into_the_instance():
+    """A hook or an extra exposed through functools.cached_property writes itself into the
+    instance on its first lookup: whose it is is read after the lookups, so the first call
+    keeps or drops the extra as every later call does."""
+    import functools
+
+    class Parent(nn.Module):
+        def score_bias(self, q_pos, k_pos):
+            return torch.zeros(1, 1, q_pos.shape[-1], k_pos.shape[-1])
+
+        @functools.cached_property
+        def offset_bias(self):
+            return lambda q_pos, k_pos: torch.zeros(1, q_pos.shape[-1] + k_pos.shape[-1] - 1)
+
+    class Steeper(Parent):
+        def score_bias(self, q_pos, k_pos):
+            return -(k_pos[:, None, None, :] - q_pos[:, None, :, None]).abs().float()
+
+    class CachedHook(nn.Module):
+        @functools.cached_property
+        def score_bias(self):
+            return lambda q_pos, k_pos: torch.zeros(1, 1, q_pos.shape[-1], k_pos.shape[-1])
+
+        def offset_bias(self, q_pos, k_pos):
+            return torch.zeros(1, q_pos.shape[-1] + k_pos.shape[-1] - 1)
+
+    for scheme in (Steeper(), CachedHook()):
+        kept = [hooks_of(scheme).offset_bias is not None for _ in range(3)]
+        assert kept == [kept[-1]] * 3, type(scheme).__name__
+        _same(_named_hooks(hooks_of(scheme)), _hooks_by_definition(scheme))
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 6, 8).unbind(0)
+    scheme = Steeper()
+    first, second = (
+        run("lean", scheme, q, k, v, *[torch.arange(6)[None]] * 2, Mask(6, 6)) for _ in range(2)
+    )
+    assert torch.equal(first, second)

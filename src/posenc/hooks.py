@@ -250,14 +250,14 @@ _NO_HOOKS = dict.fromkeys(_HOOK_NAMES)
 
 
 def _hook_owners(scheme: Any) -> dict[str, type | None] | None:
-    """Each hook name ``getattr`` may find on ``scheme``, with what :func:`_defined_by`
-    says of it (the class of its MRO that defines it, None: set on the instance or a
-    submodule of that name), in one pass over the class dicts as they are now (a
-    descriptor is not run without an instance; no cache to go stale). None for a class
-    with its own attribute lookup (``__getattr__`` other than ``nn.Module``'s, or
-    ``__getattribute__``), which may answer any name, and inside ``torch.compile`` (as
-    eager code saw it). A name missing from an instance costs ``nn.Module.__getattr__``
-    an exception; these lookups are cheaper."""
+    """Each hook name ``getattr`` may find on ``scheme``, with the first class of its MRO
+    whose dict holds it (None: none does; the name is set on the instance or is a
+    submodule's), in one pass over the class dicts as they are now (a descriptor is not
+    run without an instance; no cache to go stale). None for a class with its own
+    attribute lookup (``__getattr__`` other than ``nn.Module``'s, or ``__getattribute__``),
+    which may answer any name, and inside ``torch.compile`` (as eager code saw it). A name
+    missing from an instance costs ``nn.Module.__getattr__`` an exception; these lookups
+    are cheaper."""
     cls = type(scheme)
     if torch.compiler.is_compiling():
         return None
@@ -273,7 +273,7 @@ def _hook_owners(scheme: Any) -> dict[str, type | None] | None:
             owners.setdefault(name, c)
     own = getattr(scheme, "__dict__", {})
     for name in _HOOK_SET & own.keys():
-        owners[name] = None
+        owners.setdefault(name, None)
     modules = own.get("_modules")
     if modules:
         for name in _HOOK_SET & modules.keys():
@@ -291,17 +291,19 @@ def hooks_of(scheme: Any) -> Hooks:
     if scheme is None:
         return Hooks()
     owners = _hook_owners(scheme)
-    if owners is None:  # every name, each owner looked up
-        names = _HOOK_NAMES
-        owner = functools.partial(_defined_by, scheme)
-    else:
-        names = tuple(owners)
-        owner = owners.__getitem__
+    names = _HOOK_NAMES if owners is None else tuple(owners)
     hooks = {}
     for name in names:
         fn = getattr(scheme, name, None)
         if callable(fn):
             hooks[name] = fn
+    # whose each hook is, as :func:`_defined_by` says after the lookups (a lookup may write
+    # into the instance: a ``functools.cached_property``)
+    own = getattr(scheme, "__dict__", {})
+    if owners is None:
+        owner = functools.partial(_defined_by, scheme)
+    else:
+        owner = lambda name: None if name in own else owners[name]  # noqa: E731
     mro = type(scheme).__mro__
     for extra, base in DERIVED_HOOKS.items():
         if extra in hooks and base in hooks:

@@ -188,10 +188,12 @@ def grid_offset_index(q_pos: Tensor, k_pos: Tensor, size: tuple[int, int]) -> Te
 
 def run_positions(start: int, n: int, device: torch.device | str | None = None) -> Tensor:
     """The positions ``start .. start + n - 1`` of one sequence, ``[1, n]`` int64, marked as
-    a run: :func:`offset_run` then knows them without reading them, until an in-place op
+    a run: :func:`offset_run`, :func:`position_extremes` and :func:`value_range` (the
+    schemes' range checks) then know them without reading them, until an in-place op
     writes into them (their version counter moves). For the default positions that
     posenc builds and hands to the hooks only (a write that bypasses the version counter,
-    through ``.data`` or a NumPy view, would not be seen).
+    through ``.data`` or a NumPy view, would not be seen: neither by the runs nor by the
+    range checks).
 
     Args:
         start: the first position.
@@ -293,14 +295,13 @@ def position_extremes(pos: Tensor) -> tuple[Tensor, Tensor] | tuple[int, int]:
 
 def value_range(pos: Tensor) -> tuple[int, int]:
     """``(min, max)`` over every position of a non-empty ``pos`` as ints: known without
-    reading for positions :func:`run_positions` built, one NumPy read of a CPU row
-    ``[1, n]``, else two reductions (:func:`position_extremes`)."""
-    if pos.ndim != 2:
-        return int(pos.min()), int(pos.max())
-    low, high = position_extremes(pos)
-    if isinstance(low, Tensor):
-        return int(low.min()), int(high.max())  # type: ignore[union-attr]
-    return low, high  # type: ignore[return-value]
+    reading them for positions :func:`run_positions` built (and nothing has written into
+    since, as the version counter sees it), else one ``aminmax``."""
+    known = _known_run(pos) if pos.ndim == 2 and pos.shape[0] == 1 else None
+    if known is not None:
+        return known
+    low, high = torch.aminmax(pos)
+    return int(low), int(high)
 
 
 def host_row(pos: Tensor) -> np.ndarray | None:

@@ -337,3 +337,19 @@ def test_substituted_hooks_read_the_stand_in_and_drop_flex_mods():
     alibi_hooks = hooks_of(ALiBi(2))
     assert alibi_hooks.flex_score_mod is not None
     assert substituted(alibi_hooks, [], []).flex_score_mod is None
+
+
+def test_the_probe_does_not_report_the_queries_themselves():
+    """A user's constant bias reads no tensor requiring grad: the probe finds none, for
+    leaf queries and for queries with a history (slicing q inside the probe's mode used to
+    report q itself, and a non-leaf q as a history)."""
+
+    class Constant(nn.Module):
+        def score_bias(self, q_pos, k_pos):
+            return -(k_pos[:, None, None, :] - q_pos[:, None, :, None]).abs().float()
+
+    scheme = Constant()
+    pos = torch.arange(12)[None]
+    leaf = torch.randn(1, 2, 12, 4, requires_grad=True)
+    for q in (leaf, leaf * 2):
+        assert learned_inputs(scheme, hooks_of(scheme), q, pos, pos) == ([], [])

@@ -25,7 +25,8 @@ def _spy_kernels(monkeypatch):
     sdpa, ops, in_place = plans._sdpa, plans._math, plans._forward_in_place
 
     def spied_ops(*args, **kwargs):
-        assert kwargs == {"reference": False}, kwargs  # the fast hooks, not the literal ones
+        assert kwargs["reference"] is False, kwargs  # the fast hooks, not the literal ones
+        assert kwargs.keys() <= {"reference", "bias"}, kwargs
         calls.append("ops")
         return ops(*args, **kwargs)
 
@@ -289,8 +290,8 @@ def test_a_call_without_gradients_runs_op_by_op_up_to_its_in_place_limit(
 def test_by_default_a_bias_alone_without_gradients_runs_sdpa_and_a_term_op_by_op(monkeypatch):
     """The defaults: SDPA with a bias alone as its float mask (the route of the code posenc
     replaces), a score term in one buffer op by op; with gradients a constant bias runs op
-    by op up to OPS_FORWARD_SCORES where the weights its graph keeps are no larger than the
-    values (n_q <= d_v), SDPA's fused route, which keeps none, beyond."""
+    by op up to OPS_FORWARD_SCORES where the weights its graph keeps are no larger than
+    SDPA's output (ALiBi's kept bias: n_k <= d_v), SDPA's fused route beyond."""
     calls = _spy_kernels(monkeypatch)
     q = torch.randn(2, 2, 16, 8)
     for scheme, kernel in (
@@ -532,7 +533,7 @@ def test_a_constant_bias_with_gradients_takes_sdpas_fused_kernel(monkeypatch, bu
         assert calls == ["ops"], learned
     if not kwargs:  # small enough on CPU: the constant bias op by op too, the same values
         monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 2 * 2 * 12 * 12)
-        monkeypatch.setattr(tuning, "OPS_GRAD_WEIGHTS_PER_VALUE", 2)  # 12 queries, 8 channels
+        monkeypatch.setattr(tuning, "OPS_GRAD_WEIGHTS_RATIO", 2)  # 12 keys, 8 channels
         firsts = {}
         for backend in ("math", "auto"):
             calls.clear()
@@ -682,3 +683,60 @@ def test_a_constant_bias_with_gradients_is_computed_once_per_call(monkeypatch):
     out.sum().backward()
     reference = posenc.attention(x.detach(), x.detach(), x.detach(), position=posenc.ALiBi(2))
     torch.testing.assert_close(out.detach(), reference, rtol=0, atol=1e-6)
+
+
+def test_with_gradients_a_constant_bias_takes_the_route_that_keeps_less(monkeypatch):
+    """Op by op keeps the [b, h, n_q, n_k] weights for the backward; SDPA's route keeps its
+    output [b, h, n_q, d_v] and the float mask where the call builds one. With gradients a
+    constant bias takes SDPA's route only where the weights outweigh those: ALiBi's kept
+    bias with no mask and more keys than value channels; never for a bias it builds
+    (a cast, a mask folded in, a bias not kept), nor for few keys (cross-attention)."""
+    calls = _spy_kernels(monkeypatch)
+    frozen_t5 = posenc.T5RelativeBias(2, num_buckets=8, max_distance=16).requires_grad_(False)
+    cases = [
+        ("kept, n_k > d_v", posenc.ALiBi(2), (2, 2, 16, 8), 16, {}, "sdpa"),
+        ("kept, n_k = d_v", posenc.ALiBi(2), (2, 2, 8, 8), 8, {}, "ops"),
+        ("causal: the mask is built", posenc.ALiBi(2), (2, 2, 16, 8), 16, {"causal": True}, "ops"),
+        ("cast to float64", posenc.ALiBi(2), (2, 2, 16, 8), 16, {"dtype": torch.float64}, "ops"),
+        ("not kept", frozen_t5, (2, 2, 16, 8), 16, {}, "ops"),
+        ("few keys", posenc.ALiBi(2), (2, 2, 16, 8), 4, {}, "ops"),
+        ("many keys for few queries", posenc.ALiBi(2), (2, 2, 4, 8), 24, {}, "sdpa"),
+    ]
+    for name, scheme, shape, n_k, kwargs, kernel in cases:
+        dtype = kwargs.pop("dtype", torch.float32)
+        torch.manual_seed(0)
+        q = torch.randn(shape, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(shape[0], shape[1], n_k, shape[3], dtype=dtype) for _ in range(2))
+        calls.clear()
+        out = posenc.attention(q, k, v, position=scheme, **kwargs)
+        assert calls == [kernel], name
+        (grad,) = torch.autograd.grad(out.square().sum(), q)
+        leaf = q.detach().double().requires_grad_()
+        kd, vd = k.double(), v.double()
+        expected = posenc.attention(
+            leaf, kd, vd, position=scheme.double(), backend="math", **kwargs
+        )
+        (expected_grad,) = torch.autograd.grad(expected.square().sum(), leaf)
+        tol = 1e-10 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+        torch.testing.assert_close(grad.double(), expected_grad, rtol=tol, atol=tol)
+        scheme.float()
+
+
+def test_forward_mode_ad_through_a_constant_bias_with_gradients(monkeypatch):
+    """Inside a forward-mode AD level a call with gradients stays op by op (SDPA's route goes
+    through autograd Functions with no forward derivative): the tangent equals math's."""
+    import torch.autograd.forward_ad as fwad
+
+    _spy_kernels(monkeypatch)
+    torch.manual_seed(0)
+    q, k, v, tangent = (torch.randn(1, 2, 12, 4, dtype=torch.float64) for _ in range(4))
+    results = {}
+    for backend in ("math", "auto"):
+        leaf = q.clone().requires_grad_()
+        with fwad.dual_level():
+            out = posenc.attention(
+                fwad.make_dual(leaf, tangent), k, v, position=posenc.ALiBi(2), backend=backend
+            )
+            results[backend] = fwad.unpack_dual(out).tangent
+    torch.testing.assert_close(results["auto"], results["math"], rtol=1e-10, atol=1e-10)

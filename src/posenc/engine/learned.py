@@ -181,13 +181,14 @@ def _probe(hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[Tensor
     computed on first use) is read by every later call: when a tensor the probe made
     outlives it, the first block is probed once more, and finds it read.
     """
+    q = q.detach()  # outside the probe's mode: slicing q there would read q itself
     b, h, n_q, _ = q.shape
     n_k = k_pos.shape[-1]
     rows = common.lean_block_rows(b, h, n_q, n_k)
 
     def calls(start: int) -> list[tuple[Any, tuple[Any, ...]]]:
         blk = slice(start, min(start + rows, n_q))
-        q_blk, qp = q[:, :, blk].detach(), q_pos[:, blk]  # [b, h, rows, d], [B', rows]
+        q_blk, qp = q[:, :, blk], q_pos[:, blk]  # [b, h, rows, d], [B', rows]
         weights = q.new_zeros(b, h, q_blk.shape[2], n_k)  # [b, h, rows, n_k]
         return [
             (hooks.score_bias, (qp, k_pos)),

@@ -27,7 +27,7 @@ from .learned import learned_inputs, scheme_parameters
 from .mask import Mask
 from .offset_bias import _offset_kernel_values, _OffsetFusedAttention
 from .offset_term import _expand_rows, _offset_rows, _OffsetTermAttention, _same_index
-from .reference import _dense_bias, _forward_in_place, _math
+from .reference import _forward_in_place, _math, _read_bias
 from .sdpa import _sdpa
 
 
@@ -83,10 +83,26 @@ class Call:
         return _constant_bias(self)
 
     @functools.cached_property
+    def _bias(self) -> tuple[Tensor, bool]:
+        return _read_bias(self.hooks, self.q_pos, self.k_pos)
+
+    @property
     def dense_bias(self) -> Tensor:
         """The scheme's bias for these positions, ``[B', h or 1, n_q, n_k]`` (read once per
-        call: :func:`~.reference._dense_bias`; only with a ``score_bias``)."""
-        return _dense_bias(self.hooks, self.q_pos, self.k_pos)
+        call by the dispatcher: :func:`~.reference._dense_bias`; only with a
+        ``score_bias``)."""
+        return self._bias[0]
+
+    @property
+    def bias_kept(self) -> bool:
+        """Whether :attr:`dense_bias` is the tensor the scheme keeps between calls."""
+        return self._bias[1]
+
+    @property
+    def known_bias(self) -> Tensor | None:
+        """:attr:`dense_bias` where the call has read it already, else None."""
+        read = self.__dict__.get("_bias")
+        return None if read is None else read[0]
 
     @functools.cached_property
     def op_by_op(self) -> bool:
@@ -293,12 +309,11 @@ def _ops_forward(call: Call, scores: int) -> bool:
     ``q, k, v``: its graph keeps the weights, which SDPA's does not). A bias alone in one
     buffer: at most :data:`tuning.OPS_IN_PLACE_BIAS_SCORES` (0: SDPA with it as the float
     mask, the route of the code posenc replaces, whose time no CPU's GEMMs can worsen).
-    With gradients, not where the weights its graph keeps outweigh the values
-    (:func:`_weights_outweigh_values`): SDPA's route holds less memory there."""
-    if not _in_place(call):
+    With gradients, a bias alone not where the weights its graph keeps outweigh what SDPA's
+    route keeps (:func:`_weights_outweigh_sdpa`)."""
+    in_place = _in_place(call)
+    if not in_place:
         limit = tuning.OPS_FORWARD_SCORES
-        if call.grad and _weights_outweigh_values(call):
-            return False
     elif call.hooks.score_term is None:
         limit = tuning.OPS_IN_PLACE_BIAS_SCORES
     else:
@@ -308,14 +323,30 @@ def _ops_forward(call: Call, scores: int) -> bool:
         and call.q.device.type == "cpu"
         and call.mask.causal_at_most
         and call.threads >= tuning.OPS_FORWARD_THREADS
+        and not (
+            not in_place
+            and call.grad
+            and call.hooks.score_term is None
+            and _weights_outweigh_sdpa(call)
+        )
     )
 
 
-def _weights_outweigh_values(call: Call) -> bool:
+def _weights_outweigh_sdpa(call: Call) -> bool:
     """Whether the ``[b, h, n_q, n_k]`` weights that the op-by-op graph keeps for its
-    backward are more than :data:`tuning.OPS_GRAD_WEIGHTS_PER_VALUE` times the values
-    ``[b, h, n_k, d_v]``: where SDPA's fused route, which keeps none, holds less memory."""
-    return call.q.shape[2] > tuning.OPS_GRAD_WEIGHTS_PER_VALUE * call.v.shape[3]
+    backward are more than :data:`tuning.OPS_GRAD_WEIGHTS_RATIO` times what SDPA's route
+    keeps beside ``q, k, v``: its output ``[b, h, n_q, d_v]``, and the float mask where
+    the call builds one (a bias the scheme does not keep between calls, or in another
+    dtype, or with a mask folded into it)."""
+    b, h, n_q, _ = call.q.shape
+    n_k, d_v = call.k.shape[2], call.v.shape[3]
+    bias, mask = call.dense_bias, call.mask
+    built = 0
+    if not (call.bias_kept and bias.dtype == call.q.dtype and mask.empty):
+        rows = bias.shape[0] if mask.causal_at_most else b  # padding, documents: per row
+        heads = bias.shape[1] if mask.bias is None else max(bias.shape[1], mask.bias.shape[1])
+        built = rows * heads * n_q * n_k
+    return b * h * n_q * n_k > tuning.OPS_GRAD_WEIGHTS_RATIO * (b * h * n_q * d_v + built)
 
 
 def _in_place(call: Call) -> bool:
@@ -368,7 +399,11 @@ def _op_by_op(call: Call, scores: int) -> bool:
         return True
     if not call.grad:
         return False
-    return torch._C._are_functorch_transforms_active() or not call.constant_bias
+    return (
+        torch._C._are_functorch_transforms_active()
+        or forward_ad._current_level >= 0  # SDPA's route has no forward derivative here
+        or not call.constant_bias
+    )
 
 
 def _plan_materialised(call: Call) -> Plan:
@@ -390,8 +425,8 @@ def _plan_materialised(call: Call) -> Plan:
       alone at most :data:`tuning.OPS_IN_PLACE_BIAS_SCORES`), at most
       :data:`tuning.OPS_FORWARD_SCORES` otherwise: there SDPA's fused kernel costs more
       than the separate ones (with gradients, only where the weights the graph keeps are
-      at most :data:`tuning.OPS_GRAD_WEIGHTS_PER_VALUE` times the values: beyond, SDPA's
-      route holds less memory);
+      at most :data:`tuning.OPS_GRAD_WEIGHTS_RATIO` times what SDPA's route keeps: its
+      output, and a float mask it builds);
     - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call,
       whose backward keeps no ``[b, h, n_q, n_k]`` weights (:func:`_op_by_op`).
 
@@ -463,11 +498,11 @@ def _plan_materialised(call: Call) -> Plan:
         if _in_place(call):
             return lambda: _forward_in_place(
                 call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
-                call.dropout_p,
+                call.dropout_p, bias=call.known_bias,
             )  # fmt: skip
         return lambda: _math(
             call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
-            call.dropout_p, reference=False,
+            call.dropout_p, reference=False, bias=call.known_bias,
         )[0]  # fmt: skip
     return lambda: _sdpa(
         call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,

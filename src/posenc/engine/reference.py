@@ -25,11 +25,16 @@ def _dense_bias(hooks: Hooks, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     """The scheme's ``score_bias`` for a path that only reads it: the tensor it keeps between
     calls where it keeps one (``kept_score_bias``: no allocation), else a new one
     ``[B', h or 1, n_q, n_k]``."""
+    return _read_bias(hooks, q_pos, k_pos)[0]
+
+
+def _read_bias(hooks: Hooks, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, bool]:
+    """:func:`_dense_bias`, and whether it is the tensor the scheme keeps between calls."""
     if hooks.kept_score_bias is not None:
         kept = hooks.kept_score_bias(q_pos, k_pos)
         if kept is not None:
-            return kept
-    return hooks.score_bias(q_pos, k_pos)
+            return kept, True
+    return hooks.score_bias(q_pos, k_pos), False
 
 
 def _fold_scores(
@@ -118,10 +123,12 @@ def _math(
     dropout_p: float,
     *,
     reference: bool = True,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The attention formula, one autograd op at a time: ``(out [b, h, n_q, d], weights
     [b, h, n_q, n_k])``. ``reference``: the scheme's literal hooks where it has them (Shaw's
-    ``[n_q, n_k, d]`` relation tensors); False: its fast hooks, the same values."""
+    ``[n_q, n_k, d]`` relation tensors); False: its fast hooks, the same values, and
+    ``bias`` the scheme's bias for these positions where the caller has it."""
     # the scores are this function's own until the softmax (nothing saves them for a
     # backward but a contextual term, which gets a tensor no later step writes into), so
     # each step writes into them: the same values, two [b, h, n_q, n_k] passes fewer
@@ -132,7 +139,10 @@ def _math(
         scores = _plus(scores, term(q, q_pos, k_pos), own)
     scores = scores.mul_(scale) if own else scores * scale
     if hooks.score_bias is not None:
-        bias = hooks.score_bias(q_pos, k_pos) if reference else _dense_bias(hooks, q_pos, k_pos)
+        if reference:
+            bias = hooks.score_bias(q_pos, k_pos)
+        elif bias is None:
+            bias = _dense_bias(hooks, q_pos, k_pos)
         scores = _plus(scores, bias, own)  # reads the bias
     keep = mask.shared_keep(device=q.device)
     if hooks.contextual_term is not None:  # CoPE: a term read from the masked logits
@@ -171,9 +181,12 @@ def _forward_in_place(
     mask: Mask,
     scale: float,
     dropout_p: float,
+    *,
+    bias: Tensor | None = None,
 ) -> Tensor:
-    """:func:`_math` with the fast hooks, for a call that records no graph: ``[b, h, n_q,
-    d_v]``, the same values in one ``[b, h, n_q, n_k]`` buffer (in grad mode, where the
+    """:func:`_math` with the fast hooks, for a call that records no graph (``bias``: the
+    scheme's bias for these positions where the caller has it): ``[b, h, n_q, d_v]``, the
+    same values in one ``[b, h, n_q, n_k]`` buffer (in grad mode, where the
     score term or bias requires grad, :func:`_math` itself).
 
     The buffer starts as ``score_term * scale + score_bias`` plus the float mask, one GEMM
@@ -196,16 +209,23 @@ def _forward_in_place(
         mask: which keys each query may see.
         scale: the scores' scale.
         dropout_p: dropout on the weights.
+        bias: the scheme's bias ``[B', h or 1, n_q, n_k]`` for these positions, or None
+            (asked for here).
 
     Returns:
         ``[b, h, n_q, d_v]``.
     """
     term = None if hooks.score_term is None else hooks.score_term(q, q_pos, k_pos)
-    bias = None if hooks.score_bias is None else _dense_bias(hooks, q_pos, k_pos)
+    if hooks.score_bias is None:
+        bias = None
+    elif bias is None:
+        bias = _dense_bias(hooks, q_pos, k_pos)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (term, bias)):
         # grad mode, and the hooks read a tensor that requires grad (not a parameter of the
         # scheme, which the plan saw): the formula in autograd ops differentiates it
-        return _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, reference=False)[0]
+        return _math(
+            q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, reference=False, bias=bias
+        )[0]
     b, h, n_q, d = q.shape
     n_k, d_v = k.shape[2], v.shape[3]
     count = b * h * n_q * n_k

@@ -55,13 +55,14 @@ MATERIALISED_CAUSAL_PAIRS = 1 << 12
 OPS_FORWARD_SCORES = 3 << 19
 #: with gradients for q, k, v, a constant bias runs op by op (under OPS_FORWARD_SCORES)
 #: only where the [b, h, n_q, n_k] weights its graph keeps are at most this many times
-#: the values [b, h, n_k, d_v] (n_q <= d_v at 1): beyond it SDPA's fused route, which
-#: keeps no weights, holds less memory. ALiBi, fwd+bwd time / peak memory against its
-#: peer, op by op -> SDPA's route: b=2 h=8 d=64 n=64 1.25-1.29 / 0.98 -> 1.38-1.40 /
-#: 1.00, n=128 1.03-1.07 / 1.47 -> 1.16-1.22 / 1.00, n=256 1.07-1.09 / 2.39 -> 1.07-1.09
-#: / 1.00; Swin's windows (n=49 d=32) 0.86-0.92 / 1.26 -> 1.04-1.07 / 1.00
-#: (docs/performance.md)
-OPS_GRAD_WEIGHTS_PER_VALUE = 1
+#: what SDPA's fused route keeps beside q, k, v: its output [b, h, n_q, d_v], and the
+#: float mask where the call builds one (a bias not kept between calls, or cast, or with
+#: a mask folded in). For ALiBi's kept bias in self-attention that is n <= d_v; beyond
+#: it, fwd+bwd time / peak memory against the peer, op by op -> SDPA's route (b=2 h=8
+#: d=64): n=96 1.08-1.09 / 1.22 -> 1.17-1.22 / 1.00, n=128 1.03-1.10 / 1.47 ->
+#: 1.14-1.16 / 1.00, n=256 1.03 / 2.39 -> 1.06-1.08 / 1.00; Swin's windows (n=49 d=32)
+#: 0.83-0.85 / 1.26 -> 1.04-1.07 / 1.00 (docs/performance.md, "Twelfth pass")
+OPS_GRAD_WEIGHTS_RATIO = 1
 #: scores at most for which the materialised path runs op by op, in one buffer, a call
 #: with a score term that asks for no gradient and that SDPA's fused kernel could run (no
 #: mask but a causal one, two threads or more): at BERT-size the in-place forward takes
