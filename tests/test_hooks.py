@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -279,10 +281,10 @@ def _hooks_by_definition(scheme):
         if callable(fn):
             found[name] = fn
 
-    def owner(name):
-        if name in vars(scheme):
-            return None
-        return next((c for c in type(scheme).__mro__ if name in vars(c)), None)
+    def owner(name):  # the instance's, but for what a class's cached_property cached there
+        cls = next((c for c in type(scheme).__mro__ if name in vars(c)), None)
+        cached = cls is not None and isinstance(vars(cls)[name], functools.cached_property)
+        return None if name in vars(scheme) and not cached else cls
 
     mro = type(scheme).__mro__
     for extra, base in DERIVED_HOOKS.items():
@@ -350,9 +352,9 @@ def test_hooks_of_finds_each_hook_and_owner_as_the_definition_does():
 
 def test_hooks_of_answers_the_same_when_a_lookup_writes_into_the_instance():
     """A hook or an extra exposed through functools.cached_property writes itself into the
-    instance on its first lookup: whose it is is read after the lookups, so the first call
-    keeps or drops the extra as every later call does."""
-    import functools
+    instance on its first lookup; it is still its class's: the first call keeps or drops
+    the extra as every later call does, and a parent's cached extra is dropped under a
+    subclass's own hook (the lean path then computes the subclass's bias, as math does)."""
 
     class Parent(nn.Module):
         def score_bias(self, q_pos, k_pos):
@@ -381,7 +383,9 @@ def test_hooks_of_answers_the_same_when_a_lookup_writes_into_the_instance():
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 1, 2, 6, 8).unbind(0)
     scheme = Steeper()
-    first, second = (
-        run("lean", scheme, q, k, v, *[torch.arange(6)[None]] * 2, Mask(6, 6)) for _ in range(2)
-    )
+    pos = torch.arange(6)[None]
+    first, second = (run("lean", scheme, q, k, v, pos, pos, Mask(6, 6)) for _ in range(2))
     assert torch.equal(first, second)
+    assert hooks_of(scheme).offset_bias is None  # the parent's, under Steeper's score_bias
+    expected = run("math", scheme, q, k, v, pos, pos, Mask(6, 6))
+    torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-5)

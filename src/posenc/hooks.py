@@ -234,13 +234,23 @@ DERIVED_HOOKS = {
 
 
 def _defined_by(scheme: Any, name: str) -> type | None:
-    """The class in ``scheme``'s MRO that defines ``name`` (None: the instance itself)."""
-    if name in getattr(scheme, "__dict__", {}):
+    """The class in ``scheme``'s MRO that defines ``name`` (None: the instance itself; a
+    value that a class's ``functools.cached_property`` wrote into the instance is that
+    class's)."""
+    cls = next((c for c in type(scheme).__mro__ if name in c.__dict__), None)
+    return _owner(cls, name, getattr(scheme, "__dict__", {}))
+
+
+def _owner(cls: type | None, name: str, own: dict[str, Any]) -> type | None:
+    """Whose ``name`` is, from ``cls``, the first class of the MRO whose dict holds it (or
+    None), and the instance's dict ``own``: the instance's where it holds the name, but
+    for the value of ``cls``'s ``functools.cached_property`` (cached there on first
+    lookup: still ``cls``'s method)."""
+    if name in own and not (
+        cls is not None and isinstance(cls.__dict__[name], functools.cached_property)
+    ):
         return None
-    for cls in type(scheme).__mro__:
-        if name in cls.__dict__:
-            return cls
-    return None
+    return cls
 
 
 #: every hook name, in the order of :class:`Hooks`'s fields
@@ -303,7 +313,7 @@ def hooks_of(scheme: Any) -> Hooks:
     if owners is None:
         owner = functools.partial(_defined_by, scheme)
     else:
-        owner = lambda name: None if name in own else owners[name]  # noqa: E731
+        owner = lambda name: _owner(owners[name], name, own)  # noqa: E731
     mro = type(scheme).__mro__
     for extra, base in DERIVED_HOOKS.items():
         if extra in hooks and base in hooks:

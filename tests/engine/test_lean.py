@@ -15,6 +15,7 @@ from engine_helpers import (
 )
 from torch import nn
 
+import posenc
 from posenc.engine import Mask, common, tuning
 from tolerances import logit_size
 
@@ -172,3 +173,25 @@ def test_lean_memory_stays_below_one_score_matrix(scheme_name):
     lean = peak("lean")
     assert lean < one_matrix_mib, (lean, one_matrix_mib)
     assert peak("math") > 2 * one_matrix_mib  # the check can fail: the reference is quadratic
+
+
+def test_a_term_that_reads_the_queries_only_as_an_index_has_no_query_gradient_to_add():
+    """A user's score term that picks rows of a learned table by the sign of q: the lean
+    backward gets no gradient for q from the term and adds none (it added None), and the
+    table's and q's gradients equal math's."""
+    torch.manual_seed(0)
+    table = torch.randn(2, 400, dtype=torch.float64, requires_grad=True)
+
+    class Picked:
+        def score_term(self, q, q_pos, k_pos):
+            rows = (q[..., 0] > 0).long()  # [b, h, n_q]
+            return table[rows][..., : k_pos.shape[-1]]  # [b, h, n_q, n_k]
+
+    q, k, v = (torch.randn(1, 2, 300, 8, dtype=torch.float64) for _ in range(3))
+    grads = {}
+    for backend in ("math", "lean"):
+        leaf = q.clone().requires_grad_()
+        out = posenc.attention(leaf, k, v, position=Picked(), backend=backend)
+        grads[backend] = torch.autograd.grad(out.square().sum(), (leaf, table))
+    for found, expected in zip(grads["lean"], grads["math"], strict=True):
+        torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-10)

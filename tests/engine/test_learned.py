@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+import posenc
 from posenc.engine import Mask, attend, explain_call
 from posenc.engine.learned import _reads_own_only, learned_inputs, substituted
 from posenc.hooks import hooks_of
@@ -353,3 +354,30 @@ def test_the_probe_does_not_report_the_queries_themselves():
     leaf = torch.randn(1, 2, 12, 4, requires_grad=True)
     for q in (leaf, leaf * 2):
         assert learned_inputs(scheme, hooks_of(scheme), q, pos, pos) == ([], [])
+
+
+@pytest.mark.parametrize("n", [8, 300])
+def test_a_tensor_a_users_key_shift_reads_gets_its_gradient(n):
+    """The fast paths fold a key shift into the keys; what the shift reads is still found
+    and differentiated (a leaf that only the shift and its term read), as math does."""
+    torch.manual_seed(0)
+    table = torch.randn(512, 8, dtype=torch.float64, requires_grad=True)
+
+    class Shift:  # not a module: the probe finds what it reads
+        def score_term(self, q, q_pos, k_pos):
+            return q @ table[k_pos[0]].transpose(-1, -2)[None, None]
+
+        def key_shift(self, q, q_pos, k_pos):
+            return table[k_pos[0]][None, None].expand(q.shape[0], q.shape[1], -1, -1)
+
+        def score_bias(self, q_pos, k_pos):
+            offsets = (k_pos[:, None, None, :] - q_pos[:, None, :, None]).abs()
+            return -0.3 * offsets.to(torch.float64)
+
+    q, k, v = (torch.randn(2, 2, n, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grads = {}
+    for backend in ("math", "auto"):
+        out = posenc.attention(q, k, v, position=Shift(), backend=backend)
+        grads[backend] = torch.autograd.grad(out.square().sum(), (table, q, k, v))
+    for found, expected in zip(grads["auto"], grads["math"], strict=True):
+        torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-10)

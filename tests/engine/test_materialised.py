@@ -723,20 +723,40 @@ def test_with_gradients_a_constant_bias_takes_the_route_that_keeps_less(monkeypa
         scheme.float()
 
 
-def test_forward_mode_ad_through_a_constant_bias_with_gradients(monkeypatch):
-    """Inside a forward-mode AD level a call with gradients stays op by op (SDPA's route goes
-    through autograd Functions with no forward derivative): the tangent equals math's."""
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("padded", [False, True])
+def test_forward_mode_ad_through_a_constant_bias(monkeypatch, threads, padded):
+    """Inside a forward-mode AD level (torch.func.jvp, make_dual with and without grad) the
+    materialised path runs op by op (SDPA's route goes through kernels and autograd
+    Functions with no forward derivative): the tangent equals math's."""
     import torch.autograd.forward_ad as fwad
 
-    _spy_kernels(monkeypatch)
+    monkeypatch.setattr(plans, "_threads", lambda: threads)
     torch.manual_seed(0)
     q, k, v, tangent = (torch.randn(1, 2, 12, 4, dtype=torch.float64) for _ in range(4))
-    results = {}
-    for backend in ("math", "auto"):
-        leaf = q.clone().requires_grad_()
+    kwargs = {"key_padding_mask": torch.arange(12)[None] >= 9} if padded else {}
+
+    def attend(backend):
+        return lambda x: posenc.attention(
+            x, k, v, position=posenc.ALiBi(2), backend=backend, **kwargs
+        )
+
+    expected = torch.func.jvp(attend("math"), (q,), (tangent,))[1]
+    tangents = [torch.func.jvp(attend("auto"), (q,), (tangent,))[1]]
+    for grad in (False, True):
         with fwad.dual_level():
-            out = posenc.attention(
-                fwad.make_dual(leaf, tangent), k, v, position=posenc.ALiBi(2), backend=backend
-            )
-            results[backend] = fwad.unpack_dual(out).tangent
-    torch.testing.assert_close(results["auto"], results["math"], rtol=1e-10, atol=1e-10)
+            leaf = q.clone().requires_grad_(grad)
+            tangents.append(fwad.unpack_dual(attend("auto")(fwad.make_dual(leaf, tangent))).tangent)
+    for found in tangents:
+        torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_with_other_value_channels_a_constant_bias_stays_op_by_op(monkeypatch):
+    """With d_v other than d SDPA runs its math kernel, which keeps the weights too: the
+    memory rule does not send such a call to SDPA's route."""
+    calls = _spy_kernels(monkeypatch)
+    q, k = (torch.randn(2, 2, 32, 8, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 2, 32, 4, requires_grad=True)
+    out = posenc.attention(q, k, v, position=posenc.ALiBi(2))
+    assert calls == ["ops"]
+    out.sum().backward()

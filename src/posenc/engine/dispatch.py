@@ -565,8 +565,9 @@ def _prepared(call: Call) -> Call:
     hooks = call.hooks
     if hooks.key_shift is not None and hooks.score_term is not None:
         shift = hooks.key_shift(call.q, call.q_pos, call.k_pos).to(call.k.dtype)  # [b, h, n_k, d]
-        hooks = replace(hooks, score_term=None, key_shift=None)
-        return replace(call, k=call.k + shift, hooks=hooks)
+        folded = replace(hooks, score_term=None, key_shift=None)
+        # what the shift reads is the call's to differentiate: probed with the hooks as given
+        return replace(call, k=call.k + shift, hooks=folded, read_by=call.read_by or hooks)
     return call
 
 

@@ -149,7 +149,8 @@ class _LeanAttention(torch.autograd.Function):
                 grad_extra = _sum_to(grad_scores, extra.shape)  # undo the broadcast of [B', h|1]
                 grads = torch.autograd.grad([extra], wrt, [grad_extra], allow_unused=True)
                 if hooks.score_term is not None:
-                    grad_q[:, :, blk] += grads[0]
+                    if grads[0] is not None:  # a term that reads q only as an index: none
+                        grad_q[:, :, blk] += grads[0]
                     grads = grads[1:]
                 _add_grads(grad_params, grads)
         return (
@@ -260,7 +261,8 @@ class _LeanFusedAttention(torch.autograd.Function):
             wrt = ([q_blk] if hooks.score_term is not None else []) + list(params)
             grads = torch.autograd.grad([extra], wrt, [grad_extra], allow_unused=True)
             if hooks.score_term is not None:
-                grad_q[:, :, blk] += grads[0]
+                if grads[0] is not None:  # a term that reads q only as an index: none
+                    grad_q[:, :, blk] += grads[0]
                 grads = grads[1:]
             _add_grads(grad_params, grads)
         grad_k, grad_v = key_grads.result()

@@ -48,13 +48,17 @@ class Call:
     #: ``(leaves, histories)`` of :func:`~.learned.learned_inputs` when already known (a
     #: block of a larger call, a fast path run again inside the create_graph wrapper)
     learned: tuple[list[Tensor], list[Tensor]] | None = None
+    #: the hooks whose reads :attr:`params` and :attr:`histories` are, where they are not
+    #: :attr:`hooks` (a key shift folded into the keys: the shift reads what it reads)
+    read_by: Hooks | None = None
 
     @functools.cached_property
     def _learned(self) -> tuple[list[Tensor], list[Tensor]]:
         if self.learned is not None:
             return self.learned
+        hooks = self.hooks if self.read_by is None else self.read_by
         return learned_inputs(
-            self.scheme, self.hooks, self.q, self.q_pos, self.k_pos, self.scheme_params
+            self.scheme, hooks, self.q, self.q_pos, self.k_pos, self.scheme_params
         )
 
     @functools.cached_property
@@ -334,18 +338,20 @@ def _ops_forward(call: Call, scores: int) -> bool:
 
 def _weights_outweigh_sdpa(call: Call) -> bool:
     """Whether the ``[b, h, n_q, n_k]`` weights that the op-by-op graph keeps for its
-    backward are more than :data:`tuning.OPS_GRAD_WEIGHTS_RATIO` times what SDPA's route
-    keeps beside ``q, k, v``: its output ``[b, h, n_q, d_v]``, and the float mask where
-    the call builds one (a bias the scheme does not keep between calls, or in another
-    dtype, or with a mask folded into it)."""
-    b, h, n_q, _ = call.q.shape
+    backward are more than :data:`tuning.OPS_GRAD_WEIGHTS_RATIO` times what SDPA's fused
+    route keeps beside ``q, k, v``: its output ``[b, h, n_q, d_v]``, and the float mask
+    where the call builds one (a bias the scheme does not keep between calls, or in
+    another dtype, or with the causal mask folded into it; the op-by-op route takes no
+    other mask). Never with a ``d_v`` other than ``d``: SDPA runs its math kernel then,
+    which keeps the weights too."""
+    b, h, n_q, d = call.q.shape
     n_k, d_v = call.k.shape[2], call.v.shape[3]
-    bias, mask = call.dense_bias, call.mask
+    if d_v != d:
+        return False
+    bias = call.dense_bias
     built = 0
-    if not (call.bias_kept and bias.dtype == call.q.dtype and mask.empty):
-        rows = bias.shape[0] if mask.causal_at_most else b  # padding, documents: per row
-        heads = bias.shape[1] if mask.bias is None else max(bias.shape[1], mask.bias.shape[1])
-        built = rows * heads * n_q * n_k
+    if not (call.bias_kept and bias.dtype == call.q.dtype and not call.mask.causal):
+        built = bias.shape[0] * bias.shape[1] * n_q * n_k  # [B', h or 1, n_q, n_k]
     return b * h * n_q * n_k > tuning.OPS_GRAD_WEIGHTS_RATIO * (b * h * n_q * d_v + built)
 
 
@@ -397,13 +403,11 @@ def _op_by_op(call: Call, scores: int) -> bool:
     and its backward keeps no ``[b, h, n_q, n_k]`` weights."""
     if call.hooks.value_term is not None or _ops_forward(call, scores):
         return True
+    if forward_ad._current_level >= 0:  # SDPA's route has no forward derivative here
+        return True
     if not call.grad:
         return False
-    return (
-        torch._C._are_functorch_transforms_active()
-        or forward_ad._current_level >= 0  # SDPA's route has no forward derivative here
-        or not call.constant_bias
-    )
+    return torch._C._are_functorch_transforms_active() or not call.constant_bias
 
 
 def _plan_materialised(call: Call) -> Plan:

@@ -57,7 +57,8 @@ OPS_FORWARD_SCORES = 3 << 19
 #: only where the [b, h, n_q, n_k] weights its graph keeps are at most this many times
 #: what SDPA's fused route keeps beside q, k, v: its output [b, h, n_q, d_v], and the
 #: float mask where the call builds one (a bias not kept between calls, or cast, or with
-#: a mask folded in). For ALiBi's kept bias in self-attention that is n <= d_v; beyond
+#: the causal mask folded in; never with d_v other than d, where SDPA runs its math
+#: kernel). For ALiBi's kept bias in self-attention that is n <= d_v; beyond
 #: it, fwd+bwd time / peak memory against the peer, op by op -> SDPA's route (b=2 h=8
 #: d=64): n=96 1.08-1.09 / 1.22 -> 1.17-1.22 / 1.00, n=128 1.03-1.10 / 1.47 ->
 #: 1.14-1.16 / 1.00, n=256 1.03 / 2.39 -> 1.06-1.08 / 1.00; Swin's windows (n=49 d=32)
