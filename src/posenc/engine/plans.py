@@ -396,7 +396,8 @@ def _op_by_op(call: Call, scores: int) -> bool:
     bias and term as a float ``attn_mask``: for a value term (SDPA cannot add it);
     otherwise where :func:`_ops_forward` says the separate kernels are faster (no
     gradients, or a constant bias such as ALiBi's with gradients for ``q, k, v`` alone);
-    and with gradients unless the bias is constant (:func:`_constant_bias`: a learned
+    inside a forward-mode AD level (SDPA's CPU kernels and the route's autograd Functions
+    have no forward derivative); and with gradients unless the bias is constant (:func:`_constant_bias`: a learned
     table or a term of the queries would make SDPA fall back to its math kernel for a mask
     that requires grad) and no ``torch.func`` transform runs (the route through SDPA takes
     an autograd Function without ``setup_context``). Above that SDPA's fused kernel runs,
