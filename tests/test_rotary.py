@@ -495,7 +495,9 @@ def test_runs_of_positions_rotate_with_kept_tables_as_with_tables_of_the_call(
     the per-call tables' to a few ulps, and both the float64 reference."""
     import posenc._rotary_runs as rotary_module
 
-    rotary_module._run_tables.cache_clear()
+    # pairs (2i, 2i+1) take complex phases, pairs (i, i + r/2) the expanded tables
+    kept = rotary_module._run_phases if interleaved else rotary_module._run_tables
+    kept.cache_clear()
     rotary = Rotary(8, interleaved=interleaved, rotary_dim=rotary_dim)
     torch.manual_seed(0)
     q = torch.randn(2, 3, 1, 8, dtype=dtype, requires_grad=True)
@@ -503,7 +505,7 @@ def test_runs_of_positions_rotate_with_kept_tables_as_with_tables_of_the_call(
     q_pos, k_pos = torch.tensor([[5]]), torch.arange(6)[None]
     for _ in range(2):
         rq, rk = rotary.rotate(q, k, q_pos, k_pos)
-    assert rotary_module._run_tables.cache_info().hits == 2  # the second call's two runs
+    assert kept.cache_info().hits == 2  # the second call's two runs
     eps = torch.finfo(dtype).eps
     for x, pos, out in ((q, q_pos, rq), (k, k_pos, rk)):
         expected = _per_call(rotary, x, pos)
@@ -532,19 +534,17 @@ def _swapped_reference(rotary, x, n):
     return torch.cat((out.to(x.dtype), x[..., r:]), dim=-1)
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [None, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_the_pairs_written_in_place_equal_the_swapped_copy(
-    monkeypatch, interleaved, rotary_dim, dtype
-):
-    """Without a graph, and with one (through the rotation's own autograd Function), each
-    pair's products are added into ``x * cos`` in place (no swapped copy: ``torch.cat``
-    runs only for a partial rotary_dim's pass-through channels, no ``flip``): bit for bit
-    the values of the out-of-place form; the input is left as it was."""
+def test_the_pairs_written_in_place_equal_the_swapped_copy(monkeypatch, rotary_dim, dtype):
+    """Pairs ``(i, i + r/2)``: without a graph, and with one (through the rotation's own
+    autograd Function), each pair's products are added into ``x * cos`` in place (no
+    swapped copy: ``torch.cat`` runs only for a partial rotary_dim's pass-through
+    channels, no ``flip``): bit for bit the values of the out-of-place form; the input is
+    left as it was."""
     import posenc._rotary_runs as rotary_module
 
-    rotary = Rotary(8, rotary_dim=rotary_dim, interleaved=interleaved)
+    rotary = Rotary(8, rotary_dim=rotary_dim)
     torch.manual_seed(0)
     q = torch.randn(2, 3, 6, 8, dtype=dtype)
     pos = torch.arange(6)[None]
@@ -567,13 +567,14 @@ def test_the_pairs_written_in_place_equal_the_swapped_copy(
     assert len(copies) == (0 if rotary_dim is None else 6)  # 3 calls x (q, k): pass-through
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_the_rotations_backward_is_the_rotation_by_the_opposite_angles(interleaved):
-    """float64: the gradient through the rotation's autograd Function equals autograd's
-    through the swapped copy (to rounding: one fused multiply-add more where the CPU's
-    addcmul fuses them), and it is differentiable again (gradgradcheck)."""
+def test_the_rotations_backward_is_the_rotation_by_the_opposite_angles():
+    """Pairs ``(i, i + r/2)``, float64: the gradient through the rotation's autograd
+    Function equals autograd's through the swapped copy (to rounding: one fused
+    multiply-add more where the CPU's addcmul fuses them), and it is differentiable again
+    (gradgradcheck)."""
     import posenc._rotary_runs as rotary_module
 
+    interleaved = False
     rotary = Rotary(8, interleaved=interleaved)
     torch.manual_seed(0)
     x = torch.randn(2, 3, 6, 8, dtype=torch.float64, requires_grad=True)
@@ -589,6 +590,132 @@ def test_the_rotations_backward_is_the_rotation_by_the_opposite_angles(interleav
     torch.autograd.gradgradcheck(
         lambda y: rotary_module._Rotation.apply(y, cos, sin, interleaved), (x,)
     )
+
+
+def _phase_count(monkeypatch):
+    """Count the rotations by complex phases."""
+    import posenc._rotary_runs as rotary_module
+
+    calls = []
+    original = rotary_module._apply_phases
+    monkeypatch.setattr(
+        rotary_module, "_apply_phases", lambda *a: calls.append(1) or original(*a)
+    )
+    return calls
+
+
+def test_the_phases_are_the_tables_cos_and_sin():
+    """``cos + i sin`` of the kept phases holds the very cos and sin of the kept tables."""
+    import posenc._rotary_runs as rotary_module
+
+    for real, complex_dtype in ((torch.float32, torch.complex64), (torch.float64, torch.complex128)):
+        phases = rotary_module._run_phases(8, 500.0, 3, 5, complex_dtype, torch.device("cpu"))
+        cos, sin = rotary_module._run_tables(8, 500.0, True, 3, 5, real, torch.device("cpu"))
+        assert torch.equal(phases.real, cos[..., 0::2])
+        assert torch.equal(phases.imag, sin[..., 1::2])  # channel 2i+1 takes +sin_i
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("rotary_dim", [None, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_interleaved_pairs_rotate_as_complex_numbers(monkeypatch, layout, rotary_dim, dtype):
+    """Pairs ``(2i, 2i+1)`` at runs of positions rotate as complex numbers times
+    ``cos + i sin`` (one kernel per tensor), with and without a graph: values and
+    gradients against the float64 reference of the paper's 2x2 rotation, to the rounding
+    of two products and a sum; the pass-through channels unchanged; the input kept."""
+    calls = _phase_count(monkeypatch)
+    rotary = Rotary(8, interleaved=True, rotary_dim=rotary_dim)
+    r = 8 if rotary_dim is None else rotary_dim
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 5, 8, dtype=dtype)
+    k = torch.randn(2, 3, 6, 8, dtype=dtype)
+    if layout == "bnhd":
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, n, h, d] views
+    kept = q.clone(), k.clone()
+    leaves = [x.clone().requires_grad_() for x in (q, k)]
+    rq, rk = rotary(*leaves, offset=4, layout=layout)
+    assert len(calls) == 2
+    assert rq.dtype == dtype and rq.shape == q.shape
+    for x, out, first in ((q, rq, 4), (k, rk, 4)):
+        bhnd = x if layout == "bhnd" else x.transpose(1, 2)
+        got = out if layout == "bhnd" else out.transpose(1, 2)
+        expected = reference_rope(
+            bhnd, torch.arange(bhnd.shape[2]) + first, interleaved=True, rotary_dim=rotary_dim
+        )
+        assert_close(got, expected, terms=4, dtype=dtype)
+        assert torch.equal(got.detach()[..., r:], bhnd[..., r:])
+    assert torch.equal(q, kept[0]) and torch.equal(k, kept[1])
+    grads = torch.randn_like(rq), torch.randn_like(rk)
+    found = torch.autograd.grad((rq, rk), leaves, grads)
+    leaves64 = [x.detach().double().requires_grad_() for x in (q, k)]
+    ref = rotary(*leaves64, offset=4, layout=layout)  # float64: phases in complex128
+    expected = torch.autograd.grad(ref, leaves64, [g.double() for g in grads])
+    for got, want in zip(found, expected, strict=True):
+        assert_close(got, want, terms=4, dtype=dtype)
+    with torch.no_grad():
+        again = rotary(q, k, offset=4, layout=layout)
+    assert torch.equal(again[0], rq.detach()) and torch.equal(again[1], rk.detach())
+
+
+def test_interleaved_complex_rotation_is_differentiable_twice(monkeypatch):
+    """float64 gradcheck and gradgradcheck through the complex rotation (autograd's own
+    ops), and its gradient is the rotation of the gradient by the opposite angles."""
+    calls = _phase_count(monkeypatch)
+    rotary = Rotary(6, interleaved=True)
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 4, 6, dtype=torch.float64, requires_grad=True)
+    pos = torch.arange(4)[None]
+
+    def rotated(y):
+        return rotary.rotate(y, y, pos, pos)[0]
+
+    rotated(x)
+    assert len(calls) == 2
+    torch.autograd.gradcheck(rotated, (x,))
+    torch.autograd.gradgradcheck(rotated, (x,))
+    grad = torch.randn(1, 2, 4, 6, dtype=torch.float64)
+    (found,) = torch.autograd.grad(rotated(x), x, grad)
+    back = reference_rope(grad, -torch.arange(4), interleaved=True)  # R(p)^T = R(-p)
+    torch.testing.assert_close(found, back, rtol=0, atol=1e-14)
+
+
+def test_interleaved_pairs_that_cannot_be_viewed_as_complex_take_the_tables(monkeypatch):
+    """A float32 tensor at an odd storage offset or with an odd stride has no complex view:
+    it takes the expanded tables, with the same values to rounding."""
+    calls = _phase_count(monkeypatch)
+    rotary = Rotary(8, interleaved=True)
+    torch.manual_seed(0)
+    flat = torch.randn(1 + 2 * 3 * 5 * 8)
+    odd_offset = flat[1:].view(2, 3, 5, 8)
+    odd_stride = torch.randn(2, 3, 5, 9)[..., :8]  # the sequence's stride 9
+    pos = torch.arange(5)[None]
+    for x in (odd_offset, odd_stride):
+        out, _ = rotary.rotate(x, x, pos, pos)
+        assert_close(out, reference_rope(x, torch.arange(5), interleaved=True), terms=4)
+    assert calls == []
+    even = torch.randn(2, 3, 5, 8)
+    rotary.rotate(even, odd_offset, pos, pos)  # one of the two without a view: no phases
+    assert calls == []
+
+
+def test_interleaved_pairs_inside_forward_ad_and_vmap_take_the_tables(monkeypatch):
+    """A forward-mode AD level and a ``torch.func`` transform take the out-of-place
+    rotation with real tables: the tangent is the rotated tangent."""
+    import torch.autograd.forward_ad as fwAD
+
+    calls = _phase_count(monkeypatch)
+    rotary = Rotary(8, interleaved=True)
+    torch.manual_seed(0)
+    x, t = torch.randn(2, 3, 5, 8, dtype=torch.float64), torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    pos = torch.arange(5)[None]
+    with fwAD.dual_level():
+        out, _ = rotary.rotate(fwAD.make_dual(x, t), x, pos, pos)
+        tangent = fwAD.unpack_dual(out).tangent
+    torch.testing.assert_close(tangent, reference_rope(t, torch.arange(5), interleaved=True))
+    out = torch.vmap(lambda y: rotary.rotate(y, y, pos, pos)[0])(torch.stack((x, t)))
+    torch.testing.assert_close(out[0], reference_rope(x, torch.arange(5), interleaved=True))
+    torch.testing.assert_close(out[1], reference_rope(t, torch.arange(5), interleaved=True))
+    assert calls == []
 
 
 def test_positions_that_are_no_run_or_a_scaling_take_the_tables_of_the_call(monkeypatch):

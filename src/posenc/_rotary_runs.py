@@ -1,11 +1,17 @@
 """Rotary tables kept between calls for runs of positions, and the rotation that reads them.
 
 :class:`~posenc.rotary.Rotary` rotates queries and keys whose positions are each one run
-of consecutive integers with cos and sin spread over the ``r`` rotated channels, the sin
-signed by the channel it lands on, built once per run (:func:`_run_tables`): the rotation
-is then a product and two ``addcmul_`` into it, or where it is traced a swap of each pair's
-channels, a product and an ``addcmul`` (:func:`_apply_expanded`), where
-:func:`~posenc.rotary.apply_rotary` takes seven ops.
+of consecutive integers with tables built once per run (:func:`rotate_runs`):
+
+- pairs ``(2i, 2i+1)`` (``interleaved=True``), eager on CPU or CUDA: each pair read as one
+  complex number and multiplied by ``cos + i sin`` (:func:`_run_phases`), one kernel per
+  tensor, and autograd's own backward (the product by the conjugate);
+- otherwise cos and sin spread over the ``r`` rotated channels, the sin signed by the
+  channel it lands on (:func:`_run_tables`): the rotation is then a product and two
+  ``addcmul_`` into it, or where it is traced a swap of each pair's channels, a product and
+  an ``addcmul`` (:func:`_apply_expanded`),
+
+where :func:`~posenc.rotary.apply_rotary` takes seven ops.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n`` positions, ``r`` rotated channels.
 """
@@ -17,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._memo import memo, plain_autograd
+from ._memo import _plain, memo, plain_autograd
 from .absolute import inverse_frequencies
 from .indices import run_start
 
@@ -124,20 +130,102 @@ class _Rotation(torch.autograd.Function):
         return _rotated(grad, cos, -sin, ctx.interleaved), None, None, None
 
 
-def run_tables(
-    q_pos: Tensor, k_pos: Tensor, rotary_dim: int, base: float, interleaved: bool,
-    dtype: torch.dtype, device: torch.device,
-) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:  # fmt: skip
-    """The tables ``(cos_q, sin_q, cos_k, sin_k)``, each ``[n, r]`` in ``dtype``, kept
-    between calls (:func:`_run_tables`), when the queries' and the keys' positions are each
-    one run (:func:`~posenc.indices.run_start`) on ``device``; else None."""
+def rotate_runs(
+    q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, rotary_dim: int, base: float,
+    interleaved: bool, *, heads_after: bool,
+) -> tuple[Tensor, Tensor] | None:  # fmt: skip
+    """``q`` and ``k`` rotated with tables kept between calls, when the queries' and the
+    keys' positions are each one run (:func:`~posenc.indices.run_start`) on their device;
+    else None.
+
+    Args:
+        q: ``[b, h, n_q, d]`` queries (``[b, n_q, h, d]`` when ``heads_after``).
+        k: ``[b, h_kv, n_k, d]`` keys (``[b, n_k, h_kv, d]`` when ``heads_after``).
+        q_pos: ``[B', n_q]`` positions of the queries.
+        k_pos: ``[B', n_k]`` positions of the keys.
+        rotary_dim: ``r``, the rotated channels (the first ``r``).
+        base: the wavelength base.
+        interleaved: pairs ``(2i, 2i+1)`` if True, else ``(i, i + r/2)``.
+        heads_after: the heads follow the sequence axis (``layout="bnhd"``).
+
+    Returns:
+        ``(q, k)`` rotated, in their shapes and dtypes, or None.
+    """
+    device = q.device
     if q_pos.device != device or k_pos.device != device:
         return None
     firsts = [run_start(pos) for pos in ((q_pos,) if k_pos is q_pos else (q_pos, k_pos))]
     if None in firsts:
         return None
+    runs = list(zip(firsts, (q_pos.shape[-1], k_pos.shape[-1]), strict=False))
+    if interleaved and _as_pairs(q, k):
+        rotated = []
+        for x, (first, n) in zip((q, k), (runs[0], runs[-1]), strict=True):
+            wide = torch.promote_types(x.dtype, torch.float32) == torch.float64
+            dtype = torch.complex128 if wide else torch.complex64
+            phase = _run_phases(rotary_dim, base, first, n, dtype, device)  # [n, r/2]
+            if heads_after:  # [n, r/2] -> [n, 1, r/2], the heads after the sequence
+                phase = phase.unsqueeze(-2)
+            rotated.append(_apply_phases(x, phase))
+        return rotated[0], rotated[1]
+    work = torch.promote_types(q.dtype, torch.float32)  # what apply_rotary computes in
     tables = [
-        _run_tables(rotary_dim, base, interleaved, first, pos.shape[-1], dtype, device).unbind(0)
-        for first, pos in zip(firsts, (q_pos, k_pos), strict=False)
-    ]
-    return (*tables[0], *tables[-1])
+        _run_tables(rotary_dim, base, interleaved, first, n, work, device).unbind(0)
+        for first, n in runs
+    ]  # each (cos, sin) [n, r]
+    if heads_after:  # [n, r] -> [n, 1, r]
+        tables = [[t.unsqueeze(-2) for t in pair] for pair in tables]
+    (cos_q, sin_q), (cos_k, sin_k) = tables[0], tables[-1]
+    return (
+        _apply_expanded(q, cos_q, sin_q, interleaved=interleaved),
+        _apply_expanded(k, cos_k, sin_k, interleaved=interleaved),
+    )
+
+
+@memo(maxsize=16)
+def _run_phases(
+    rotary_dim: int, base: float, first: int, n: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """``[n, r/2]`` complex ``dtype``: ``cos + i sin`` of the angles of the positions
+    ``first .. first + n - 1`` (float64, as :func:`_run_tables`: the same cos and sin
+    rounded once)."""
+    inv_freq = inverse_frequencies(rotary_dim, base, device=device)  # [r/2] float64
+    positions = torch.arange(first, first + n, dtype=inv_freq.dtype, device=device)  # [n]
+    angles = positions[:, None] * inv_freq  # [n, r/2], as rotary_angles
+    return torch.complex(angles.cos(), angles.sin()).to(dtype)  # [n, r/2]
+
+
+def _as_pairs(q: Tensor, k: Tensor) -> bool:
+    """Whether the complex rotation applies: eager autograd on CPU or CUDA, out of a
+    ``torch.compile`` trace, a dispatch or function mode and ``torch.func``; and each
+    tensor either cast to float32 (a new contiguous copy) or with the strides of a view as
+    complex pairs (the last stride 1, every other stride and the offset even)."""
+    if q.device.type not in ("cpu", "cuda") or not (plain_autograd() and _plain()):
+        return False
+    for x in (q, k):
+        if x.dtype in (torch.float32, torch.float64):
+            if x.stride(-1) != 1 or x.storage_offset() % 2:
+                return False
+            if any(stride % 2 for stride in x.stride()[:-1]):
+                return False
+    return True
+
+
+def _apply_phases(x: Tensor, phase: Tensor) -> Tensor:
+    """``x``'s pairs ``(2i, 2i+1)`` of the first ``r = 2 * phase.shape[-1]`` channels
+    times ``phase`` (``[..., n, r/2]`` complex), as complex numbers: ``(x_2i cos - x_2i+1
+    sin, x_2i sin + x_2i+1 cos)``, each product rounded before the sum; the other channels
+    passed through; computed in the phase's precision (float32 for a bfloat16 ``x``).
+    ``[..., n, d]`` in ``x``'s dtype."""
+    rot = 2 * phase.shape[-1]
+    xr = x if rot == x.shape[-1] else x[..., :rot]  # [b, h, n, r]
+    work = phase.real.dtype
+    if xr.dtype != work:
+        xr = xr.to(work)
+    pairs = torch.view_as_complex(xr.unflatten(-1, (rot // 2, 2)))  # [b, h, n, r/2] complex
+    rotated = torch.view_as_real(pairs * phase).flatten(-2)  # [b, h, n, r/2, 2] -> [..., r]
+    if rotated.dtype != x.dtype:
+        rotated = rotated.to(x.dtype)
+    if rot == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., rot:]), dim=-1)

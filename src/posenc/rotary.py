@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._rotary_runs import _apply_expanded, run_tables
+from ._rotary_runs import rotate_runs
 from .absolute import inverse_frequencies
 from .rotary_scaling import (
     DynamicNTKScaling,
@@ -264,23 +264,17 @@ class Rotary(nn.Module):
             ends = [p.amax(-1, keepdim=True) for p in (q_pos, k_pos) if p.shape[-1]]
             if ends:
                 length = (torch.maximum(*ends) if len(ends) == 2 else ends[0]) + 1  # [B', 1]
-        work = torch.promote_types(q.dtype, torch.float32)  # what apply_rotary computes in
         # runs of positions: tables kept between calls (not with a scaling, nor a cos_sin
         # of a subclass's or the instance's, which the call's tables follow)
         plain = type(self).cos_sin is Rotary.cos_sin and "cos_sin" not in vars(self)
-        kept = None
         if self.scaling is None and plain:
-            kept = run_tables(
-                q_pos, k_pos, self.rotary_dim, self.base, self.interleaved, work, q.device
-            )
-        if kept is not None:
-            if layout == "bnhd":  # [n, r] -> [n, 1, r], the heads after the sequence
-                kept = tuple(t.unsqueeze(-2) for t in kept)
-            cos_q, sin_q, cos_k, sin_k = kept
-            return (
-                _apply_expanded(q, cos_q, sin_q, interleaved=self.interleaved),
-                _apply_expanded(k, cos_k, sin_k, interleaved=self.interleaved),
-            )
+            rotated = rotate_runs(
+                q, k, q_pos, k_pos, self.rotary_dim, self.base, self.interleaved,
+                heads_after=layout == "bnhd",
+            )  # fmt: skip
+            if rotated is not None:
+                return rotated
+        work = torch.promote_types(q.dtype, torch.float32)  # what apply_rotary computes in
         cos_q, sin_q = (t.to(work) for t in self.cos_sin(q_pos, length=length))  # [B', n_q, r/2]
         if k_pos is q_pos:  # self-attention at the same positions: the same angles
             cos_k, sin_k = cos_q, sin_q
