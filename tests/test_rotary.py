@@ -598,9 +598,7 @@ def _phase_count(monkeypatch):
 
     calls = []
     original = rotary_module._apply_phases
-    monkeypatch.setattr(
-        rotary_module, "_apply_phases", lambda *a: calls.append(1) or original(*a)
-    )
+    monkeypatch.setattr(rotary_module, "_apply_phases", lambda *a: calls.append(1) or original(*a))
     return calls
 
 
@@ -608,7 +606,10 @@ def test_the_phases_are_the_tables_cos_and_sin():
     """``cos + i sin`` of the kept phases holds the very cos and sin of the kept tables."""
     import posenc._rotary_runs as rotary_module
 
-    for real, complex_dtype in ((torch.float32, torch.complex64), (torch.float64, torch.complex128)):
+    for real, complex_dtype in (
+        (torch.float32, torch.complex64),
+        (torch.float64, torch.complex128),
+    ):
         phases = rotary_module._run_phases(8, 500.0, 3, 5, complex_dtype, torch.device("cpu"))
         cos, sin = rotary_module._run_tables(8, 500.0, True, 3, 5, real, torch.device("cpu"))
         assert torch.equal(phases.real, cos[..., 0::2])
@@ -688,11 +689,18 @@ def test_interleaved_pairs_that_cannot_be_viewed_as_complex_take_the_tables(monk
     flat = torch.randn(1 + 2 * 3 * 5 * 8)
     odd_offset = flat[1:].view(2, 3, 5, 8)
     odd_stride = torch.randn(2, 3, 5, 9)[..., :8]  # the sequence's stride 9
+    channels_apart = torch.randn(2, 3, 8, 5).transpose(-1, -2)  # the channels' stride 5
     pos = torch.arange(5)[None]
-    for x in (odd_offset, odd_stride):
+    for x in (odd_offset, odd_stride, channels_apart):
         out, _ = rotary.rotate(x, x, pos, pos)
         assert_close(out, reference_rope(x, torch.arange(5), interleaved=True), terms=4)
     assert calls == []
+    for x in (odd_stride, channels_apart):  # bfloat16: cast to a contiguous float32 copy
+        x = x.to(torch.bfloat16)
+        out, _ = rotary.rotate(x, x, pos, pos)
+        assert_close(out, reference_rope(x, torch.arange(5), interleaved=True), terms=4)
+    assert len(calls) == 4
+    calls.clear()
     even = torch.randn(2, 3, 5, 8)
     rotary.rotate(even, odd_offset, pos, pos)  # one of the two without a view: no phases
     assert calls == []
@@ -706,7 +714,10 @@ def test_interleaved_pairs_inside_forward_ad_and_vmap_take_the_tables(monkeypatc
     calls = _phase_count(monkeypatch)
     rotary = Rotary(8, interleaved=True)
     torch.manual_seed(0)
-    x, t = torch.randn(2, 3, 5, 8, dtype=torch.float64), torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    x, t = (
+        torch.randn(2, 3, 5, 8, dtype=torch.float64),
+        torch.randn(2, 3, 5, 8, dtype=torch.float64),
+    )
     pos = torch.arange(5)[None]
     with fwAD.dual_level():
         out, _ = rotary.rotate(fwAD.make_dual(x, t), x, pos, pos)

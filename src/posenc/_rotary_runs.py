@@ -198,7 +198,7 @@ def _run_phases(
 def _as_pairs(q: Tensor, k: Tensor) -> bool:
     """Whether the complex rotation applies: eager autograd on CPU or CUDA, out of a
     ``torch.compile`` trace, a dispatch or function mode and ``torch.func``; and each
-    tensor either cast to float32 (a new contiguous copy) or with the strides of a view as
+    tensor either cast (a new contiguous copy: bfloat16 and float16) or with the strides of a view as
     complex pairs (the last stride 1, every other stride and the offset even)."""
     if q.device.type not in ("cpu", "cuda") or not (plain_autograd() and _plain()):
         return False
@@ -220,8 +220,8 @@ def _apply_phases(x: Tensor, phase: Tensor) -> Tensor:
     rot = 2 * phase.shape[-1]
     xr = x if rot == x.shape[-1] else x[..., :rot]  # [b, h, n, r]
     work = phase.real.dtype
-    if xr.dtype != work:
-        xr = xr.to(work)
+    if xr.dtype != work:  # a contiguous copy, whatever the strides of x
+        xr = xr.to(work, memory_format=torch.contiguous_format)
     pairs = torch.view_as_complex(xr.unflatten(-1, (rot // 2, 2)))  # [b, h, n, r/2] complex
     rotated = torch.view_as_real(pairs * phase).flatten(-2)  # [b, h, n, r/2, 2] -> [..., r]
     if rotated.dtype != x.dtype:
