@@ -621,41 +621,61 @@ def test_the_phases_are_the_tables_cos_and_sin():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_interleaved_pairs_rotate_as_complex_numbers(monkeypatch, layout, rotary_dim, dtype):
     """Pairs ``(2i, 2i+1)`` at runs of positions rotate as complex numbers times
-    ``cos + i sin`` (one kernel per tensor), with and without a graph: values and
-    gradients against the float64 reference of the paper's 2x2 rotation, to the rounding
-    of two products and a sum; the pass-through channels unchanged; the input kept."""
+    ``cos + i sin`` (one kernel per tensor), with and without a graph: values against the
+    float64 reference of the paper's 2x2 rotation, and gradients against the rotation of
+    the gradient by the opposite angles, to the rounding of two products and a sum; the
+    pass-through channels unchanged; the input kept; queries and keys at their own runs."""
     calls = _phase_count(monkeypatch)
     rotary = Rotary(8, interleaved=True, rotary_dim=rotary_dim)
     r = 8 if rotary_dim is None else rotary_dim
     torch.manual_seed(0)
     q = torch.randn(2, 3, 5, 8, dtype=dtype)
     k = torch.randn(2, 3, 6, 8, dtype=dtype)
+    q_first, k_first = 4, 1
     if layout == "bnhd":
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, n, h, d] views
+    axis = 2 if layout == "bhnd" else 1
+    q_pos = torch.arange(q.shape[axis]) + q_first
+    k_pos = torch.arange(k.shape[axis]) + k_first
     kept = q.clone(), k.clone()
     leaves = [x.clone().requires_grad_() for x in (q, k)]
-    rq, rk = rotary(*leaves, offset=4, layout=layout)
+    rq, rk = rotary(*leaves, q_pos, k_pos, layout=layout)
     assert len(calls) == 2
-    assert rq.dtype == dtype and rq.shape == q.shape
-    for x, out, first in ((q, rq, 4), (k, rk, 4)):
-        bhnd = x if layout == "bhnd" else x.transpose(1, 2)
-        got = out if layout == "bhnd" else out.transpose(1, 2)
-        expected = reference_rope(
-            bhnd, torch.arange(bhnd.shape[2]) + first, interleaved=True, rotary_dim=rotary_dim
-        )
-        assert_close(got, expected, terms=4, dtype=dtype)
-        assert torch.equal(got.detach()[..., r:], bhnd[..., r:])
-    assert torch.equal(q, kept[0]) and torch.equal(k, kept[1])
+    assert rq.dtype == dtype and rq.shape == q.shape and rk.shape == k.shape
     grads = torch.randn_like(rq), torch.randn_like(rk)
     found = torch.autograd.grad((rq, rk), leaves, grads)
-    leaves64 = [x.detach().double().requires_grad_() for x in (q, k)]
-    ref = rotary(*leaves64, offset=4, layout=layout)  # float64: phases in complex128
-    expected = torch.autograd.grad(ref, leaves64, [g.double() for g in grads])
-    for got, want in zip(found, expected, strict=True):
-        assert_close(got, want, terms=4, dtype=dtype)
+
+    def bhnd(x):
+        return x if layout == "bhnd" else x.transpose(1, 2)
+
+    for x, out, pos, grad, got_grad in zip(
+        (q, k), (rq, rk), (q_pos, k_pos), grads, found, strict=True
+    ):
+        expected = reference_rope(bhnd(x), pos, interleaved=True, rotary_dim=rotary_dim)
+        assert_close(bhnd(out), expected, terms=4, dtype=dtype)
+        assert torch.equal(bhnd(out).detach()[..., r:], bhnd(x)[..., r:])
+        back = reference_rope(bhnd(grad), -pos, interleaved=True, rotary_dim=rotary_dim)
+        assert_close(bhnd(got_grad), back, terms=4, dtype=dtype)  # R(p)^T = R(-p)
+    assert torch.equal(q, kept[0]) and torch.equal(k, kept[1])
     with torch.no_grad():
-        again = rotary(q, k, offset=4, layout=layout)
+        again = rotary(q, k, q_pos, k_pos, layout=layout)
     assert torch.equal(again[0], rq.detach()) and torch.equal(again[1], rk.detach())
+
+
+def test_interleaved_complex_rotation_returns_no_view(monkeypatch):
+    """The rotated tensors are new real tensors, not views of complex ones: they can be
+    detached and written in place as the tables' rotation allowed."""
+    calls = _phase_count(monkeypatch)
+    rotary = Rotary(8, interleaved=True)
+    q = torch.randn(1, 2, 4, 8)
+    with torch.no_grad():
+        rq, rk = rotary(q, q)
+    assert rq._base is None and rk._base is None
+    rq.mul_(torch.ones((), requires_grad=True))  # a no-grad output written with grad on
+    out, _ = rotary(q.clone().requires_grad_(), q)
+    assert out._base is None and type(out.grad_fn).__name__ == "_PhaseRotationBackward"
+    out.detach_()
+    assert len(calls) == 4
 
 
 def test_interleaved_complex_rotation_is_differentiable_twice(monkeypatch):

@@ -1,11 +1,12 @@
 """Rotary tables kept between calls for runs of positions, and the rotation that reads them.
 
 :class:`~posenc.rotary.Rotary` rotates queries and keys whose positions are each one run
-of consecutive integers with tables built once per run (:func:`rotate_runs`):
+of consecutive integers with tables built once per run (:func:`rotate_runs`; runs are
+found for positions on the CPU, :func:`~posenc.indices.run_start`):
 
-- pairs ``(2i, 2i+1)`` (``interleaved=True``), eager on CPU or CUDA: each pair read as one
-  complex number and multiplied by ``cos + i sin`` (:func:`_run_phases`), one kernel per
-  tensor, and autograd's own backward (the product by the conjugate);
+- pairs ``(2i, 2i+1)`` (``interleaved=True``), eager: each pair read as one complex number
+  and multiplied by ``cos + i sin`` (:func:`_run_phases`), one kernel per tensor, and a
+  backward of one kernel too (the product by the conjugate, :class:`_PhaseRotation`);
 - otherwise cos and sin spread over the ``r`` rotated channels, the sin signed by the
   channel it lands on (:func:`_run_tables`): the rotation is then a product and two
   ``addcmul_`` into it, or where it is traced a swap of each pair's channels, a product and
@@ -196,36 +197,80 @@ def _run_phases(
 
 
 def _as_pairs(q: Tensor, k: Tensor) -> bool:
-    """Whether the complex rotation applies: eager autograd on CPU or CUDA, out of a
-    ``torch.compile`` trace, a dispatch or function mode and ``torch.func``; and each
-    tensor either cast (a new contiguous copy: bfloat16 and float16) or with the strides of a view as
-    complex pairs (the last stride 1, every other stride and the offset even)."""
+    """Whether the complex rotation applies: eager autograd (no ``torch.compile`` trace,
+    dispatch or function mode, ``torch.func`` transform or forward-mode AD level) on CPU
+    or CUDA; and each tensor either cast (a new contiguous copy: bfloat16 and float16) or
+    with a view as complex pairs (:func:`_viewable`)."""
     if q.device.type not in ("cpu", "cuda") or not (plain_autograd() and _plain()):
         return False
-    for x in (q, k):
-        if x.dtype in (torch.float32, torch.float64):
-            if x.stride(-1) != 1 or x.storage_offset() % 2:
-                return False
-            if any(stride % 2 for stride in x.stride()[:-1]):
-                return False
-    return True
+    return all(_viewable(x) for x in (q, k) if x.dtype in (torch.float32, torch.float64))
 
 
 def _apply_phases(x: Tensor, phase: Tensor) -> Tensor:
     """``x``'s pairs ``(2i, 2i+1)`` of the first ``r = 2 * phase.shape[-1]`` channels
     times ``phase`` (``[..., n, r/2]`` complex), as complex numbers: ``(x_2i cos - x_2i+1
-    sin, x_2i sin + x_2i+1 cos)``, each product rounded before the sum; the other channels
-    passed through; computed in the phase's precision (float32 for a bfloat16 ``x``).
-    ``[..., n, d]`` in ``x``'s dtype."""
+    sin, x_2i sin + x_2i+1 cos)``, within an ulp of each product rounded before the sum
+    (the CPU's kernel may fuse a multiply and an add); the other channels passed through;
+    computed in the phase's precision (float32 for a bfloat16 ``x``). A new real tensor
+    (no view of a complex one), through :class:`_PhaseRotation` where a graph is
+    recorded. ``[..., n, d]`` in ``x``'s dtype."""
     rot = 2 * phase.shape[-1]
     xr = x if rot == x.shape[-1] else x[..., :rot]  # [b, h, n, r]
     work = phase.real.dtype
     if xr.dtype != work:  # a contiguous copy, whatever the strides of x
         xr = xr.to(work, memory_format=torch.contiguous_format)
-    pairs = torch.view_as_complex(xr.unflatten(-1, (rot // 2, 2)))  # [b, h, n, r/2] complex
-    rotated = torch.view_as_real(pairs * phase).flatten(-2)  # [b, h, n, r/2, 2] -> [..., r]
+    if torch.is_grad_enabled() and xr.requires_grad:
+        rotated = _PhaseRotation.apply(xr, phase)
+    else:
+        rotated = _times_phase(xr, phase)
     if rotated.dtype != x.dtype:
         rotated = rotated.to(x.dtype)
     if rot == x.shape[-1]:
         return rotated
     return torch.cat((rotated, x[..., rot:]), dim=-1)
+
+
+def _viewable(x: Tensor) -> bool:
+    """Whether ``x [..., r]`` has a view as complex pairs: the last stride 1, every other
+    stride and the storage offset even."""
+    return (
+        x.stride(-1) == 1
+        and x.storage_offset() % 2 == 0
+        and not any(stride % 2 for stride in x.stride()[:-1])
+    )
+
+
+def _pairs(x: Tensor) -> Tensor:
+    """``x [..., r]`` (with :func:`_viewable` strides) as ``[..., r/2]`` complex pairs."""
+    return torch.view_as_complex(x.unflatten(-1, (x.shape[-1] // 2, 2)))  # [..., r/2]
+
+
+def _times_phase(x: Tensor, phase: Tensor) -> Tensor:
+    """``x [..., r]``'s pairs times ``phase [..., r/2]``, written into a new real tensor
+    ``[..., r]`` laid out as ``x`` (as a contiguous copy of ``x`` where its strides have no
+    complex view)."""
+    if not _viewable(x):
+        x = x.contiguous()
+    out = torch.empty_like(x)  # x's strides where dense, else contiguous: viewable both
+    torch.mul(_pairs(x), phase, out=_pairs(out))
+    return out
+
+
+class _PhaseRotation(torch.autograd.Function):
+    """The rotation of :func:`_times_phase` by a constant phase, whose output is no view
+    and whose backward is the rotation of the gradient by the conjugate phase (the
+    opposite angles); with ``create_graph=True`` in autograd's differentiable ops."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, phase: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(phase)
+        return _times_phase(x, phase)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:  # type: ignore[override]
+        (phase,) = ctx.saved_tensors
+        back = phase.conj().resolve_conj()  # [..., n, r/2]
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable form
+            pairs = _pairs(grad if _viewable(grad) else grad.contiguous())
+            return torch.view_as_real(pairs * back).flatten(-2), None
+        return _times_phase(grad, back), None
