@@ -216,7 +216,7 @@ def _apply_phases(x: Tensor, phase: Tensor) -> Tensor:
     recorded. ``[..., n, d]`` in ``x``'s dtype."""
     rot = 2 * phase.shape[-1]
     xr = x if rot == x.shape[-1] else x[..., :rot]  # [b, h, n, r]
-    work = phase.real.dtype
+    work = _REAL[phase.dtype]
     if xr.dtype != work:  # a contiguous copy, whatever the strides of x
         xr = xr.to(work, memory_format=torch.contiguous_format)
     if torch.is_grad_enabled() and xr.requires_grad:
@@ -241,8 +241,15 @@ def _viewable(x: Tensor) -> bool:
 
 
 def _pairs(x: Tensor) -> Tensor:
-    """``x [..., r]`` (with :func:`_viewable` strides) as ``[..., r/2]`` complex pairs."""
-    return torch.view_as_complex(x.unflatten(-1, (x.shape[-1] // 2, 2)))  # [..., r/2]
+    """``x [..., r]`` float32 or float64 (with :func:`_viewable` strides) as
+    ``[..., r/2]`` complex pairs (a view of another dtype, which autograd does not
+    differentiate: for the computations it records, ``view_as_complex``)."""
+    return x.view(_COMPLEX[x.dtype])  # [..., r/2]
+
+
+#: the complex dtype of pairs of each real dtype, and back
+_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+_REAL = {complex_dtype: real for real, complex_dtype in _COMPLEX.items()}
 
 
 def _times_phase(x: Tensor, phase: Tensor) -> Tensor:
@@ -271,6 +278,7 @@ class _PhaseRotation(torch.autograd.Function):
         (phase,) = ctx.saved_tensors
         back = phase.conj().resolve_conj()  # [..., n, r/2]
         if torch.is_grad_enabled():  # create_graph=True: a differentiable form
-            pairs = _pairs(grad if _viewable(grad) else grad.contiguous())
-            return torch.view_as_real(pairs * back).flatten(-2), None
+            grad = grad if _viewable(grad) else grad.contiguous()
+            pairs = torch.view_as_complex(grad.unflatten(-1, (back.shape[-1], 2)))  # [..., r/2]
+            return torch.view_as_real(pairs * back).flatten(-2), None  # differentiable views
         return _times_phase(grad, back), None
