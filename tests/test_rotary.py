@@ -799,3 +799,16 @@ def test_jit_trace_records_the_out_of_place_rotation():
         traced = torch.jit.trace(model, (x,))
         torch.jit.save(traced, io.BytesIO())
     torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 4, 8), (2, 2, 0, 8)])
+def test_interleaved_complex_rotation_of_nothing(shape):
+    """No batch or no tokens: the complex rotation, its backward from an expanded
+    gradient (all strides 0) and its create_graph backward give empty tensors."""
+    rotary = Rotary(8, interleaved=True)
+    q = torch.randn(*shape, requires_grad=True)
+    out, _ = rotary(q, q)
+    assert out.shape == shape
+    out.sum().backward()
+    (again,) = torch.autograd.grad(rotary(q, q)[0].sum(), q, create_graph=True)
+    assert q.grad.shape == shape and again.shape == shape

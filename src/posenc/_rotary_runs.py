@@ -126,7 +126,7 @@ class _Rotation(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         cos, sin = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a differentiable form
+        if torch.is_grad_enabled() and grad.numel():  # create_graph=True: differentiable
             return _swapped_sum(grad, cos, -sin, ctx.interleaved), None, None, None
         return _rotated(grad, cos, -sin, ctx.interleaved), None, None, None
 
@@ -256,6 +256,8 @@ def _times_phase(x: Tensor, phase: Tensor) -> Tensor:
     """``x [..., r]``'s pairs times ``phase [..., r/2]``, written into a new real tensor
     ``[..., r]`` laid out as ``x`` (as a contiguous copy of ``x`` where its strides have no
     complex view)."""
+    if not x.numel():  # no elements: strides of any kind (0 where expanded)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if not _viewable(x):
         x = x.contiguous()
     out = torch.empty_like(x)  # x's strides where dense, else contiguous: viewable both
@@ -277,7 +279,7 @@ class _PhaseRotation(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:  # type: ignore[override]
         (phase,) = ctx.saved_tensors
         back = phase.conj().resolve_conj()  # [..., n, r/2]
-        if torch.is_grad_enabled():  # create_graph=True: a differentiable form
+        if torch.is_grad_enabled() and grad.numel():  # create_graph=True: differentiable
             grad = grad if _viewable(grad) else grad.contiguous()
             pairs = torch.view_as_complex(grad.unflatten(-1, (back.shape[-1], 2)))  # [..., r/2]
             return torch.view_as_real(pairs * back).flatten(-2), None  # differentiable views
