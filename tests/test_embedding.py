@@ -632,6 +632,38 @@ def test_relative_classes_are_one_primitive_of_their_family():
     assert torch.equal(two.axis_rows(1, torch.tensor([-3, 3])), two.width[:, [0, 6]])
 
 
+@pytest.mark.parametrize("heads", [None, 3])
+def test_the_rows_of_a_run_of_offsets_are_a_slice_of_the_table(heads):
+    """Offsets that run_offsets built (a run, known without reading it) inside the table
+    take its rows as a slice, a view of the weight with the values and the weight's
+    gradient of the gather; a run past the table's ends, a run written into, and the same
+    offsets built elsewhere are gathered, with the same values."""
+    from posenc.embedding import relative_rows
+    from posenc.indices import run_offsets
+
+    torch.manual_seed(0)
+    scheme = RelativeQueryEmbedding(8, 4, heads=heads).double()
+    weight = scheme.weight
+    q_pos, k_pos = torch.arange(2, 5)[None], torch.arange(6)[None]
+    offsets = run_offsets(q_pos, k_pos)  # -4 .. 3
+    assert offsets.tolist() == list(range(-4, 4))
+    rows = relative_rows(weight, offsets)
+    assert rows.data_ptr() == weight[..., 3, :].data_ptr()  # a view: row -4 + 7 on
+    plain = torch.arange(-4, 4)  # the same offsets, not known as a run
+    gathered = relative_rows(weight, plain)
+    assert gathered.data_ptr() != rows.data_ptr() and torch.equal(rows, gathered)
+    grad = torch.randn_like(rows)
+    (slice_grad,) = torch.autograd.grad(rows, weight, grad)
+    (gather_grad,) = torch.autograd.grad(gathered, weight, grad)
+    assert torch.equal(slice_grad, gather_grad)
+    far = run_offsets(torch.arange(9, 11)[None], torch.arange(12)[None])  # -10 .. 2
+    clamped = relative_rows(weight, far)
+    assert torch.equal(clamped, relative_rows(weight, torch.arange(-10, 3)))
+    assert torch.equal(clamped[..., :4, :], weight[..., :1, :].expand_as(clamped[..., :4, :]))
+    offsets[0] = 3  # written into: gathered again
+    assert torch.equal(relative_rows(weight, offsets)[..., 0, :], weight[..., 10, :])
+
+
 def test_offset_term_of_a_run_equals_the_score_term_by_the_skew():
     from posenc.indices import skew_rows
 

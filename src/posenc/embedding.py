@@ -42,7 +42,13 @@ from .families import (
     relative_query_term_2d,
     table_logits,
 )
-from .indices import position_extremes, relative_to_absolute, select_rows, value_range
+from .indices import (
+    _known_run,
+    position_extremes,
+    relative_to_absolute,
+    select_rows,
+    value_range,
+)
 
 __all__ = [
     "AbsoluteQueryEmbedding",
@@ -166,9 +172,15 @@ def relative_rows(weight: Tensor, offsets: Tensor) -> Tensor:
         offsets: integer ``[*S]``; beyond ``+-(L-1)`` they read the first or last row.
 
     Returns:
-        ``[*S, d]`` or ``[h, *S, d]``.
+        ``[*S, d]`` or ``[h, *S, d]``: for a run of offsets within the table that
+        :func:`~posenc.indices.run_offsets` built, a view of ``weight`` (its rows in a
+        slice), else a new tensor.
     """
     length = (weight.shape[-2] + 1) // 2
+    run = _known_run(offsets) if offsets.ndim == 1 else None
+    if run is not None and 1 - length <= run[0] and run[1] <= length - 1:
+        # a run of offsets within the table: its rows are a slice (a view, no gather)
+        return weight[..., run[0] + length - 1 : run[1] + length, :]  # [(h,) W, d]
     return select_rows(weight, offsets.clamp(1 - length, length - 1) + (length - 1))
 
 

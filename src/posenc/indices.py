@@ -238,8 +238,9 @@ _KEPT_RUNS: OrderedDict[tuple[int, int, torch.device | None], Tensor] = OrderedD
 
 
 def _known_run(pos: Tensor) -> tuple[int, int] | None:
-    """``(first, last)`` of positions :func:`run_positions` built and nothing has written
-    into since (their version counter unchanged), else None."""
+    """``(first, last)`` of positions (``[..., n]``) that :func:`run_positions` or offsets
+    that :func:`run_offsets` built and nothing has written into since (their version
+    counter unchanged), else None: known without reading them."""
     mark = getattr(pos, "_posenc_run", None)
     if mark is None or pos.is_inference() or mark[0] != pos._version:
         return None
@@ -350,13 +351,16 @@ def run_offsets(q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
 
     Returns:
         ``[n_q + n_k - 1]`` int64, ``first .. first + n_q + n_k - 2`` with ``first`` from
-        :func:`offset_run`; None when it gives None.
+        :func:`offset_run`, marked as a run (:func:`_known_run`); None when it gives None.
     """
     first = offset_run(q_pos, k_pos)
     if first is None:
         return None
     count = q_pos.shape[-1] + k_pos.shape[-1] - 1
-    return torch.arange(first, first + count, device=q_pos.device)
+    offsets = torch.arange(first, first + count, device=q_pos.device)  # [count]
+    if not offsets.is_inference():  # known as a run (see run_positions) until written into
+        offsets._posenc_run = (offsets._version, first)
+    return offsets
 
 
 def is_whole_map(q_pos: Tensor, k_pos: Tensor, cells: int) -> bool:
