@@ -96,35 +96,9 @@ def test_run_positions_are_known_as_a_run_until_written_into(monkeypatch):
     assert offset_run(q_pos, k_pos) == 0 - 7
     assert offset_run(q_pos[:, 1:], run_positions(0, 5)) == 0 - 7  # a view: read
     with torch.inference_mode():
-        kept = run_positions(2, 4)  # built outside inference mode: known in it too
-        inference = torch.arange(2, 6)[None]
+        inference = run_positions(2, 4)
         reads.clear()
-        assert not kept.is_inference() and offset_run(kept, kept) == 2 - 5 and reads == []
         assert offset_run(inference, inference) == 2 - 5 and reads == [1]
-
-
-def test_run_positions_are_kept_between_calls_until_written_into():
-    """Eager calls share one tensor per (start, n, device), the 16 most recent; a write
-    moves its version counter and the next call builds new positions; inside a
-    ``torch.func`` transform they are built anew."""
-    import posenc.indices as indices
-    from posenc.indices import run_positions
-
-    first = run_positions(3, 4)
-    assert run_positions(3, 4) is first and run_positions(3, 4, "cpu") is not first
-    assert run_positions(3, 5) is not first and run_positions(4, 4) is not first
-    first[0, 1] = 7  # the caller's write: the next call does not see it
-    second = run_positions(3, 4)
-    assert second is not first and torch.equal(second, torch.arange(3, 7)[None])
-    assert indices.offset_run(second, second) == 3 - 6
-    for start in range(20):
-        run_positions(100 + start, 2)
-    assert len(indices._KEPT_RUNS) == 16 and run_positions(3, 4) is not second
-    with torch.no_grad(), torch.inference_mode():
-        assert run_positions(3, 4) is run_positions(3, 4)
-    inside = torch.vmap(lambda x: x + run_positions(0, 3))(torch.zeros(2, 1, 3))
-    assert torch.equal(inside, torch.arange(3).expand(2, 1, 3))
-    assert all(key[:2] != (0, 3) for key in indices._KEPT_RUNS)
 
 
 def test_position_extremes_per_row():

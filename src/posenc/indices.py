@@ -14,7 +14,6 @@ compatibility needs it.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _validate as check
-from ._memo import _plain, memo
+from ._memo import memo
 from .diagonals import diagonal_sums, relative_to_absolute, skew_rows, toeplitz
 
 __all__ = [
@@ -196,14 +195,6 @@ def run_positions(start: int, n: int, device: torch.device | str | None = None) 
     through ``.data`` or a NumPy view, would not be seen: neither by the runs nor by the
     range checks).
 
-    In eager code the tensor is kept between calls (the 16 most recent ``(start, n,
-    device)``) and shared by them: an in-place write moves its version counter, and the
-    next call builds new positions. A new small tensor per call costs an allocation, and
-    between the large blocks of an attention call such small allocations can keep glibc
-    returning the heap's top to the system and faulting it in again. Under
-    ``torch.compile``, a dispatch or function mode and ``torch.func`` the positions are
-    built anew (traced, they are not marked).
-
     Args:
         start: the first position.
         n: how many.
@@ -212,29 +203,11 @@ def run_positions(start: int, n: int, device: torch.device | str | None = None) 
     Returns:
         ``[1, n]`` int64.
     """
-    if not _plain():
-        pos = torch.arange(start, start + n, device=device)[None]  # [1, n]
-        if torch.compiler.is_compiling() or pos.is_inference():
-            return pos  # traced (offset_run does not read positions there), or no counter
-        pos._posenc_run = (pos._version, start)
-        return pos
-    key = (start, n, None if device is None else torch.device(device))
-    pos = _KEPT_RUNS.get(key)
-    if pos is not None and pos._posenc_run[0] == pos._version:
-        _KEPT_RUNS.move_to_end(key)
-        return pos
-    with torch.inference_mode(False):  # usable in and out of inference mode
-        pos = torch.arange(start, start + n, device=device)[None]  # [1, n]
+    pos = torch.arange(start, start + n, device=device)[None]  # [1, n]
+    if torch.compiler.is_compiling() or pos.is_inference():
+        return pos  # traced (offset_run does not read positions there), or no version counter
     pos._posenc_run = (pos._version, start)
-    _KEPT_RUNS[key] = pos
-    _KEPT_RUNS.move_to_end(key)
-    if len(_KEPT_RUNS) > 16:
-        _KEPT_RUNS.popitem(last=False)
     return pos
-
-
-#: the positions :func:`run_positions` keeps, most recently used last
-_KEPT_RUNS: OrderedDict[tuple[int, int, torch.device | None], Tensor] = OrderedDict()
 
 
 def _known_run(pos: Tensor) -> tuple[int, int] | None:
