@@ -710,8 +710,9 @@ def test_interleaved_pairs_that_cannot_be_viewed_as_complex_take_the_tables(monk
     odd_offset = flat[1:].view(2, 3, 5, 8)
     odd_stride = torch.randn(2, 3, 5, 9)[..., :8]  # the sequence's stride 9
     channels_apart = torch.randn(2, 3, 8, 5).transpose(-1, -2)  # the channels' stride 5
+    negated = torch._neg_view(torch.randn(2, 3, 5, 8))  # a lazy negation: no dtype view
     pos = torch.arange(5)[None]
-    for x in (odd_offset, odd_stride, channels_apart):
+    for x in (odd_offset, odd_stride, channels_apart, negated):
         out, _ = rotary.rotate(x, x, pos, pos)
         assert_close(out, reference_rope(x, torch.arange(5), interleaved=True), terms=4)
     assert calls == []

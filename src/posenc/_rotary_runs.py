@@ -198,10 +198,12 @@ def _run_phases(
 
 def _as_pairs(q: Tensor, k: Tensor) -> bool:
     """Whether the complex rotation applies: eager autograd (no ``torch.compile`` trace,
-    dispatch or function mode, ``torch.func`` transform or forward-mode AD level) on CPU
-    or CUDA; and each tensor either cast (a new contiguous copy: bfloat16 and float16) or
-    with a view as complex pairs (:func:`_viewable`)."""
-    if q.device.type not in ("cpu", "cuda") or not (plain_autograd() and _plain()):
+    dispatch or function mode, ``torch.func`` transform or forward-mode AD level) on the
+    CPU (where runs of positions are found); and each tensor either cast (a new
+    contiguous copy: bfloat16 and float16) or with a view as complex pairs
+    (:func:`_viewable`). The two forms differ by at most an ulp, so that a float32 tensor
+    without such a view may round unlike a contiguous one."""
+    if q.device.type != "cpu" or not (plain_autograd() and _plain()):
         return False
     return all(_viewable(x) for x in (q, k) if x.dtype in (torch.float32, torch.float64))
 
@@ -232,9 +234,10 @@ def _apply_phases(x: Tensor, phase: Tensor) -> Tensor:
 
 def _viewable(x: Tensor) -> bool:
     """Whether ``x [..., r]`` has a view as complex pairs: the last stride 1, every other
-    stride and the storage offset even."""
+    stride and the storage offset even, no lazy negation (``torch._neg_view``)."""
     return (
-        x.stride(-1) == 1
+        not x.is_neg()
+        and x.stride(-1) == 1
         and x.storage_offset() % 2 == 0
         and not any(stride % 2 for stride in x.stride()[:-1])
     )
