@@ -633,11 +633,12 @@ def test_relative_classes_are_one_primitive_of_their_family():
 
 
 @pytest.mark.parametrize("heads", [None, 3])
-def test_the_rows_of_a_run_of_offsets_are_a_slice_of_the_table(heads):
+def test_the_rows_of_a_run_of_offsets_are_a_slice_of_the_table(monkeypatch, heads):
     """Offsets that run_offsets built (a run, known without reading it) inside the table
-    take its rows as a slice, a view of the weight with the values and the weight's
-    gradient of the gather; a run past the table's ends, a run written into, and the same
-    offsets built elsewhere are gathered, with the same values."""
+    take a copy of its rows' slice (no gather), with the values and the weight's gradient
+    of the gather, in and out of inference mode; a run past the table's ends, a run
+    written into, and the same offsets built elsewhere are gathered, with the same values;
+    traced, the offsets are gathered (the graph does not depend on the mark)."""
     from posenc.embedding import relative_rows
     from posenc.indices import run_offsets
 
@@ -647,11 +648,23 @@ def test_the_rows_of_a_run_of_offsets_are_a_slice_of_the_table(heads):
     q_pos, k_pos = torch.arange(2, 5)[None], torch.arange(6)[None]
     offsets = run_offsets(q_pos, k_pos)  # -4 .. 3
     assert offsets.tolist() == list(range(-4, 4))
+    selected = []
+    original = embedding.select_rows
+    monkeypatch.setattr(embedding, "select_rows", lambda *a: selected.append(1) or original(*a))
     rows = relative_rows(weight, offsets)
-    assert rows.data_ptr() == weight[..., 3, :].data_ptr()  # a view: row -4 + 7 on
+    assert selected == [] and torch.equal(rows, weight[..., 3:11, :])  # rows -4 + 7 on
+    assert rows.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
     plain = torch.arange(-4, 4)  # the same offsets, not known as a run
     gathered = relative_rows(weight, plain)
-    assert gathered.data_ptr() != rows.data_ptr() and torch.equal(rows, gathered)
+    assert selected == [1] and torch.equal(rows, gathered)
+    with torch.inference_mode():
+        inside = run_offsets(q_pos, k_pos)
+        assert torch.equal(relative_rows(weight, inside), rows) and selected == [1]
+    traced = torch.jit.trace(relative_rows, (weight.detach(), offsets), check_trace=False)
+    assert selected == [1, 1]  # a gather, recorded for any offsets
+    assert torch.equal(traced(weight.detach(), plain - 1), relative_rows(weight, plain - 1))
+    compiled = torch.compile(lambda o: relative_rows(weight, o), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(offsets), rows)
     grad = torch.randn_like(rows)
     (slice_grad,) = torch.autograd.grad(rows, weight, grad)
     (gather_grad,) = torch.autograd.grad(gathered, weight, grad)

@@ -172,15 +172,16 @@ def relative_rows(weight: Tensor, offsets: Tensor) -> Tensor:
         offsets: integer ``[*S]``; beyond ``+-(L-1)`` they read the first or last row.
 
     Returns:
-        ``[*S, d]`` or ``[h, *S, d]``: for a run of offsets within the table that
-        :func:`~posenc.indices.run_offsets` built, a view of ``weight`` (its rows in a
-        slice), else a new tensor.
+        ``[*S, d]`` or ``[h, *S, d]``, a new tensor: for a run of offsets within the table
+        that :func:`~posenc.indices.run_offsets` built, a copy of its rows' slice (no
+        clamp nor gather).
     """
     length = (weight.shape[-2] + 1) // 2
     run = _known_run(offsets) if offsets.ndim == 1 else None
     if run is not None and 1 - length <= run[0] and run[1] <= length - 1:
-        # a run of offsets within the table: its rows are a slice (a view, no gather)
-        return weight[..., run[0] + length - 1 : run[1] + length, :]  # [(h,) W, d]
+        # a run of offsets within the table: its rows are a slice, copied (no gather; the
+        # caller and a graph get their own rows, as from the gather)
+        return weight[..., run[0] + length - 1 : run[1] + length, :].clone()  # [(h,) W, d]
     return select_rows(weight, offsets.clamp(1 - length, length - 1) + (length - 1))
 
 

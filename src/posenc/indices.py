@@ -214,6 +214,8 @@ def _known_run(pos: Tensor) -> tuple[int, int] | None:
     """``(first, last)`` of positions (``[..., n]``) that :func:`run_positions` or offsets
     that :func:`run_offsets` built and nothing has written into since (their version
     counter unchanged), else None: known without reading them."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None  # traced: the graph must not depend on a mark
     mark = getattr(pos, "_posenc_run", None)
     if mark is None or pos.is_inference() or mark[0] != pos._version:
         return None
@@ -324,15 +326,21 @@ def run_offsets(q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
 
     Returns:
         ``[n_q + n_k - 1]`` int64, ``first .. first + n_q + n_k - 2`` with ``first`` from
-        :func:`offset_run`, marked as a run (:func:`_known_run`); None when it gives None.
+        :func:`offset_run`, marked as a run (:func:`_known_run`: known without reading it,
+        as :func:`run_positions` marks positions, until an in-place op moves its version
+        counter; a write past the counter, through ``.data`` or a NumPy view, is not
+        seen); None when :func:`offset_run` gives None.
     """
     first = offset_run(q_pos, k_pos)
     if first is None:
         return None
     count = q_pos.shape[-1] + k_pos.shape[-1] - 1
-    offsets = torch.arange(first, first + count, device=q_pos.device)  # [count]
-    if not offsets.is_inference():  # known as a run (see run_positions) until written into
-        offsets._posenc_run = (offsets._version, first)
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):  # a version counter in inference mode too
+            offsets = torch.arange(first, first + count, device=q_pos.device)  # [count]
+    else:
+        offsets = torch.arange(first, first + count, device=q_pos.device)  # [count]
+    offsets._posenc_run = (offsets._version, first)
     return offsets
 
 

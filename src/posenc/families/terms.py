@@ -241,10 +241,7 @@ class OffsetTerm(_QueryTerm):
 
     def offset_term(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | tuple[Tensor, Tensor] | None:
         """The rows the term uses when the positions are one consecutive run, so that
-        ``score_term(q) == skew_rows(q @ rows^T, n_k)`` (see :meth:`offset_form`); where
-        :meth:`rows` answers a run of offsets with a slice of its table (a view, as
-        :class:`~posenc.RelativeQueryEmbedding` does), the table's rows themselves: read
-        them, do not write into them."""
+        ``score_term(q) == skew_rows(q @ rows^T, n_k)`` (see :meth:`offset_form`)."""
         return self.offset_form(self.rows, q_pos, k_pos)
 
     def flex_term_mod(
