@@ -126,7 +126,7 @@ class _Rotation(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         cos, sin = ctx.saved_tensors
-        if torch.is_grad_enabled() and grad.numel():  # create_graph=True: differentiable
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable form
             return _swapped_sum(grad, cos, -sin, ctx.interleaved), None, None, None
         return _rotated(grad, cos, -sin, ctx.interleaved), None, None, None
 
