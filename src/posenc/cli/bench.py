@@ -50,6 +50,7 @@ import argparse
 import json
 import math
 import pickle
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -161,6 +162,9 @@ def format_table(
         ]
         shape = f"{case.shape} | " if shaped else ""
         lines.append(f"| {shape}{case.scheme} | {case.n} | " + " | ".join(cells) + " |")
+    floors = _floor_lines(cases, backward=backward, runs=runs)
+    if floors:
+        lines += ["", *floors]
     # why, grouped: "materialised skipped for shaw (n = 16, 32): ..."
     skipped: dict[tuple[str, str], dict[str, list[int]]] = {}
     for case in cases:
@@ -174,6 +178,33 @@ def format_table(
         at = ", ".join(f"{s} (n = {', '.join(map(str, ns))})" for s, ns in where.items())
         lines.append(f"{key} skipped for {at}: {reason}")
     return "\n".join(lines)
+
+
+def _floor_lines(
+    cases: Sequence[Case], *, backward: bool, runs: Sequence[Sequence[Case]] | None
+) -> list[str]:
+    """A line per shape and length: the floor's own time per call in milliseconds, which
+    every ratio divides by (each row measures it beside its scheme: the median over the
+    rows and processes, and the range), so that a process whose floor ran slow can be told from a scheme that did: on a
+    shared CPU a process keeps one state, and the ratios of small calls move with it."""
+    kinds = [("fwd+bwd", "fwd_bwd_s"), ("forward", "fwd_s")] if backward else [("fwd", "fwd_bwd_s")]
+    seen: dict[tuple[str, int], list[Case]] = {}  # every row's floor, of every process
+    for index, case in enumerate(cases):
+        rows = [case] if runs is None else [run[index] for run in runs]
+        seen.setdefault((case.shape, case.n), []).extend(rows)
+    lines = []
+    for (shape, n), rows in seen.items():
+        parts = []
+        for label, attr in kinds:
+            times = sorted(t * 1e3 for t in (getattr(r, attr).get("floor") for r in rows) if t)
+            if not times:
+                continue
+            low_high = f" ({times[0]:.3f}-{times[-1]:.3f})" if len(times) > 1 else ""
+            parts.append(f"{label} {statistics.median(times):.3f} ms{low_high}")
+        if parts:
+            where = f"{shape} n={n}" if shape else f"n={n}"
+            lines.append(f"floor (plain SDPA) per call at {where}: " + ", ".join(parts))
+    return lines
 
 
 def _to_json(
