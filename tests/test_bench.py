@@ -630,34 +630,3 @@ def test_a_fast_variant_is_timed_over_calls_in_a_row(monkeypatch):
     assert counts == {"fast": 6, "slow": 6, "cold": 6}
     assert measure._calls(0.0) == measure.SAMPLE_CALLS
     assert measure._calls(measure.SAMPLE_S * 0.67) == 2  # at least SAMPLE_S: rounded up
-
-
-def test_the_table_ends_with_the_floors_own_time_per_shape():
-    """Under the rows, a line per shape and length gives the floor's time per call in
-    milliseconds (the median over the rows and processes, and the range), fwd+bwd and
-    forward; a run without the backward gives the one time it measured."""
-    from posenc.cli import bench
-    from posenc.cli._bench_measure import Case
-
-    def case(scheme, shape, n, floor, forward):
-        return Case(
-            scheme, n, "auto", shape, {"floor": floor, "posenc": 2 * floor}, {"floor": forward}
-        )
-
-    cases = [case("alibi", "small", 64, 6e-4, 1.5e-4), case("t5", "small", 64, 7e-4, 2e-4)]
-    cases.append(case("alibi", "bert", 128, 0.02, 0.005))
-    table = bench.format_table(cases).splitlines()
-    assert table[-3:] == [
-        "",
-        "floor (plain SDPA) per call at small n=64: fwd+bwd 0.650 ms (0.600-0.700), "
-        "forward 0.175 ms (0.150-0.200)",
-        "floor (plain SDPA) per call at bert n=128: fwd+bwd 20.000 ms, forward 5.000 ms",
-    ]  # one line a shape: over its rows, each of which timed the floor beside its scheme
-    runs = [[case("alibi", "", 512, seconds, seconds / 4)] for seconds in (3e-3, 1e-3, 2e-3, 9e-3)]
-    table = bench.format_table(runs[0], runs=runs, backward=True).splitlines()
-    assert table[-1] == (
-        "floor (plain SDPA) per call at n=512: fwd+bwd 2.500 ms (1.000-9.000), "
-        "forward 0.625 ms (0.250-2.250)"
-    )
-    table = bench.format_table(runs[0], backward=False).splitlines()
-    assert table[-1] == "floor (plain SDPA) per call at n=512: fwd 3.000 ms"

@@ -1,0 +1,36 @@
+"""``posenc bench``'s report (``posenc.cli._bench_report``); the table's ratios and skips
+are checked through the command in test_bench.py and test_bench_processes.py."""
+
+from __future__ import annotations
+
+from posenc.cli._bench_measure import Case
+from posenc.cli._bench_report import format_table
+
+
+def test_the_table_ends_with_the_floors_own_time_per_shape():
+    """Under the rows, a line per shape and length gives the floor's time per call in
+    milliseconds (the median over the rows and processes, and the range), fwd+bwd and
+    forward; a run without the backward gives the one time it measured."""
+
+    def case(scheme, shape, n, floor, forward):
+        return Case(
+            scheme, n, "auto", shape, {"floor": floor, "posenc": 2 * floor}, {"floor": forward}
+        )
+
+    cases = [case("alibi", "small", 64, 6e-4, 1.5e-4), case("t5", "small", 64, 7e-4, 2e-4)]
+    cases.append(case("alibi", "bert", 128, 0.02, 0.005))
+    table = format_table(cases).splitlines()
+    assert table[-3:] == [
+        "",
+        "floor (plain SDPA) per call at small n=64: fwd+bwd 0.650 ms (0.600-0.700), "
+        "forward 0.175 ms (0.150-0.200)",
+        "floor (plain SDPA) per call at bert n=128: fwd+bwd 20.000 ms, forward 5.000 ms",
+    ]  # one line a shape: over its rows, each of which timed the floor beside its scheme
+    runs = [[case("alibi", "", 512, seconds, seconds / 4)] for seconds in (3e-3, 1e-3, 2e-3, 9e-3)]
+    table = format_table(runs[0], runs=runs, backward=True).splitlines()
+    assert table[-1] == (
+        "floor (plain SDPA) per call at n=512: fwd+bwd 2.500 ms (1.000-9.000), "
+        "forward 0.625 ms (0.250-2.250)"
+    )
+    table = format_table(runs[0], backward=False).splitlines()
+    assert table[-1] == "floor (plain SDPA) per call at n=512: fwd 3.000 ms"
