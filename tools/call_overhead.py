@@ -3,25 +3,23 @@
 For each scheme and shape it times, forward without gradients, interleaved in one process
 (each repeat runs every variant once, in an order drawn anew):
 
-- ``peer``: the scheme as other code computes it (``posenc bench --baselines peer``);
+- ``peer``: the scheme as other code computes it (``posenc bench --baselines peer``; n/a
+  for a scheme without one);
 - ``posenc``: posenc's attention core as ``posenc bench`` calls it (the rotation, then
   :func:`posenc.engine.attend` on default positions), with the time inside SDPA's kernel
-  (``posenc.engine.sdpa._kernel``, called once per call on this route) taken apart;
-- ``bound`` (schemes that do not rotate): SDPA with the bias that posenc's call hands its
-  kernel, looked up in a dict by the inputs' shapes, dtype and grad state: the time of a
-  call whose dispatch is one lookup, the least a dispatcher can take (a measure, not a
-  path: it checks nothing).
+  (``posenc.engine.sdpa._kernel``, called once per call on this route) taken apart; the
+  wrapper that times the kernel adds its own small cost to posenc's call;
+- ``bound`` (schemes that hand the kernel the same mask tensor in every call, a bias kept
+  between calls such as ALiBi's, or none; not a rotation, which is work): SDPA with that
+  mask, behind a dict lookup by the inputs' shapes and dtype: a call whose dispatch is
+  one lookup (a measure, not a path: it checks nothing).
 
-It prints per scheme and shape the medians of the peer's call, posenc's call, the kernel
-inside posenc's call and posenc's time outside it (its Python and the small ops around
-the kernel), the bound call, and posenc's call without the kernel (the same call with the
-kernel replaced by returning ``q``, run back to back: hot caches; a rotation's kernels
-stay). Outside the kernel a call takes more than without it: the kernel's working set
-has evicted the code and data that the Python touches from the caches, so each call pays
-to bring them back.
-
-Only schemes whose call runs SDPA's kernel once, on posenc's SDPA route (ALiBi's kept
-bias, rotary, no scheme), are taken apart; others print n/a for the kernel.
+It prints per scheme and shape, in microseconds: the medians of the peer's call, of
+posenc's call, of the kernel inside it and of the rest of each call (the call's time less
+its kernel's: its Python and the small ops around the kernel), the median of the bound
+call, and posenc's call without the kernel (replaced by returning ``q``), back to back:
+the best of five rounds' mean call (a rotation's kernels stay). Schemes whose call does
+not run SDPA's kernel exactly once (a term op by op) print n/a for the kernel.
 
 Run: ``.venv/bin/python tools/call_overhead.py [--shapes small,swin] [--schemes
 alibi,rotary-interleaved,none] [--repeats 300]``; docs/performance.md ("Fourteenth
@@ -71,29 +69,40 @@ def _kernel_timer() -> tuple[list[float], Callable[[], None]]:
 
 def _bound(posenc_call: Callable, q: Tensor, k: Tensor, v: Tensor) -> Callable | None:
     """SDPA with the mask that ``posenc_call`` hands the kernel, behind a dict lookup; None
-    where the call does not run the kernel exactly once."""
-    seen: list[tuple[Tensor | None, float]] = []
+    unless two calls run the kernel once each, with the same mask tensor (or none), no
+    dropout and no causal flag."""
+    seen: list[tuple[Any, ...]] = []
     kernel = sdpa._kernel
 
-    def spy(q_: Tensor, k_: Tensor, v_: Tensor, attn_mask: Tensor | None, *args: Any) -> Tensor:
-        seen.append((attn_mask, args[-1]))
-        return kernel(q_, k_, v_, attn_mask, *args)
+    def spy(
+        q_: Tensor,
+        k_: Tensor,
+        v_: Tensor,
+        attn_mask: Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float,
+    ) -> Tensor:
+        seen.append((attn_mask, dropout_p, is_causal, scale))
+        return kernel(q_, k_, v_, attn_mask, dropout_p, is_causal, scale)
 
     sdpa._kernel = spy
     try:
         with torch.no_grad():
             posenc_call(q, k, v)
+            posenc_call(q, k, v)
     finally:
         sdpa._kernel = kernel
-    if len(seen) != 1:
+    if len(seen) != 2 or seen[0][0] is not seen[1][0] or seen[0][1:3] != (0.0, False):
         return None
+    mask, scale = seen[0][0], seen[0][3]
     kept: dict[tuple, tuple[Tensor | None, float]] = {}
 
     def bound(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        key = (q.shape, k.shape, v.shape, q.dtype, torch.is_grad_enabled(), q.requires_grad)
+        key = (q.shape, k.shape, v.shape, q.dtype)
         entry = kept.get(key)
         if entry is None:
-            entry = kept[key] = seen[0]
+            entry = kept[key] = (mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=entry[0], scale=entry[1])
 
     return bound
@@ -119,16 +128,29 @@ def _without_kernel(call: Callable, q: Tensor, k: Tensor, v: Tensor, calls: int)
     return best
 
 
+def _median(values: list[float]) -> float:
+    """The median in microseconds; NaN if any value is NaN (a call off the kernel's route)."""
+    return float("nan") if any(x != x for x in values) else statistics.median(values) * 1e6
+
+
+def _peer(scheme: Any) -> Callable | None:
+    if scheme is None:
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
+    try:
+        return peer_of(scheme, lambda q: None)
+    except ValueError:  # no peer for this scheme
+        return None
+
+
 def measure(scheme_name: str, shape: tuple[int, int, int, int], repeats: int) -> dict[str, Any]:
-    """The medians (microseconds) of one scheme at one shape; see the module docstring."""
+    """One scheme at one shape, in microseconds; see the module docstring. Variants that do
+    not apply are missing from the result."""
     b, h, n, d = shape
     q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
     scheme = None if scheme_name == "none" else build_scheme(scheme_name, h, d, n)
     posenc_call = _core(scheme, "auto")
     calls: dict[str, Callable | None] = {
-        "peer": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
-        if scheme is None
-        else peer_of(scheme, lambda q: None),
+        "peer": _peer(scheme),
         "posenc": posenc_call,
         # a rotation is work, not dispatch: no bound call for a rotating scheme
         "bound": None if hasattr(scheme, "rotate") else _bound(posenc_call, q, k, v),
@@ -136,7 +158,8 @@ def measure(scheme_name: str, shape: tuple[int, int, int, int], repeats: int) ->
     present = {name: fn for name, fn in calls.items() if fn is not None}
     times: dict[str, list[float]] = {name: [] for name in present}
     inside, restore = _kernel_timer()
-    kernel_times: list[float] = []
+    kernels: list[float] = []
+    rests: list[float] = []
     try:
         with torch.no_grad():
             for fn in present.values():
@@ -148,20 +171,23 @@ def measure(scheme_name: str, shape: tuple[int, int, int, int], repeats: int) ->
                 for name in order:
                     inside.clear()
                     start = time.perf_counter()
-                    present[name](q, k, v)
-                    times[name].append(time.perf_counter() - start)
+                    out = present[name](q, k, v)
+                    elapsed = time.perf_counter() - start
+                    del out  # freed outside the timed call
+                    times[name].append(elapsed)
                     if name == "posenc":
-                        kernel_times.append(inside[0] if len(inside) == 1 else float("nan"))
+                        kernel = inside[0] if len(inside) == 1 else float("nan")
+                        kernels.append(kernel)
+                        rests.append(elapsed - kernel)
     finally:
         restore()
-    medians = {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
-    kernel = statistics.median(kernel_times) * 1e6 if kernel_times else float("nan")
+    kernel = _median(kernels)
     return {
         "scheme": scheme_name,
         "shape": shape,
-        **medians,
+        **{name: _median(ts) for name, ts in times.items()},
         "kernel": kernel,
-        "outside": medians["posenc"] - kernel,
+        "outside": _median(rests),
         "without_kernel": _without_kernel(posenc_call, q, k, v, 500) * 1e6
         if kernel == kernel  # not NaN: the call runs the kernel once
         else float("nan"),
@@ -172,6 +198,10 @@ def _cell(value: float | None) -> str:
     return "n/a" if value is None or value != value else f"{value:.0f}"
 
 
+def _ratio(value: float | None, peer: float | None) -> str:
+    return "n/a" if value is None or peer is None or value != value else f"{value / peer:.3f}"
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of :func:`measure`'s rows, in microseconds."""
     lines = [
@@ -180,13 +210,12 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        peer = row.get("peer")
-        bound = row.get("bound")
+        peer, bound = row.get("peer"), row.get("bound")
         lines.append(
             f"| {row['scheme']} | {' '.join(map(str, row['shape']))} | {_cell(peer)} "
             f"| {_cell(row['posenc'])} | {_cell(row['kernel'])} | {_cell(row['outside'])} "
-            f"| {_cell(bound)} | {row['posenc'] / peer:.3f} | "
-            f"{'n/a' if bound is None else f'{bound / peer:.3f}'} | {_cell(row['without_kernel'])} |"
+            f"| {_cell(bound)} | {_ratio(row['posenc'], peer)} | {_ratio(bound, peer)} "
+            f"| {_cell(row['without_kernel'])} |"
         )
     return "\n".join(lines)
 
