@@ -176,8 +176,60 @@ def test_gradcheck_lean_and_literal():
     )
 
 
+# positions of the pairs: shared by the batch (5 queries, 7 keys), or a row each (5 and 5)
+PAIR_POSITIONS = {
+    "shared": (torch.arange(5)[None] + 3, torch.tensor([[0, 1, 2, 3, 4, 9, -6]])),
+    "per-row": POSITIONS["per-row"],
+}
+# (weights' b and h, positions, dtype, a graph recorded, SHAW_PAIR_VALUES or None), and
+# whether the value term builds a^V [B', n_q, n_k, d] (d = 4; 140 elements when shared)
+PAIR_VALUE_CASES = {
+    "no larger than the weights": ((2, 3), "shared", torch.float64, False, None, True),
+    "float32": ((2, 3), "shared", torch.float32, False, None, True),
+    "per-row positions, as large": ((2, 4), "per-row", torch.float64, False, None, True),
+    "per-row positions, larger": ((2, 3), "per-row", torch.float64, False, None, False),
+    "d above b * h": ((1, 3), "shared", torch.float64, False, None, False),
+    "a graph": ((2, 3), "shared", torch.float64, True, None, False),
+    "at SHAW_PAIR_VALUES": ((2, 3), "shared", torch.float64, False, 140, True),
+    "above SHAW_PAIR_VALUES": ((2, 3), "shared", torch.float64, False, 139, False),
+}
+
+
+@pytest.mark.parametrize("case", list(PAIR_VALUE_CASES))
+def test_value_term_builds_pairs_only_without_a_graph_and_no_larger_than_the_weights(
+    case, monkeypatch
+):
+    """Without a graph, a^V no larger than the weights and at most SHAW_PAIR_VALUES: one
+    product per query over the pairs' vectors; otherwise the bins. The paper's value (and
+    with a graph its gradient) either way."""
+    import posenc.shaw as shaw_module
+    from posenc.engine import tuning
+
+    (b, h), positions, dtype, graph, limit, pairs = PAIR_VALUE_CASES[case]
+    if limit is not None:
+        monkeypatch.setattr(tuning, "SHAW_PAIR_VALUES", limit)
+    calls = []
+    real = shaw_module._weighted_pairs
+    monkeypatch.setattr(shaw_module, "_weighted_pairs", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(5)
+    q_pos, k_pos = PAIR_POSITIONS[positions]
+    n_q, n_k = q_pos.shape[-1], k_pos.shape[-1]
+    weights = torch.rand(b, h, n_q, n_k, dtype=dtype).softmax(-1).requires_grad_(graph)
+    values = torch.randn(5, 4, dtype=dtype)  # k = 2
+    got = shaw_value_term(weights, values, q_pos, k_pos)
+    assert bool(calls) == pairs
+    expected = paper_value_term(weights, values, q_pos, k_pos)
+    size = float(values.abs().max())
+    assert_close(got, expected, dtype=dtype, terms=n_k, magnitude=size)
+    if graph:
+        (grad,) = torch.autograd.grad(got.sum(), weights)
+        (want,) = torch.autograd.grad(expected.sum(), weights)
+        assert_close(grad, want, dtype=dtype, terms=4, magnitude=size)
+
+
 def test_lean_terms_never_build_pairs_of_vectors(monkeypatch):
-    """The lean path does no per-pair table lookup (no [n_q, n_k, d] tensor)."""
+    """The lean path does no per-pair table lookup (no [n_q, n_k, d] tensor) where a^V
+    would be larger than the weights (here d = 4 > b * h = 1)."""
     import torch.nn.functional as F
 
     calls = []

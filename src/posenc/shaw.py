@@ -21,7 +21,9 @@ Two implementations that agree (tests/test_shaw.py):
   exist, so ``q @ keys^T`` (``[b, h, n_q, 2k+1]``) gathered by the clipped offset gives the
   key term, and the weights summed per clipped offset (``[b, h, n_q, 2k+1]``) times
   ``values`` give the value term. (The paper's section 3.3 splits the key term out of
-  ``q k^T`` too, but still materialises ``a^K [n, n, d]``.) Memory ``O(n_q (n_k + k))``; never an ``[n, n, d]`` tensor.
+  ``q k^T`` too, but still materialises ``a^K [n, n, d]``.) Memory ``O(n_q (n_k + k))``; an
+  ``[n_q, n_k, d]`` tensor only for a value term without gradients, where it is no larger
+  than the weights (:func:`shaw_value_term`).
 
 Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim,
 ``B'`` the batch of the positions (1 when shared, else ``b``), ``k`` the clipping
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _validate as check
+from .engine import tuning
 from .families import OffsetTerm, check_queries, hook_positions
 from .indices import clipped_distance, gather_logits, select_rows
 
@@ -143,7 +146,13 @@ def shaw_value_term_literal(
     Returns:
         ``[b, h, n_q, d]``.
     """
-    a_v = _pair_table(values, q_pos, k_pos).to(weights.dtype)  # [(b,) n_q, n_k, d]
+    return _weighted_pairs(weights, _pair_table(values, q_pos, k_pos))
+
+
+def _weighted_pairs(weights: Tensor, a_v: Tensor) -> Tensor:
+    """``sum_j alpha_ij a^V_ij`` from ``weights [b, h, n_q, n_k]`` and the pairs' vectors
+    ``a_v [(b,) n_q, n_k, d]`` (as :func:`_pair_table` gives them): ``[b, h, n_q, d]``."""
+    a_v = a_v.to(weights.dtype)
     if a_v.ndim == 3:
         return torch.einsum("bhij,ijd->bhid", weights, a_v)
     return torch.einsum("bhij,bijd->bhid", weights, a_v)
@@ -178,6 +187,14 @@ def shaw_value_term(weights: Tensor, values: Tensor, q_pos: Tensor, k_pos: Tenso
     weights are added into ``2k + 1`` bins with ``scatter_add_``, then one matmul. Equal to
     :func:`shaw_value_term_literal`; memory ``O(n_q (2k + 1 + n_k))``.
 
+    Where no graph is recorded (no gradient asked for) and the pairs' vectors
+    ``a^V [B', n_q, n_k, d]`` are no larger than the weights (``B' d <= b h``) and at most
+    :data:`~posenc.engine.tuning.SHAW_PAIR_VALUES` elements, the literal form runs
+    instead: one product per query over the batch and heads, with no ``scatter_add_``
+    (whose CPU kernel reads the index element by element), and no more memory than the
+    weights already take. With a graph the bins stay: the literal form's backward would
+    contract the weights' gradient into ``[n_q, n_k, d]`` once more.
+
     Args:
         weights: ``[b, h, n_q, n_k]``.
         values: ``[2k+1, d]``.
@@ -189,6 +206,11 @@ def shaw_value_term(weights: Tensor, values: Tensor, q_pos: Tensor, k_pos: Tenso
     """
     b, h, n_q, n_k = weights.shape
     rows = clipped_distance(q_pos, k_pos, _max_distance(values))  # [B', n_q, n_k]
+    records = torch.is_grad_enabled() and (weights.requires_grad or values.requires_grad)
+    pairs = rows.numel() * values.shape[-1]  # a^V's elements
+    if not records and pairs <= min(weights.numel(), tuning.SHAW_PAIR_VALUES):
+        pairs = F.embedding(rows, values)  # [B', n_q, n_k, d]
+        return _weighted_pairs(weights, pairs[0] if pairs.shape[0] == 1 else pairs)
     rows = rows.unsqueeze(1).expand(b, h, n_q, n_k)  # [B', n_q, n_k] -> [b, h, n_q, n_k]
     bins = weights.new_zeros(b, h, n_q, values.shape[-2])  # [b, h, n_q, 2k+1]
     bins = bins.scatter_add_(-1, rows, weights)

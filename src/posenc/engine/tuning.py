@@ -87,6 +87,11 @@ WORKSPACE_ELEMENTS = 1 << 23
 #: of 48, 64, 96, 128, 256 keys 0.93-0.99, of 49, 56, 60, 100, 120, 196, 200 keys
 #: 1.14-1.43; AVX2: 0.96-1.01 for all)
 SOFTMAX_IN_PLACE_COLUMNS = 16
+#: elements at most of the pairs' value vectors ``a^V [B', n_q, n_k, d]`` that Shaw's value
+#: term builds where no graph is recorded and they are no larger than the weights (one
+#: product per query in place of ``scatter_add_``); past it the table leaves the caches
+#: and the bins are faster again (16 MiB in float32)
+SHAW_PAIR_VALUES = 1 << 22
 #: threads at least for which a call runs op by op under OPS_FORWARD_SCORES,
 #: OPS_IN_PLACE_SCORES or OPS_IN_PLACE_BIAS_SCORES
 OPS_FORWARD_THREADS = 2
