@@ -61,8 +61,41 @@ def test_toeplitz_and_skew_rows_reject_wrong_widths():
 
     with pytest.raises(ValueError, match="n_q \\+ n_k - 1 = 6 entries"):
         toeplitz(torch.zeros(5), 2, 5)
-    with pytest.raises(ValueError, match="n_q \\+ n_k - 1 = 6 columns"):
+    with pytest.raises(ValueError, match="at least n_q \\+ n_k - 1 = 6 columns"):
         skew_rows(torch.zeros(2, 5), 5)
+
+
+@pytest.mark.parametrize(("n_q", "n_k", "extra"), [(1, 4, 3), (3, 5, 1), (4, 4, 5), (5, 2, 9)])
+def test_skew_rows_reads_only_the_offsets_of_a_wider_product(n_q, n_k, extra):
+    """Columns past the n_q + n_k - 1 offsets (a product padded for the GEMM) are never
+    read: NaN there changes nothing, and gets no gradient."""
+    from posenc.diagonals import skew_rows
+
+    x = torch.randn(2, n_q, n_q + n_k - 1 + extra, dtype=torch.float64)
+    x[..., n_q + n_k - 1 :] = float("nan")
+    x.requires_grad_(True)
+    got = skew_rows(x, n_k)
+    expected = torch.empty(2, n_q, n_k, dtype=torch.float64)
+    for i in range(n_q):
+        for j in range(n_k):
+            expected[:, i, j] = x[:, i, j - i + n_q - 1]
+    torch.testing.assert_close(got, expected)
+    (grad,) = torch.autograd.grad(got.sum(), x)
+    assert not grad[..., n_q + n_k - 1 :].any()
+    assert float(grad.sum()) == 2 * n_q * n_k
+
+
+def test_pad_rows_appends_zero_rows_to_a_multiple():
+    from posenc.diagonals import pad_rows
+
+    table = torch.randn(3, 13, 4, dtype=torch.float64, requires_grad=True)
+    padded = pad_rows(table, 8)
+    assert padded.shape == (3, 16, 4)
+    assert torch.equal(padded[:, :13], table) and not padded[:, 13:].any()
+    (grad,) = torch.autograd.grad((padded * 2).sum(), table)
+    assert torch.equal(grad, torch.full_like(table, 2.0))
+    assert pad_rows(table, 13) is table and pad_rows(table, 1) is table
+    assert pad_rows(table[:, :8], 8).shape == (3, 8, 4)
 
 
 @pytest.mark.compile

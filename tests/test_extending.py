@@ -374,6 +374,30 @@ def test_offset_term_family_without_reach_equals_its_formula(monkeypatch):
     assert posenc.explain(qf, k, v, position=SinusoidalTerm(3, 8)).path == "offset-term"
 
 
+@pytest.mark.parametrize("columns", [1, 8, 64])
+def test_offset_term_family_padded_product_equals_its_formula(monkeypatch, columns):
+    """The product with the rows padded to a multiple of GEMM_COLUMNS (1: none; 64: wider
+    than every table here) reads only the offsets' columns: the formula, for a run (the
+    skew) and for other positions (the gather), its gradients too."""
+    monkeypatch.setattr(posenc.engine.tuning, "GEMM_COLUMNS", columns)
+    torch.manual_seed(0)
+    scheme = SinusoidalTerm(3, 8).double()
+    q = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
+    for q_pos, k_pos in (
+        (run_of(5, 7), run_of(12)),  # a run: the skew of 16 offsets
+        (torch.stack([torch.arange(5) * 3, torch.arange(5)]), torch.stack([run_of(12)[0]] * 2)),
+    ):
+        got = scheme.score_term(q, q_pos, k_pos)  # [b, h, n_q, n_k]
+        offsets = (k_pos[:, None, :] - q_pos[:, :, None]).expand(2, -1, -1)  # [b, n_q, n_k]
+        table = posenc.sinusoidal(offsets, 8).double()  # [b, n_q, n_k, d]
+        expected = torch.einsum("bhid,bijd->bhij", q, table) * scheme.scale.view(1, 3, 1, 1)
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+        weights = torch.randn_like(expected)
+        (grad,) = torch.autograd.grad((got * weights).sum(), q)
+        (want,) = torch.autograd.grad((expected * weights).sum(), q)
+        torch.testing.assert_close(grad, want, atol=1e-12, rtol=0)
+
+
 def test_grid_term_family_equals_its_formula_and_takes_the_grid_path(monkeypatch):
     torch.manual_seed(0)
     size = (3, 4)

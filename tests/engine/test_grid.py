@@ -62,6 +62,28 @@ def test_grid_bias_path_equals_math(
     assert_results_close(grads, dtype, logit_size(q, k, scheme, pos, pos), n)
 
 
+@pytest.mark.parametrize("columns", [1, 64])
+def test_grid_term_path_with_the_rows_padded_or_not_equals_math(monkeypatch, columns):
+    """The column term's product with the width rows padded to GEMM_COLUMNS (1: none; 64:
+    past the 2W - 1 offsets, whose skew reads the first columns alone)."""
+    from posenc import RelativeQueryEmbedding2D
+
+    monkeypatch.setattr(tuning, "GEMM_COLUMNS", columns)
+    calls = spy_on(monkeypatch, grid._GridTermAttention)
+    monkeypatch.setattr(tuning, "LEAN_BLOCK_ELEMENTS", 64)
+    grid_rows(monkeypatch, 2, 5, 3)
+    b, h, d, n = 2, 3, 8, 15
+    torch.manual_seed(1)
+    scheme = RelativeQueryEmbedding2D((5, 3), d, heads=h).double()
+    for table in (scheme.height, scheme.width):
+        nn.init.normal_(table, std=0.5)
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(n)[None]
+    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(n, n))
+    assert calls
+    assert_results_close(grads, torch.float64, logit_size(q, k, scheme, pos, pos), n)
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize(("size", "std"), [((4, 6), 0.5), ((5, 3), 0.5), ((4, 6), 40.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

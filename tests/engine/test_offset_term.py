@@ -56,6 +56,28 @@ def test_offset_term_path_equals_math(
     assert_results_close(grads, dtype, logit_size(q, k, scheme, q_pos, k_pos), n_k)
 
 
+@pytest.mark.parametrize("columns", [1, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_offset_term_path_with_the_rows_padded_or_not_equals_math(monkeypatch, columns, causal):
+    """The strips' products with the rows padded to GEMM_COLUMNS (1: none; 64: past every
+    strip's offsets, whose skew must read the product's first columns alone), and the
+    value rows' in the backward: outputs and every gradient."""
+    from posenc import RelativeQueryEmbedding
+
+    monkeypatch.setattr(tuning, "GEMM_COLUMNS", columns)
+    calls = spy_on(monkeypatch, offset_term._OffsetTermAttention)
+    b, h, d, n = 2, 3, 8, 29
+    block_rows(monkeypatch, 7)
+    torch.manual_seed(1)
+    scheme = RelativeQueryEmbedding(33, d).double()
+    nn.init.normal_(scheme.weight, std=0.5)
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(n)[None]
+    grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(n, n, causal=causal))
+    assert calls
+    assert_results_close(grads, torch.float64, logit_size(q, k, scheme, pos, pos), n)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_shaw_strip_products_cover_the_band_alone(monkeypatch, causal):
     """With far parts, a strip block's term and its gradient are products with the band's

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..diagonals import pad_rows
 from ..indices import diagonal_sums, skew_rows
 from . import common, tuning
 from .common import _add_leading_sum, _block_grads, _Buffers, _KeyGrads, _reused
@@ -332,8 +333,11 @@ def _grid_term_mask(
     # [b, g, m W, 2H-1] (contiguous: _by_key_row reads it with strides)
     by_offset = (q_scaled @ _rows_of(height, heads).transpose(-2, -1)).contiguous()
     by_row = _by_key_row(by_offset.view(b, g, -1, cols, 2 * rows - 1), r)  # [b, g, m, W, H]
-    by_col = q_scaled @ _rows_of(width, heads).transpose(-2, -1)  # [b, g, m W, 2W-1]
-    by_col = skew_rows(by_col.view(b, g, -1, cols, 2 * cols - 1), cols)  # [b, g, m, W, W]
+    # [b, g, m W, C >= 2W-1]: the rows padded for the GEMM (tuning.GEMM_COLUMNS), the skew
+    # reads the first 2W - 1 columns
+    wide = pad_rows(_rows_of(width, heads), tuning.GEMM_COLUMNS)  # [(g,) C, d]
+    by_col = q_scaled @ wide.transpose(-2, -1)  # [b, g, m W, C]
+    by_col = skew_rows(by_col.view(b, g, -1, cols, wide.shape[-2]), cols)  # [b, g, m, W, W]
     # never clamped: content, as q . k is (see _term_mask)
     by_row = by_row.contiguous()  # small: read through its skewed strides, the sum was 3x slower
     shape = (b, g, count // cols, cols, rows, cols)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..diagonals import pad_rows
 from ..indices import skew_rows
 from . import common, tuning
 from .common import _SHARE_FLOOR, _block_grads, _Buffers, _KeyGrads, _reused, _widen
@@ -50,6 +51,7 @@ class _Rows:
 
     def __init__(self, table: Tensor, index: Tensor | None, cols: slice) -> None:
         self.runs: tuple[int, int] | None = None
+        self.wide: Tensor | None = None  # the rows padded for the GEMM (see logits)
         self.target: slice | Tensor = cols
         self.width = cols.stop - cols.start  # W: the offsets (columns) covered
         if index is None:
@@ -93,8 +95,16 @@ class _Rows:
         return torch.cat((left, x[..., lead : width - tail], right), dim=-1)
 
     def logits(self, x: Tensor, heads: slice) -> Tensor:
-        """``x @ r^T``: ``[b, g, rows, d] -> [b, g, rows, W]``."""
-        return self.spread(x @ self.of(heads).transpose(-2, -1))
+        """``x @ r^T``: ``[b, g, rows, d] -> [b, g, rows, W']``, its first ``W`` columns the
+        offsets'. Rows not spread are multiplied padded with zero rows to a multiple of
+        :data:`tuning.GEMM_COLUMNS` (made once per strip), the product kept whole: ``W' >= W``
+        columns, those past ``W`` 0, for :func:`_skewed` to read in place."""
+        if self.runs is not None:
+            return self.spread(x @ self.of(heads).transpose(-2, -1))
+        if self.wide is None:
+            self.wide = pad_rows(self.rows, tuning.GEMM_COLUMNS)  # [(h,) W', d]
+        wide = self.wide if self.wide.ndim == 2 else self.wide[heads]
+        return x @ wide.transpose(-2, -1)  # [b, g, rows, W']
 
     def combine(self, x: Tensor, heads: slice) -> Tensor:
         """``x @ r``: ``[b, g, rows, W] -> [b, g, rows, d]``."""
@@ -378,10 +388,7 @@ class _OffsetTermAttention(torch.autograd.Function):
                 # off the finite columns, where P is 0
                 extra_dp = None
                 if values is not None:
-                    extra_dp = _widen(
-                        values.logits(gh, hs), qh.shape[2] + width - 1, lo, 0.0, padded
-                    )
-                    extra_dp = skew_rows(extra_dp, width)
+                    extra_dp = _skewed(values.logits(gh, hs), values, width, lo, 0.0, padded)
                 gq, probs, grad_s = _block_grads(
                     qh, k[:, hs, keys_of], v[:, hs, keys_of], gh, oh, lh, attn_mask, scale,
                     (grad_k[:, :, keys_of], grad_v[:, :, keys_of]), need_ds=True,
@@ -534,9 +541,21 @@ def _term_mask(
     keys the block's queries meet elsewhere (far parts) or may not see (a causal mask).
     Never clamped (unlike a content-free bias, see :data:`tuning.BIAS_SPAN`): the term is content,
     as ``q . k`` is, and a clamp could change a weight that ``q . k`` makes count."""
-    logits = keys.logits(q_blk * scale, heads)  # [b, g, rows, hi - lo]
-    logits = _widen(logits, q_blk.shape[-2] + n_k - 1, lo, float("-inf"), buffers)
-    return skew_rows(logits, n_k)  # [b, g, rows, n_k], a view
+    logits = keys.logits(q_blk * scale, heads)  # [b, g, rows, >= hi - lo]
+    return _skewed(logits, keys, n_k, lo, float("-inf"), buffers)  # [b, g, rows, n_k]
+
+
+def _skewed(
+    logits: Tensor, rows: _Rows, n_k: int, lo: int, fill: float, buffers: _Buffers
+) -> Tensor:
+    """The skew of a block's product with ``rows`` (``[b, g, n_rows, >= rows.width]``, see
+    :meth:`_Rows.logits`) over all ``n_rows + n_k - 1`` offsets of the block, ``fill`` in
+    the columns it does not cover (from ``lo``): ``[b, g, n_rows, n_k]``, a view of the
+    product itself where it covers them all."""
+    width = logits.shape[-2] + n_k - 1
+    if rows.width < width:
+        logits = _widen(logits[..., : rows.width], width, lo, fill, buffers)
+    return skew_rows(logits, n_k)  # [b, g, n_rows, n_k], a view
 
 
 def _offset_rows(

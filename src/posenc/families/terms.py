@@ -14,6 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate as check
+from ..diagonals import pad_rows
+from ..engine import tuning
 from ..indices import (
     gather_logits,
     is_whole_map,
@@ -115,15 +117,16 @@ def offset_term_logits(
     offsets = run_offsets(q_pos, k_pos)
     if offsets is not None and (reach is None or n_q + n_k - 1 <= 2 * reach + 1):
         # consecutive positions: the rows of the offsets met, then the skew (a view)
-        return skew_rows(table_logits(q, rows(offsets)), n_k)  # [b, h, n_q, n_k]
+        table = pad_rows(rows(offsets), tuning.GEMM_COLUMNS)  # [(h,) W', d], W' >= W
+        return skew_rows(table_logits(q, table), n_k)  # [b, h, n_q, W'] -> [b, h, n_q, n_k]
     span = offset_span(q_pos, k_pos, reach)
     if span is None and check._can_inspect(q_pos) and check._can_inspect(k_pos):
         span = offset_span(q_pos.cpu(), k_pos.cpu(), reach)  # no bound: read the offsets
     if span is None:  # inside torch.compile, no reach: the rows of every pair
         return offset_term_literal(q, rows, q_pos, k_pos)
     low, high = span
-    table = table_of(rows, low, high, q.device)  # [(h,) R, d]
-    index = relative_distance(q_pos, k_pos).clamp(low, high) - low  # [B', n_q, n_k]
+    table = pad_rows(table_of(rows, low, high, q.device), tuning.GEMM_COLUMNS)  # [(h,) R', d]
+    index = relative_distance(q_pos, k_pos).clamp(low, high) - low  # [B', n_q, n_k] in [0, R)
     return gather_logits(table_logits(q, table), index)
 
 
@@ -156,6 +159,7 @@ def relative_query_term_2d(
     rows, cols = size
     dr = relative_distance(q_pos // cols, k_pos // cols) + (rows - 1)  # [B', n_q, n_k]
     dc = relative_distance(q_pos % cols, k_pos % cols) + (cols - 1)  # [B', n_q, n_k]
+    height, width = pad_rows(height, tuning.GEMM_COLUMNS), pad_rows(width, tuning.GEMM_COLUMNS)
     return gather_logits(table_logits(q, height), dr) + gather_logits(table_logits(q, width), dc)
 
 
