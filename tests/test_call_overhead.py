@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import call_overhead  # noqa: E402
 
-from posenc.engine import sdpa  # noqa: E402
+from posenc.engine import plans, sdpa  # noqa: E402
 
 
 def test_alibi_is_taken_apart_around_its_one_kernel():
@@ -40,6 +40,23 @@ def test_the_kernel_is_unwrapped_when_a_call_raises(monkeypatch):
     assert sdpa._kernel is kernel
 
 
+def test_each_replacement_of_the_kernel_is_undone_when_a_call_raises():
+    kernel = sdpa._kernel
+    q, k, v = (torch.randn(1, 2, 8, 8) for _ in range(3))
+
+    def failing(q, k, v):
+        assert sdpa._kernel is not kernel  # replaced while the call runs
+        raise RuntimeError("boom")
+
+    for run in (
+        lambda: call_overhead._bound(failing, q, k, v),
+        lambda: call_overhead._without_kernel(failing, q, k, v, 1),
+    ):
+        with pytest.raises(RuntimeError, match="boom"):
+            run()
+        assert sdpa._kernel is kernel
+
+
 def test_the_bound_call_is_the_kernel_posenc_runs():
     q, k, v = (torch.randn(1, 2, 8, 8) for _ in range(3))
     scheme = call_overhead.build_scheme("alibi", 2, 8, 8)
@@ -56,8 +73,10 @@ def test_a_bias_built_in_each_call_has_no_bound_call():
     assert call_overhead._bound(call_overhead._core(scheme, "auto"), q, k, v) is None
 
 
-def test_a_call_off_the_sdpa_route_has_no_kernel_to_take_apart():
-    # the relative embedding's term runs op by op at this size: no SDPA kernel to time
+def test_a_call_off_the_sdpa_route_has_no_kernel_to_take_apart(monkeypatch):
+    # the relative embedding's term runs op by op at this size with two threads or more
+    # (OPS_FORWARD_THREADS): no SDPA kernel to time
+    monkeypatch.setattr(plans, "_threads", lambda: 2)
     row = call_overhead.measure("relative", (1, 2, 8, 8), repeats=2)
     assert math.isnan(row["kernel"]) and math.isnan(row["without_kernel"])
     assert "bound" not in row

@@ -31,10 +31,11 @@ Shape legend: ``b`` batch, ``h`` heads, ``n`` tokens, ``d`` head dim.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,24 +48,31 @@ from posenc.cli.bench import SHAPES
 from posenc.engine import sdpa
 
 
-def _kernel_timer() -> tuple[list[float], Callable[[], None]]:
-    """``(times, restore)``: ``sdpa._kernel`` wrapped so that each call appends its seconds
-    to ``times``; ``restore()`` unwraps it."""
-    times: list[float] = []
+@contextlib.contextmanager
+def _kernel_replaced(wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """``sdpa._kernel`` replaced by ``wrap(kernel)`` inside the block, and restored after it
+    (an exception too)."""
     kernel = sdpa._kernel
-
-    def timed(*args: Any) -> Tensor:
-        start = time.perf_counter()
-        out = kernel(*args)
-        times.append(time.perf_counter() - start)
-        return out
-
-    sdpa._kernel = timed
-
-    def restore() -> None:
+    sdpa._kernel = wrap(kernel)
+    try:
+        yield
+    finally:
         sdpa._kernel = kernel
 
-    return times, restore
+
+def _timed(times: list[float]) -> Callable[[Callable], Callable]:
+    """A wrapper for :func:`_kernel_replaced` that appends each call's seconds to ``times``."""
+
+    def wrap(kernel: Callable) -> Callable:
+        def timed(*args: Any) -> Tensor:
+            start = time.perf_counter()
+            out = kernel(*args)
+            times.append(time.perf_counter() - start)
+            return out
+
+        return timed
+
+    return wrap
 
 
 def _bound(posenc_call: Callable, q: Tensor, k: Tensor, v: Tensor) -> Callable | None:
@@ -72,27 +80,25 @@ def _bound(posenc_call: Callable, q: Tensor, k: Tensor, v: Tensor) -> Callable |
     unless two calls run the kernel once each, with the same mask tensor (or none), no
     dropout and no causal flag."""
     seen: list[tuple[Any, ...]] = []
-    kernel = sdpa._kernel
 
-    def spy(
-        q_: Tensor,
-        k_: Tensor,
-        v_: Tensor,
-        attn_mask: Tensor | None,
-        dropout_p: float,
-        is_causal: bool,
-        scale: float,
-    ) -> Tensor:
-        seen.append((attn_mask, dropout_p, is_causal, scale))
-        return kernel(q_, k_, v_, attn_mask, dropout_p, is_causal, scale)
+    def spy(kernel: Callable) -> Callable:
+        def seeing(
+            q_: Tensor,
+            k_: Tensor,
+            v_: Tensor,
+            attn_mask: Tensor | None,
+            dropout_p: float,
+            is_causal: bool,
+            scale: float,
+        ) -> Tensor:
+            seen.append((attn_mask, dropout_p, is_causal, scale))
+            return kernel(q_, k_, v_, attn_mask, dropout_p, is_causal, scale)
 
-    sdpa._kernel = spy
-    try:
-        with torch.no_grad():
-            posenc_call(q, k, v)
-            posenc_call(q, k, v)
-    finally:
-        sdpa._kernel = kernel
+        return seeing
+
+    with _kernel_replaced(spy), torch.no_grad():
+        posenc_call(q, k, v)
+        posenc_call(q, k, v)
     if len(seen) != 2 or seen[0][0] is not seen[1][0] or seen[0][1:3] != (0.0, False):
         return None
     mask, scale = seen[0][0], seen[0][3]
@@ -111,20 +117,15 @@ def _bound(posenc_call: Callable, q: Tensor, k: Tensor, v: Tensor) -> Callable |
 def _without_kernel(call: Callable, q: Tensor, k: Tensor, v: Tensor, calls: int) -> float:
     """Seconds per call of ``call`` with SDPA's kernel replaced by returning ``q``, back to
     back (the best of five rounds of ``calls``)."""
-    kernel = sdpa._kernel
-    sdpa._kernel = lambda q_, *args: q_
-    try:
-        with torch.no_grad():
-            for _ in range(20):
+    with _kernel_replaced(lambda kernel: lambda q_, *args: q_), torch.no_grad():
+        for _ in range(20):
+            call(q, k, v)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
                 call(q, k, v)
-            best = float("inf")
-            for _ in range(5):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    call(q, k, v)
-                best = min(best, (time.perf_counter() - start) / calls)
-    finally:
-        sdpa._kernel = kernel
+            best = min(best, (time.perf_counter() - start) / calls)
     return best
 
 
@@ -157,30 +158,27 @@ def measure(scheme_name: str, shape: tuple[int, int, int, int], repeats: int) ->
     }
     present = {name: fn for name, fn in calls.items() if fn is not None}
     times: dict[str, list[float]] = {name: [] for name in present}
-    inside, restore = _kernel_timer()
+    inside: list[float] = []
     kernels: list[float] = []
     rests: list[float] = []
-    try:
-        with torch.no_grad():
-            for fn in present.values():
-                for _ in range(10):
-                    fn(q, k, v)
-            for _ in range(repeats):
-                order = list(present)
-                random.shuffle(order)
-                for name in order:
-                    inside.clear()
-                    start = time.perf_counter()
-                    out = present[name](q, k, v)
-                    elapsed = time.perf_counter() - start
-                    del out  # freed outside the timed call
-                    times[name].append(elapsed)
-                    if name == "posenc":
-                        kernel = inside[0] if len(inside) == 1 else float("nan")
-                        kernels.append(kernel)
-                        rests.append(elapsed - kernel)
-    finally:
-        restore()
+    with _kernel_replaced(_timed(inside)), torch.no_grad():
+        for fn in present.values():
+            for _ in range(10):
+                fn(q, k, v)
+        for _ in range(repeats):
+            order = list(present)
+            random.shuffle(order)
+            for name in order:
+                inside.clear()
+                start = time.perf_counter()
+                out = present[name](q, k, v)
+                elapsed = time.perf_counter() - start
+                del out  # freed outside the timed call
+                times[name].append(elapsed)
+                if name == "posenc":
+                    kernel = inside[0] if len(inside) == 1 else float("nan")
+                    kernels.append(kernel)
+                    rests.append(elapsed - kernel)
     kernel = _median(kernels)
     return {
         "scheme": scheme_name,
