@@ -376,18 +376,28 @@ def test_offset_term_family_without_reach_equals_its_formula(monkeypatch):
 
 @pytest.mark.parametrize("columns", [1, 8, 64])
 def test_offset_term_family_padded_product_equals_its_formula(monkeypatch, columns):
-    """The product with the rows padded to a multiple of GEMM_COLUMNS (1: none; 64: wider
-    than every table here) reads only the offsets' columns: the formula, for a run (the
-    skew) and for other positions (the gather), its gradients too."""
+    """The product with the rows padded to a multiple of GEMM_COLUMNS (1: none; 8: 17 and
+    25 rows to 24 and 32; 64: wider than every table here) reads only the offsets'
+    columns: the formula, for a run (the skew) and for other positions (the gather), its
+    gradients too."""
+    from posenc.families import terms
+
     monkeypatch.setattr(posenc.engine.tuning, "GEMM_COLUMNS", columns)
+    widths = []
+    real = terms.table_logits
+    monkeypatch.setattr(
+        terms, "table_logits", lambda q, t: widths.append(t.shape[-2]) or real(q, t)
+    )
     torch.manual_seed(0)
     scheme = SinusoidalTerm(3, 8).double()
     q = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
-    for q_pos, k_pos in (
-        (run_of(5, 7), run_of(12)),  # a run: the skew of 16 offsets
-        (torch.stack([torch.arange(5) * 3, torch.arange(5)]), torch.stack([run_of(12)[0]] * 2)),
+    for q_pos, k_pos, rows in (
+        (run_of(5, 7), run_of(13), 17),  # a run: the skew of 17 offsets
+        (torch.stack([torch.arange(5) * 3, torch.arange(5)]), torch.stack([run_of(13)[0]] * 2), 25),
     ):
+        widths.clear()
         got = scheme.score_term(q, q_pos, k_pos)  # [b, h, n_q, n_k]
+        assert widths == [-(-rows // columns) * columns]  # the product's padded width
         offsets = (k_pos[:, None, :] - q_pos[:, :, None]).expand(2, -1, -1)  # [b, n_q, n_k]
         table = posenc.sinusoidal(offsets, 8).double()  # [b, n_q, n_k, d]
         expected = torch.einsum("bhid,bijd->bhij", q, table) * scheme.scale.view(1, 3, 1, 1)

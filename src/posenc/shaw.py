@@ -158,7 +158,7 @@ def _weighted_pairs(weights: Tensor, a_v: Tensor) -> Tensor:
     return torch.einsum("bhij,bijd->bhid", weights, a_v)
 
 
-# ----- lean: 2k+1 distinct vectors, never [n, n, d] -----------------------------------------
+# ----- lean: 2k+1 distinct vectors (a^V [n, n, d] only without a graph) ----------------------
 
 
 def shaw_key_term(q: Tensor, keys: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:

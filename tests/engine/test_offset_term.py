@@ -56,12 +56,12 @@ def test_offset_term_path_equals_math(
     assert_results_close(grads, dtype, logit_size(q, k, scheme, q_pos, k_pos), n_k)
 
 
-@pytest.mark.parametrize("columns", [1, 64])
+@pytest.mark.parametrize("columns", [1, 8, 16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_offset_term_path_with_the_rows_padded_or_not_equals_math(monkeypatch, columns, causal):
-    """The strips' products with the rows padded to GEMM_COLUMNS (1: none; 64: past every
-    strip's offsets, whose skew must read the product's first columns alone), and the
-    value rows' in the backward: outputs and every gradient."""
+    """The strips' products over the table's rows after theirs up to a multiple of
+    GEMM_COLUMNS (1: none; 8 and 16: wider products for the strips the table leaves room
+    for, whose skew must read the first columns alone): outputs and every gradient."""
     from posenc import RelativeQueryEmbedding
 
     monkeypatch.setattr(tuning, "GEMM_COLUMNS", columns)
@@ -76,6 +76,17 @@ def test_offset_term_path_with_the_rows_padded_or_not_equals_math(monkeypatch, c
     grads = lean_and_math(scheme, q, k, v, pos, pos, Mask(n, n, causal=causal))
     assert calls
     assert_results_close(grads, torch.float64, logit_size(q, k, scheme, pos, pos), n)
+
+
+def test_strip_rows_widen_to_a_multiple_of_gemm_columns_where_the_table_has_rows():
+    table = torch.randn(3, 20, 4)  # [h, R, d]
+    rows = offset_term._Rows(table, None, slice(2, 11))  # W = 9 offsets
+    assert rows.rows.shape[-2] == 9 and rows.wide.shape[-2] == 16  # rows 2 .. 17
+    assert rows.wide.data_ptr() == table[:, 2].data_ptr()  # a view: no copy
+    x = torch.randn(2, 1, 5, 4)
+    assert torch.equal(rows.logits(x, slice(1, 2))[..., :9], x @ table[1:2, 2:11].mT)
+    near_end = offset_term._Rows(table, None, slice(8, 17))  # rows 8 .. 23: not in the table
+    assert near_end.wide.shape[-2] == 9
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -15,10 +15,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..diagonals import pad_rows
 from ..indices import skew_rows
 from . import common, tuning
 from .common import _SHARE_FLOOR, _block_grads, _Buffers, _KeyGrads, _reused, _widen
+
+
+def _wider(table: Tensor, start: int, count: int) -> Tensor:
+    """The ``count`` rows of ``table [(h,) R, d]`` from ``start``, with the rows after them up
+    to a multiple of :data:`tuning.GEMM_COLUMNS` where the table has that many (a view: CPU
+    GEMMs run an odd count of output columns on slow edge kernels; a product's columns past
+    ``count`` are never read), else the ``count`` rows alone."""
+    stop = start + -(-count // tuning.GEMM_COLUMNS) * tuning.GEMM_COLUMNS
+    if stop > table.shape[-2]:
+        stop = start + count
+    return table[..., start:stop, :]  # [(h,) W', d]
 
 
 def _clipped_runs(idx: Tensor) -> tuple[int, int] | None:
@@ -51,21 +61,24 @@ class _Rows:
 
     def __init__(self, table: Tensor, index: Tensor | None, cols: slice) -> None:
         self.runs: tuple[int, int] | None = None
-        self.wide: Tensor | None = None  # the rows padded for the GEMM (see logits)
         self.target: slice | Tensor = cols
         self.width = cols.stop - cols.start  # W: the offsets (columns) covered
         if index is None:
             self.rows = table[..., cols, :]  # [(h,) W, d]
+            self.wide = _wider(table, cols.start, self.width)  # [(h,) W' >= W, d]
             return
         idx = index[cols]  # [W] rows of the table
         self.runs = _clipped_runs(idx)
         if self.runs is None:  # any index: the rows themselves
             self.rows, self.target = table[..., idx, :], idx
+            self.wide = self.rows
             return
         first, last = int(idx[0]), int(idx[-1])
         self.rows, self.target = table[..., first : last + 1, :], slice(first, last + 1)
+        self.wide = self.rows
         if self.runs[0] == 1 and self.runs[1] <= 1:  # one row per offset: nothing to spread
             self.runs = None
+            self.wide = _wider(table, first, last + 1 - first)
 
     def of(self, heads: slice) -> Tensor:
         """``[(g,) R | W, d]``: the rows of these heads (all of a shared table)."""
@@ -96,14 +109,13 @@ class _Rows:
 
     def logits(self, x: Tensor, heads: slice) -> Tensor:
         """``x @ r^T``: ``[b, g, rows, d] -> [b, g, rows, W']``, its first ``W`` columns the
-        offsets'. Rows not spread are multiplied padded with zero rows to a multiple of
-        :data:`tuning.GEMM_COLUMNS` (made once per strip), the product kept whole: ``W' >= W``
-        columns, those past ``W`` 0, for :func:`_skewed` to read in place."""
+        offsets'. Rows not spread are multiplied with the table's rows after them up to a
+        multiple of :data:`tuning.GEMM_COLUMNS` where the table has them (:func:`_wider`: a
+        view, no copy), the product kept whole for :func:`_skewed`, which reads only its
+        first ``W`` columns."""
         if self.runs is not None:
             return self.spread(x @ self.of(heads).transpose(-2, -1))
-        if self.wide is None:
-            self.wide = pad_rows(self.rows, tuning.GEMM_COLUMNS)  # [(h,) W', d]
-        wide = self.wide if self.wide.ndim == 2 else self.wide[heads]
+        wide = self.wide if self.wide.ndim == 2 else self.wide[heads]  # [(g,) W', d]
         return x @ wide.transpose(-2, -1)  # [b, g, rows, W']
 
     def combine(self, x: Tensor, heads: slice) -> Tensor:

@@ -100,7 +100,10 @@ def offset_term_logits(
 
     A run of consecutive positions: ``q @ rows(offsets)^T`` for its ``n_q + n_k - 1``
     offsets, then the skew (a view; Huang et al. 2018). Other positions: ``q @ table^T``
-    over the offsets they meet (:func:`offset_span`), gathered per pair. Inside
+    over the offsets they meet (:func:`offset_span`), gathered per pair. Either table is
+    padded with zero rows to a multiple of :data:`~posenc.engine.tuning.GEMM_COLUMNS` for
+    the product (CPU GEMMs run an odd count of output columns slowly); the skew and the
+    gather read only the offsets' columns. Inside
     ``torch.compile`` with no ``reach``: :func:`offset_term_literal`.
 
     Args:
@@ -159,7 +162,6 @@ def relative_query_term_2d(
     rows, cols = size
     dr = relative_distance(q_pos // cols, k_pos // cols) + (rows - 1)  # [B', n_q, n_k]
     dc = relative_distance(q_pos % cols, k_pos % cols) + (cols - 1)  # [B', n_q, n_k]
-    height, width = pad_rows(height, tuning.GEMM_COLUMNS), pad_rows(width, tuning.GEMM_COLUMNS)
     return gather_logits(table_logits(q, height), dr) + gather_logits(table_logits(q, width), dc)
 
 
