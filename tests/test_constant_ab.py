@@ -35,16 +35,13 @@ def test_each_value_is_timed_and_the_constant_restored(monkeypatch, backward):
     assert [c.strip() for c in cells[:2]] == ["relative", "1x2x8x8"] and len(cells) == 5
 
 
+def _boom(q, k, v):
+    raise RuntimeError("boom")
+
+
 def test_the_constant_is_restored_when_a_call_raises(monkeypatch):
     before = tuning.GEMM_COLUMNS
-
-    def failing(scheme, backend):
-        def run(q, k, v):
-            raise RuntimeError("boom")
-
-        return run
-
-    monkeypatch.setattr(constant_ab, "_core", failing)
+    monkeypatch.setattr(constant_ab, "_core", lambda scheme, backend: _boom)
     with pytest.raises(RuntimeError, match="boom"):
         constant_ab.measure("relative", (1, 2, 8, 8), "GEMM_COLUMNS", [1, 8], 1)
     assert before == tuning.GEMM_COLUMNS
