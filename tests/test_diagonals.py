@@ -85,17 +85,27 @@ def test_skew_rows_reads_only_the_offsets_of_a_wider_product(n_q, n_k, extra):
     assert float(grad.sum()) == 2 * n_q * n_k
 
 
-def test_pad_rows_appends_zero_rows_to_a_multiple():
-    from posenc.diagonals import pad_rows
+def test_pad_rows_appends_zero_rows_to_a_multiple_where_they_add_an_eighth_at_most():
+    from posenc.diagonals import pad_rows, padded_count
 
-    table = torch.randn(3, 13, 4, dtype=torch.float64, requires_grad=True)
+    assert [padded_count(n, 8) for n in (8, 13, 33, 56, 57, 61, 127)] == [
+        8,
+        13,
+        33,
+        56,
+        64,
+        64,
+        128,
+    ]
+    assert padded_count(5, 1) == 5
+    table = torch.randn(3, 61, 4, dtype=torch.float64, requires_grad=True)
     padded = pad_rows(table, 8)
-    assert padded.shape == (3, 16, 4)
-    assert torch.equal(padded[:, :13], table) and not padded[:, 13:].any()
+    assert padded.shape == (3, 64, 4)
+    assert torch.equal(padded[:, :61], table) and not padded[:, 61:].any()
     (grad,) = torch.autograd.grad((padded * 2).sum(), table)
     assert torch.equal(grad, torch.full_like(table, 2.0))
-    assert pad_rows(table, 13) is table and pad_rows(table, 1) is table
-    assert pad_rows(table[:, :8], 8).shape == (3, 8, 4)
+    assert pad_rows(table, 61) is table and pad_rows(table, 1) is table
+    assert pad_rows(table[:, :33], 8).shape == (3, 33, 4)  # 7 rows more: not padded
 
 
 @pytest.mark.compile

@@ -376,10 +376,11 @@ def test_offset_term_family_without_reach_equals_its_formula(monkeypatch):
 
 @pytest.mark.parametrize("columns", [1, 8, 64])
 def test_offset_term_family_padded_product_equals_its_formula(monkeypatch, columns):
-    """The product with the rows padded to a multiple of GEMM_COLUMNS (1: none; 8: 17 and
-    25 rows to 24 and 32; 64: wider than every table here) reads only the offsets'
-    columns: the formula, for a run (the skew) and for other positions (the gather), its
-    gradients too."""
+    """The product with the rows padded to a multiple of GEMM_COLUMNS where that adds at
+    most an eighth (1: none; 8: 62 and 70 rows to 64 and 72; 64: 62 to 64, 70 not) reads
+    only the offsets' columns: the formula, for a run (the skew) and for other positions
+    (the gather), its gradients too."""
+    from posenc.diagonals import padded_count
     from posenc.families import terms
 
     monkeypatch.setattr(posenc.engine.tuning, "GEMM_COLUMNS", columns)
@@ -392,12 +393,12 @@ def test_offset_term_family_padded_product_equals_its_formula(monkeypatch, colum
     scheme = SinusoidalTerm(3, 8).double()
     q = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True)
     for q_pos, k_pos, rows in (
-        (run_of(5, 7), run_of(13), 17),  # a run: the skew of 17 offsets
-        (torch.stack([torch.arange(5) * 3, torch.arange(5)]), torch.stack([run_of(13)[0]] * 2), 25),
+        (run_of(5, 7), run_of(58), 62),  # a run: the skew of 62 offsets
+        (torch.stack([torch.arange(5) * 3, torch.arange(5)]), torch.stack([run_of(58)[0]] * 2), 70),
     ):
         widths.clear()
         got = scheme.score_term(q, q_pos, k_pos)  # [b, h, n_q, n_k]
-        assert widths == [-(-rows // columns) * columns]  # the product's padded width
+        assert widths == [padded_count(rows, columns)]  # the product's width
         offsets = (k_pos[:, None, :] - q_pos[:, :, None]).expand(2, -1, -1)  # [b, n_q, n_k]
         table = posenc.sinusoidal(offsets, 8).double()  # [b, n_q, n_k, d]
         expected = torch.einsum("bhid,bijd->bhij", q, table) * scheme.scale.view(1, 3, 1, 1)

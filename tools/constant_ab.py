@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posenc import registry
 from posenc.cli._bench_variants import _core, _floor, _inputs, build_scheme
 from posenc.engine import tuning
 
@@ -126,28 +126,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--constant", required=True, help="a name in posenc.engine.tuning")
     parser.add_argument(
         "--values", required=True, type=lambda s: [_number(x) for x in s.split(",")],
-        help="two or more values, comma-separated (the first is the baseline)",
+        help="two or more distinct values, comma-separated (the first is the baseline)",
     )  # fmt: skip
-    parser.add_argument("--schemes", default="relative", type=lambda s: s.split(","))
     parser.add_argument(
-        "--shapes", default=[(2, 8, 64, 64)], type=lambda s: [_shape(x) for x in s.split(",")]
-    )
-    parser.add_argument("--repeats", type=int, default=9)
+        "--schemes", default="relative", type=lambda s: s.split(","),
+        help="names of posenc.registry, comma-separated (default: relative)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shapes", default=[(2, 8, 64, 64)], type=lambda s: [_shape(x) for x in s.split(",")],
+        help="b x h x n x d, comma-separated (default: 2x8x64x64)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=9, help="timed calls per value (default: 9)")
     parser.add_argument("--backward", action="store_true", help="time forward and backward")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if len(args.values) < 2:
-        raise SystemExit("--values: give two or more, the first the baseline")
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every argument usable before anything is timed (``parser.error`` otherwise: exit 2)."""
     try:
-        _constant(args.constant)  # before anything is timed
+        current = _constant(args.constant)
     except ValueError as error:
-        print(f"constant_ab: {error}", file=sys.stderr)
-        return 2
+        parser.error(str(error))
+    values = args.values
+    if len(values) < 2 or len(set(values)) != len(values):
+        parser.error(f"--values: give two or more distinct values, got {values}")
+    if isinstance(current, int) and not all(isinstance(v, int) for v in values):
+        parser.error(f"--values: {args.constant} is an integer ({current}), got {values}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    for scheme in args.schemes:
+        try:
+            registry.resolve(scheme)
+        except ValueError as error:
+            parser.error(f"--schemes: {error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
     values = args.values
     head = [f"{args.constant}={value} / floor" for value in values]
     head += [f"{value} / {values[0]}" for value in values[1:]]

@@ -207,9 +207,9 @@ def shaw_value_term(weights: Tensor, values: Tensor, q_pos: Tensor, k_pos: Tenso
     b, h, n_q, n_k = weights.shape
     rows = clipped_distance(q_pos, k_pos, _max_distance(values))  # [B', n_q, n_k]
     records = torch.is_grad_enabled() and (weights.requires_grad or values.requires_grad)
-    pairs = rows.numel() * values.shape[-1]  # a^V's elements
-    if not records and pairs <= min(weights.numel(), tuning.SHAW_PAIR_VALUES):
-        pairs = F.embedding(rows, values)  # [B', n_q, n_k, d]
+    elements = rows.numel() * values.shape[-1]  # a^V's
+    if not records and elements <= min(weights.numel(), tuning.SHAW_PAIR_VALUES):
+        pairs = F.embedding(rows, values.to(weights.dtype))  # [B', n_q, n_k, d]
         return _weighted_pairs(weights, pairs[0] if pairs.shape[0] == 1 else pairs)
     rows = rows.unsqueeze(1).expand(b, h, n_q, n_k)  # [B', n_q, n_k] -> [b, h, n_q, n_k]
     bins = weights.new_zeros(b, h, n_q, values.shape[-2])  # [b, h, n_q, 2k+1]

@@ -56,20 +56,21 @@ def test_offset_term_path_equals_math(
     assert_results_close(grads, dtype, logit_size(q, k, scheme, q_pos, k_pos), n_k)
 
 
-@pytest.mark.parametrize("columns", [1, 8, 16])
+@pytest.mark.parametrize("columns", [1, 8])
 @pytest.mark.parametrize("causal", [False, True])
 def test_offset_term_path_with_the_rows_padded_or_not_equals_math(monkeypatch, columns, causal):
     """The strips' products over the table's rows after theirs up to a multiple of
-    GEMM_COLUMNS (1: none; 8 and 16: wider products for the strips the table leaves room
-    for, whose skew must read the first columns alone): outputs and every gradient."""
+    GEMM_COLUMNS (1: none; 8: 67 offsets to 72, a view where the table has the rows, the
+    strip's rows padded where it ends first; the skew must read the first columns alone):
+    outputs and every gradient."""
     from posenc import RelativeQueryEmbedding
 
     monkeypatch.setattr(tuning, "GEMM_COLUMNS", columns)
     calls = spy_on(monkeypatch, offset_term._OffsetTermAttention)
-    b, h, d, n = 2, 3, 8, 29
+    b, h, d, n = 2, 3, 8, 61
     block_rows(monkeypatch, 7)
     torch.manual_seed(1)
-    scheme = RelativeQueryEmbedding(33, d).double()
+    scheme = RelativeQueryEmbedding(64, d).double()
     nn.init.normal_(scheme.weight, std=0.5)
     q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
     pos = torch.arange(n)[None]
@@ -78,15 +79,23 @@ def test_offset_term_path_with_the_rows_padded_or_not_equals_math(monkeypatch, c
     assert_results_close(grads, torch.float64, logit_size(q, k, scheme, pos, pos), n)
 
 
-def test_strip_rows_widen_to_a_multiple_of_gemm_columns_where_the_table_has_rows():
-    table = torch.randn(3, 20, 4)  # [h, R, d]
-    rows = offset_term._Rows(table, None, slice(2, 11))  # W = 9 offsets
-    assert rows.rows.shape[-2] == 9 and rows.wide.shape[-2] == 16  # rows 2 .. 17
+def test_strip_rows_widen_to_a_multiple_of_gemm_columns():
+    """A strip's rows with the table's next ones up to a multiple of GEMM_COLUMNS (where
+    that adds an eighth at most), a view; where the table ends first, the rows padded with
+    zero rows in each product (no copy kept)."""
+    table = torch.randn(3, 80, 16, dtype=torch.float64)  # [h, R, d]
+    x = torch.randn(2, 1, 5, 16, dtype=torch.float64)
+    rows = offset_term._Rows(table, None, slice(2, 62))  # W = 60 offsets
+    assert rows.rows.shape[-2] == 60 and rows.wide.shape[-2] == 64  # rows 2 .. 65
     assert rows.wide.data_ptr() == table[:, 2].data_ptr()  # a view: no copy
-    x = torch.randn(2, 1, 5, 4)
-    assert torch.equal(rows.logits(x, slice(1, 2))[..., :9], x @ table[1:2, 2:11].mT)
-    near_end = offset_term._Rows(table, None, slice(8, 17))  # rows 8 .. 23: not in the table
-    assert near_end.wide.shape[-2] == 9
+    got = rows.logits(x, slice(1, 2))  # [2, 1, 5, 64]
+    torch.testing.assert_close(got[..., :60], x @ table[1:2, 2:62].mT, atol=1e-12, rtol=0)
+    assert offset_term._Rows(table, None, slice(2, 11)).wide.shape[-2] == 9  # 7 more: no
+    near_end = offset_term._Rows(table, None, slice(33, 80))  # rows 33 .. 80: past the 80
+    assert near_end.wide is None
+    got = near_end.logits(x, slice(1, 2))
+    assert got.shape[-1] == 48 and not got[..., 47:].any()  # a zero row's column
+    torch.testing.assert_close(got[..., :47], x @ table[1:2, 33:80].mT, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..diagonals import pad_rows
-from ..indices import diagonal_sums, skew_rows
+from ..diagonals import diagonal_sums, pad_rows, skew_rows
 from . import common, tuning
 from .common import _add_leading_sum, _block_grads, _Buffers, _KeyGrads, _reused
 from .offset_term import _unskew

@@ -15,20 +15,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..diagonals import pad_rows, padded_count
 from ..indices import skew_rows
 from . import common, tuning
 from .common import _SHARE_FLOOR, _block_grads, _Buffers, _KeyGrads, _reused, _widen
 
 
-def _wider(table: Tensor, start: int, count: int) -> Tensor:
-    """The ``count`` rows of ``table [(h,) R, d]`` from ``start``, with the rows after them up
-    to a multiple of :data:`tuning.GEMM_COLUMNS` where the table has that many (a view: CPU
-    GEMMs run an odd count of output columns on slow edge kernels; a product's columns past
-    ``count`` are never read), else the ``count`` rows alone."""
-    stop = start + -(-count // tuning.GEMM_COLUMNS) * tuning.GEMM_COLUMNS
-    if stop > table.shape[-2]:
-        stop = start + count
-    return table[..., start:stop, :]  # [(h,) W', d]
+def _wider(table: Tensor, start: int, count: int) -> Tensor | None:
+    """The ``count`` rows of ``table [(h,) R, d]`` from ``start`` with the rows after them up
+    to :func:`~posenc.diagonals.padded_count` (a multiple of :data:`tuning.GEMM_COLUMNS`
+    where that adds at most an eighth), a view (a product's columns past ``count`` are
+    never read); None where the table ends first."""
+    stop = start + padded_count(count, tuning.GEMM_COLUMNS)
+    return None if stop > table.shape[-2] else table[..., start:stop, :]  # [(h,) W', d]
 
 
 def _clipped_runs(idx: Tensor) -> tuple[int, int] | None:
@@ -65,7 +64,7 @@ class _Rows:
         self.width = cols.stop - cols.start  # W: the offsets (columns) covered
         if index is None:
             self.rows = table[..., cols, :]  # [(h,) W, d]
-            self.wide = _wider(table, cols.start, self.width)  # [(h,) W' >= W, d]
+            self.wide: Tensor | None = _wider(table, cols.start, self.width)  # [(h,) W', d]
             return
         idx = index[cols]  # [W] rows of the table
         self.runs = _clipped_runs(idx)
@@ -109,13 +108,18 @@ class _Rows:
 
     def logits(self, x: Tensor, heads: slice) -> Tensor:
         """``x @ r^T``: ``[b, g, rows, d] -> [b, g, rows, W']``, its first ``W`` columns the
-        offsets'. Rows not spread are multiplied with the table's rows after them up to a
-        multiple of :data:`tuning.GEMM_COLUMNS` where the table has them (:func:`_wider`: a
-        view, no copy), the product kept whole for :func:`_skewed`, which reads only its
-        first ``W`` columns."""
+        offsets'. A run of the table's rows (no index, or one row per offset) is multiplied
+        with the rows after it up to a multiple of :data:`tuning.GEMM_COLUMNS` (:func:`_wider`:
+        where the table ends first, padded with zero rows in each call: a copy of ``g`` heads'
+        rows, never kept), the product kept whole for :func:`_skewed`, which reads only its
+        first ``W`` columns; rows picked by any other index, ``W' = W``; spread rows, the
+        spread."""
         if self.runs is not None:
             return self.spread(x @ self.of(heads).transpose(-2, -1))
-        wide = self.wide if self.wide.ndim == 2 else self.wide[heads]  # [(g,) W', d]
+        if self.wide is None:  # the table ends first: these heads' rows padded, for this call
+            wide = pad_rows(self.of(heads), tuning.GEMM_COLUMNS)  # [(g,) W', d]
+        else:
+            wide = self.wide if self.wide.ndim == 2 else self.wide[heads]  # [(g,) W', d]
         return x @ wide.transpose(-2, -1)  # [b, g, rows, W']
 
     def combine(self, x: Tensor, heads: slice) -> Tensor:

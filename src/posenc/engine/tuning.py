@@ -88,10 +88,12 @@ WORKSPACE_ELEMENTS = 1 << 23
 #: 1.14-1.43; AVX2: 0.96-1.01 for all)
 SOFTMAX_IN_PLACE_COLUMNS = 16
 #: a product of the queries with a table of rows (one per offset: 2n - 1 of them) is
-#: computed over the table padded with zero rows to a multiple of this many, the extra
-#: columns not read: CPU GEMMs run slow edge kernels for an odd count of output columns
-#: (q @ table^T alone, padded / not: 0.44-0.77 for 63, 97, 127, 255, 511, 1023 rows and
-#: 0.51 for 13, default and AVX2; 33 rows 0.96-1.05)
+#: computed over the table padded with zero rows to a multiple of this many where that
+#: adds at most an eighth to its rows (diagonals.padded_count; the lean offset-term strips
+#: widened by the table's next rows), the extra columns not read: CPU GEMMs run slow edge
+#: kernels for an odd count of output columns (q @ table^T alone, padded / not:
+#: 0.44-0.77 for 63, 97, 127, 255, 511, 1023 rows and 0.51 for 13, default and AVX2; 33
+#: rows to 40 0.96-1.05, and Shaw's attention 1.02-1.09: not padded)
 GEMM_COLUMNS = 8
 #: elements at most of the pairs' value vectors ``a^V [B', n_q, n_k, d]`` that Shaw's value
 #: term builds where no graph is recorded and they are no larger than the weights (one

@@ -102,8 +102,9 @@ def offset_term_logits(
     offsets, then the skew (a view; Huang et al. 2018). Other positions: ``q @ table^T``
     over the offsets they meet (:func:`offset_span`), gathered per pair. Either table is
     padded with zero rows to a multiple of :data:`~posenc.engine.tuning.GEMM_COLUMNS` for
-    the product (CPU GEMMs run an odd count of output columns slowly); the skew and the
-    gather read only the offsets' columns. Inside
+    the product where that adds at most an eighth (:func:`~posenc.diagonals.padded_count`:
+    CPU GEMMs run an odd count of output columns slowly); the skew and the gather read
+    only the offsets' columns. Inside
     ``torch.compile`` with no ``reach``: :func:`offset_term_literal`.
 
     Args:
