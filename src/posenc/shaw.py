@@ -109,7 +109,12 @@ def _pair_table(table: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     Returns:
         ``[n_q, n_k, d]`` when the positions are shared (``B' = 1``), else ``[b, n_q, n_k, d]``.
     """
-    rows = clipped_distance(q_pos, k_pos, _max_distance(table))  # [B', n_q, n_k]
+    return _pairs_at(table, clipped_distance(q_pos, k_pos, _max_distance(table)))
+
+
+def _pairs_at(table: Tensor, rows: Tensor) -> Tensor:
+    """``table[rows]`` for the clipped rows ``[B', n_q, n_k]`` of :func:`_pair_table`:
+    ``[n_q, n_k, d]`` when ``B' = 1``, else ``[b, n_q, n_k, d]``."""
     pairs = F.embedding(rows, table)  # [B', n_q, n_k, d]
     return pairs[0] if pairs.shape[0] == 1 else pairs  # [n_q, n_k, d] or [b, n_q, n_k, d]
 
@@ -209,8 +214,7 @@ def shaw_value_term(weights: Tensor, values: Tensor, q_pos: Tensor, k_pos: Tenso
     records = torch.is_grad_enabled() and (weights.requires_grad or values.requires_grad)
     elements = rows.numel() * values.shape[-1]  # a^V's
     if not records and elements <= min(weights.numel(), tuning.SHAW_PAIR_VALUES):
-        pairs = F.embedding(rows, values.to(weights.dtype))  # [B', n_q, n_k, d]
-        return _weighted_pairs(weights, pairs[0] if pairs.shape[0] == 1 else pairs)
+        return _weighted_pairs(weights, _pairs_at(values.to(weights.dtype), rows))
     rows = rows.unsqueeze(1).expand(b, h, n_q, n_k)  # [B', n_q, n_k] -> [b, h, n_q, n_k]
     bins = weights.new_zeros(b, h, n_q, values.shape[-2])  # [b, h, n_q, 2k+1]
     bins = bins.scatter_add_(-1, rows, weights)
