@@ -204,7 +204,7 @@ def no_bench(monkeypatch):
         (
             ["--baselines", "flex,flx"],
             "argument --baselines: unknown baseline 'flx'; use a comma-separated list of "
-            "flex, materialised, peer (e.g. flex,materialised)",
+            "flex, materialised, peer, copies (e.g. flex,materialised)",
         ),
         (
             ["--shapes", "swin,vit"],
@@ -630,3 +630,59 @@ def test_a_fast_variant_is_timed_over_calls_in_a_row(monkeypatch):
     assert counts == {"fast": 6, "slow": 6, "cold": 6}
     assert measure._calls(0.0) == measure.SAMPLE_CALLS
     assert measure._calls(measure.SAMPLE_S * 0.67) == 2  # at least SAMPLE_S: rounded up
+
+
+def test_copy_floor_baseline_columns_bound_line_and_skip_reason(tmp_path, capsys):
+    """copies adds the copy floor for a rotary scheme (its columns, its ratio to the floor
+    under the table, the JSON's ratios) and skips a scheme without a rotation with why."""
+    record = tmp_path / "bench.json"
+    argv = _tiny("--schemes", "rotary,alibi", "--baselines", "copies", "--json", str(record))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "to SDPA on copies of q and k, the least a rotation costs (copy-floor)" in out
+    header = next(line for line in out.splitlines() if line.startswith("| scheme"))
+    assert header.endswith(
+        "| fwd+bwd time / copy-floor | fwd-only time / copy-floor | peak memory / copy-floor |"
+    )
+    assert "copy-floor (the floor on copies of q and k) / floor at n=16: fwd+bwd " in out
+    reason = "no rotation: the copy floor is what rotating q and k costs at least"
+    assert f"copy-floor skipped for alibi (n = 16): {reason}" in out
+    cases = {c["scheme"]: c for c in json.loads(record.read_text())["cases"]}
+    assert set(cases["rotary"]["fwd_bwd_s"]) == {"floor", "posenc", "reference", "copy-floor"}
+    assert cases["rotary"]["ratios"]["time_vs_copy_floor"] > 0
+    assert cases["rotary"]["ratios"]["fwd_time_vs_copy_floor"] > 0
+    assert cases["alibi"]["skipped"]["copy-floor"] == reason
+    assert cases["alibi"]["ratios"]["time_vs_copy_floor"] is None
+
+
+@pytest.mark.parametrize("masks", [{}, {"causal": True, "padding": 0.25}, {"window": 3}])
+def test_copy_floor_is_the_floor_on_copies(masks, monkeypatch):
+    """The copy floor hands SDPA copies of q and k (v as it is) and computes the floor's
+    attention, the floor's gradients too, each passed back through a copy of its own."""
+    import torch.nn.functional as F
+
+    import posenc.cli.bench as bench
+    from posenc.cli._bench_variants import _Copied
+
+    q, k, v = (torch.randn(2, 2, 16, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    expected = bench._floor_of(**masks)(q, k, v)
+    wanted = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(args[:3])
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    out = bench._copy_floor_of(**masks)(q, k, v)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    (got_q, got_k, got_v), *_ = seen
+    assert got_q.data_ptr() != q.data_ptr() and got_k.data_ptr() != k.data_ptr()
+    assert got_v is v and torch.equal(got_q, q) and torch.equal(got_k, k)
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for a, b in zip(got, wanted, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    grad = torch.randn(3, 4)
+    (back,) = [_Copied.backward(None, grad)]
+    assert back.data_ptr() != grad.data_ptr() and torch.equal(back, grad)

@@ -34,3 +34,35 @@ def test_the_table_ends_with_the_floors_own_time_per_shape():
     )
     table = format_table(runs[0], backward=False).splitlines()
     assert table[-1] == "floor (plain SDPA) per call at n=512: fwd 3.000 ms"
+
+
+def test_the_copy_floor_to_the_floor_per_shape():
+    """Where the copy floor was measured, a line under the floor's gives its time as a ratio
+    to the floor's, over the rotary rows of the shape and length (the median and range,
+    fwd+bwd and forward; one kind without the backward); none where it was not."""
+
+    def case(scheme, floor, copies, forward, fwd_copies):
+        fwd_bwd = {"floor": floor, "posenc": 2 * floor}
+        fwd = {"floor": forward, "posenc": 2 * forward}
+        if copies is not None:
+            fwd_bwd["copy-floor"], fwd["copy-floor"] = copies, fwd_copies
+        return Case(scheme, 64, "auto", "small", fwd_bwd, fwd)
+
+    cases = [
+        case("rotary", 1e-3, 1.2e-3, 2e-4, 2.2e-4),
+        case("rotary-interleaved", 1e-3, 1.1e-3, 2e-4, 2.4e-4),
+        case("alibi", 1e-3, None, 2e-4, None),
+    ]
+    table = format_table(cases).splitlines()
+    assert table[-1] == (
+        "copy-floor (the floor on copies of q and k) / floor at small n=64: fwd+bwd 1.15x "
+        "(1.10-1.20), forward 1.15x (1.10-1.20): no rotation outside the attention kernel "
+        "runs faster"
+    )
+    assert table[-2].startswith("floor (plain SDPA) per call at small n=64: fwd+bwd")
+    assert format_table(cases, backward=False).splitlines()[-1] == (
+        "copy-floor (the floor on copies of q and k) / floor at small n=64: fwd 1.15x "
+        "(1.10-1.20): no rotation outside the attention kernel runs faster"
+    )
+    table = format_table(cases[2:]).splitlines()
+    assert not any(line.startswith("copy-floor") for line in table)

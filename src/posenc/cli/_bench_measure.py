@@ -39,6 +39,7 @@ from ..shaw import ShawRelativePosition
 from ._bench_peers import peer_problem
 from ._bench_variants import (
     BASELINES,
+    _copy_floor_problem,
     _inputs,
     _materialised_problem,
     _variant,
@@ -227,10 +228,12 @@ def run_bench(
     ``memory_from="process"`` measures instead the growth of the peak resident set in a
     fresh Python process per variant and case (Linux; 2-4 s each). ``baselines`` adds
     variants, from
-    :data:`BASELINES`: ``"flex"`` (``flex-floor``), ``"materialised"`` and ``"peer"`` (the
+    :data:`BASELINES`: ``"flex"`` (``flex-floor``), ``"materialised"``, ``"peer"`` (the
     scheme as other code computes it, :mod:`posenc.cli._bench_peers`; skipped with the
-    reason where none is written or its package is missing); the flex floor times the
-    backward only on CUDA (FlexAttention has none on CPU).
+    reason where none is written or its package is missing) and ``"copies"``
+    (``copy-floor``: the floor on copies of ``q`` and ``k``, for a rotary scheme; skipped
+    with the reason for the others); the flex floor times the backward only on CUDA
+    (FlexAttention has none on CPU).
 
     On CUDA a variant that runs out of memory is dropped from its case with the reason
     (in :attr:`Case.skipped`), and the others are measured.
@@ -280,6 +283,8 @@ def run_bench(
                     problem = _materialised_problem(scheme)
                 elif key == "peer":
                     problem = peer_problem(scheme, documents)
+                elif key == "copy-floor":
+                    problem = _copy_floor_problem(scheme)
                 if problem is None:
                     keys.append(key)
                 else:

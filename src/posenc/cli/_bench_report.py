@@ -127,7 +127,30 @@ def _floor_lines(
         if parts:
             where = f"{shape} n={n}" if shape else f"n={n}"
             lines.append(f"floor (plain SDPA) per call at {where}: " + ", ".join(parts))
+        bound = _copy_floor_part(rows, kinds)
+        if bound:
+            where = f"{shape} n={n}" if shape else f"n={n}"
+            lines.append(
+                f"copy-floor (the floor on copies of q and k) / floor at {where}: {bound}: "
+                "no rotation outside the attention kernel runs faster"
+            )
     return lines
+
+
+def _copy_floor_part(rows: list[Case], kinds: list[tuple[str, str]]) -> str:
+    """The copy floor's time as a ratio to the floor, each kind's median over ``rows``
+    (the rotary schemes' rows of a shape and length, of every process) with the range;
+    empty where no row measured it."""
+    parts = []
+    for label, attr in kinds:
+        what = "fwd" if attr == "fwd_s" else "time"
+        ratios = sorted(
+            r for r in (row.ratio(what, "copy-floor", "floor") for row in rows) if r is not None
+        )
+        if ratios:
+            low_high = f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(ratios) > 1 else ""
+            parts.append(f"{label} {statistics.median(ratios):.2f}x{low_high}")
+    return ", ".join(parts)
 
 
 def to_json(

@@ -7,9 +7,10 @@
 - the variants, each a function of ``(q, k, v)`` (:func:`_variant` picks one by its key):
   ``posenc`` and ``reference`` (posenc's attention core, :func:`_core`), ``floor`` (SDPA
   without positions, :func:`_floor_of`), and the baselines of :data:`BASELINES`,
-  ``flex-floor`` (:func:`_flex_floor_of`), ``materialised`` (:func:`_materialised_of`)
-  and ``peer`` (:func:`_peer_of`, the scheme as other code computes it:
-  :mod:`posenc.cli._bench_peers`).
+  ``flex-floor`` (:func:`_flex_floor_of`), ``materialised`` (:func:`_materialised_of`),
+  ``peer`` (:func:`_peer_of`, the scheme as other code computes it:
+  :mod:`posenc.cli._bench_peers`) and ``copy-floor`` (:func:`_copy_floor_of`, the least a
+  rotation outside the attention kernel can cost).
 
 How they are timed and measured is :mod:`posenc.cli._bench_measure`; the command and its
 report, :mod:`posenc.cli.bench`.
@@ -205,6 +206,44 @@ def _flex_floor_of(
     return run
 
 
+class _Copied(torch.autograd.Function):
+    """A copy of ``x`` whose backward copies the gradient: what a rotation outside the
+    attention kernel cannot do without (it writes a rotated ``q`` and ``k`` that the
+    kernel reads, and in the backward their gradients' rotations), with no arithmetic."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.clone()
+
+
+def _copy_floor_problem(scheme: Any) -> str | None:
+    """Why the copy floor does not bound ``scheme`` (no rotation), or None."""
+    if hooks_of(scheme).rotate is None:
+        return "no rotation: the copy floor is what rotating q and k costs at least"
+    return None
+
+
+def _copy_floor_of(
+    causal: bool = False, padding: float = 0.0, documents: int = 1, window: int | None = None
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The copy floor: the floor (:func:`_floor_of`, its mask too) on copies of ``q`` and
+    ``k``, their gradients copied in the backward (:class:`_Copied`). Any rotation that
+    hands the kernel rotated queries and keys writes them and, with gradients, the
+    rotations of their gradients: a pass over each in both directions, which this costs
+    with nothing computed, so that no such rotation is faster (posenc's rotation at 1.0x
+    of it costs no more than copying)."""
+    floor = _floor_of(causal, padding, documents, window)
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return floor(_Copied.apply(q), _Copied.apply(k), v)
+
+    return run
+
+
 def _materialised_problem(scheme: Any) -> str | None:
     """Why no dense ``attn_mask`` can carry ``scheme`` (a content-dependent term), or None."""
     hooks = hooks_of(scheme)
@@ -274,7 +313,12 @@ def _peer_of(
 
 
 #: ``--baselines`` values and the variants they add
-BASELINES = {"flex": "flex-floor", "materialised": "materialised", "peer": "peer"}
+BASELINES = {
+    "flex": "flex-floor",
+    "materialised": "materialised",
+    "peer": "peer",
+    "copies": "copy-floor",
+}
 
 
 def _variant(
@@ -287,7 +331,7 @@ def _variant(
     window: int | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """The function that runs variant ``key`` (``floor``, ``posenc``, ``reference``,
-    ``flex-floor``, ``materialised``, ``peer``)."""
+    ``flex-floor``, ``materialised``, ``peer``, ``copy-floor``)."""
     masks = (causal, padding, documents, window)
     if key == "floor":
         return _floor_of(*masks)
@@ -297,4 +341,6 @@ def _variant(
         return _materialised_of(scheme, *masks)
     if key == "peer":
         return _peer_of(scheme, *masks)
+    if key == "copy-floor":
+        return _copy_floor_of(*masks)
     return _core(scheme, "math" if key == "reference" else backend, *masks)

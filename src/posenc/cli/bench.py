@@ -14,7 +14,9 @@ For each scheme and length it measures, interleaved in the same run:
   rotates first; schemes with a content-dependent term are skipped with the reason);
   ``peer``, the scheme the way other code computes it (Hugging Face's T5 bias, Swin's
   gathered table, Shaw's ``[n, n, d]`` relation tensors, the Music Transformer skew,
-  rotary-embedding-torch: :mod:`posenc.cli._bench_peers`), the same attention.
+  rotary-embedding-torch: :mod:`posenc.cli._bench_peers`), the same attention;
+  ``copy-floor``, a rotary scheme's bound: the floor on copies of ``q`` and ``k``, their
+  gradients copied in the backward, what any rotation outside the kernel costs at least.
 
 ``--shapes`` runs presets of ``(b, h, n, d)`` (:data:`SHAPES`: Swin's windows, BERT-base,
 long sequences) in place of ``--lengths``, ``--batch``, ``--heads`` and ``--head-dim``;
@@ -71,6 +73,7 @@ from ._bench_report import format_table, to_json
 from ._bench_variants import (  # noqa: F401  (_core, the floors: re-exported for the tests)
     BASELINES,
     _causal_floor,
+    _copy_floor_of,
     _core,
     _flex_floor_of,
     _floor,
@@ -112,6 +115,7 @@ _BASELINE_WORDS = {
     "flex": "FlexAttention without a score_mod (flex-floor)",
     "materialised": "SDPA with the dense bias as attn_mask (materialised)",
     "peer": "the scheme as other code computes it (peer)",
+    "copies": "SDPA on copies of q and k, the least a rotation costs (copy-floor)",
 }
 
 #: ``--shapes`` presets: name -> (b, h, n, d)
@@ -470,7 +474,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "the gathered table for swin-1d, timm's relative_position_index for swin-2d, the "
         "written-out bias for alibi, Shaw's [n, n, d] relation tensors, the Music "
         "Transformer skew for relative, rotary-embedding-torch for rotary; skipped with the "
-        "reason for the others or when the package is missing)",
+        "reason for the others or when the package is missing), copies (the floor on "
+        "copies of q and k, their gradients copied in the backward: the least any rotation "
+        "outside the attention kernel costs, copy-floor; rotary schemes only)",
     )
     parser.add_argument(
         "--shapes",
