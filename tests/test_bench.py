@@ -639,13 +639,13 @@ def test_copy_floor_baseline_columns_bound_line_and_skip_reason(tmp_path, capsys
     argv = _tiny("--schemes", "rotary,alibi", "--baselines", "copies", "--json", str(record))
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "to SDPA on copies of q and k, the least a rotation costs (copy-floor)" in out
+    assert "to SDPA on copies of q and k, their gradients copied back (copy-floor)" in out
     header = next(line for line in out.splitlines() if line.startswith("| scheme"))
     assert header.endswith(
         "| fwd+bwd time / copy-floor | fwd-only time / copy-floor | peak memory / copy-floor |"
     )
     assert "copy-floor (the floor on copies of q and k) / floor at n=16: fwd+bwd " in out
-    reason = "no rotation: the copy floor is what rotating q and k costs at least"
+    reason = "no rotation: the copy floor is a yardstick for rotating q and k"
     assert f"copy-floor skipped for alibi (n = 16): {reason}" in out
     cases = {c["scheme"]: c for c in json.loads(record.read_text())["cases"]}
     assert set(cases["rotary"]["fwd_bwd_s"]) == {"floor", "posenc", "reference", "copy-floor"}
@@ -655,10 +655,14 @@ def test_copy_floor_baseline_columns_bound_line_and_skip_reason(tmp_path, capsys
     assert cases["alibi"]["ratios"]["time_vs_copy_floor"] is None
 
 
-@pytest.mark.parametrize("masks", [{}, {"causal": True, "padding": 0.25}, {"window": 3}])
+@pytest.mark.parametrize(
+    "masks",
+    [{}, {"causal": True, "padding": 0.25}, {"causal": True, "documents": 2}, {"window": 3}],
+)
 def test_copy_floor_is_the_floor_on_copies(masks, monkeypatch):
-    """The copy floor hands SDPA copies of q and k (v as it is) and computes the floor's
-    attention, the floor's gradients too, each passed back through a copy of its own."""
+    """The copy floor hands SDPA copies of q and k (v as it is) made by :class:`_Copied`,
+    and computes the floor's attention, the floor's gradients too, each passed back
+    through a copy of its own."""
     import torch.nn.functional as F
 
     import posenc.cli.bench as bench
@@ -680,9 +684,10 @@ def test_copy_floor_is_the_floor_on_copies(masks, monkeypatch):
     (got_q, got_k, got_v), *_ = seen
     assert got_q.data_ptr() != q.data_ptr() and got_k.data_ptr() != k.data_ptr()
     assert got_v is v and torch.equal(got_q, q) and torch.equal(got_k, k)
+    assert {type(x.grad_fn).__name__ for x in (got_q, got_k)} == {"_CopiedBackward"}
     got = torch.autograd.grad(out.square().sum(), (q, k, v))
     for a, b in zip(got, wanted, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     grad = torch.randn(3, 4)
-    (back,) = [_Copied.backward(None, grad)]
+    back = _Copied.backward(None, grad)
     assert back.data_ptr() != grad.data_ptr() and torch.equal(back, grad)

@@ -108,8 +108,10 @@ def _floor_lines(
 ) -> list[str]:
     """A line per shape and length: the floor's own time per call in milliseconds, which
     every ratio divides by (each row measures it beside its scheme: the median over the
-    rows and processes, and the range), so that a process whose floor ran slow can be told from a scheme that did: on a
-    shared CPU a process keeps one state, and the ratios of small calls move with it."""
+    rows and processes, and the range), so that a process whose floor ran slow can be
+    told from a scheme that did: on a shared CPU a process keeps one state, and the
+    ratios of small calls move with it. Where rows measured the copy floor, a second line
+    gives its time as a ratio to the floor (:func:`_copy_floor_part`)."""
     kinds = [("fwd+bwd", "fwd_bwd_s"), ("forward", "fwd_s")] if backward else [("fwd", "fwd_bwd_s")]
     seen: dict[tuple[str, int], list[Case]] = {}  # every row's floor, of every process
     for index, case in enumerate(cases):
@@ -124,15 +126,13 @@ def _floor_lines(
                 continue
             low_high = f" ({times[0]:.3f}-{times[-1]:.3f})" if len(times) > 1 else ""
             parts.append(f"{label} {statistics.median(times):.3f} ms{low_high}")
+        where = f"{shape} n={n}" if shape else f"n={n}"
         if parts:
-            where = f"{shape} n={n}" if shape else f"n={n}"
             lines.append(f"floor (plain SDPA) per call at {where}: " + ", ".join(parts))
-        bound = _copy_floor_part(rows, kinds)
-        if bound:
-            where = f"{shape} n={n}" if shape else f"n={n}"
+        copies = _copy_floor_part(rows, kinds)
+        if copies:
             lines.append(
-                f"copy-floor (the floor on copies of q and k) / floor at {where}: {bound}: "
-                "no rotation outside the attention kernel runs faster"
+                f"copy-floor (the floor on copies of q and k) / floor at {where}: {copies}"
             )
     return lines
 

@@ -9,8 +9,8 @@
   without positions, :func:`_floor_of`), and the baselines of :data:`BASELINES`,
   ``flex-floor`` (:func:`_flex_floor_of`), ``materialised`` (:func:`_materialised_of`),
   ``peer`` (:func:`_peer_of`, the scheme as other code computes it:
-  :mod:`posenc.cli._bench_peers`) and ``copy-floor`` (:func:`_copy_floor_of`, the least a
-  rotation outside the attention kernel can cost).
+  :mod:`posenc.cli._bench_peers`) and ``copy-floor`` (:func:`_copy_floor_of`, what a
+  rotation in eager out-of-place ops pays at least).
 
 How they are timed and measured is :mod:`posenc.cli._bench_measure`; the command and its
 report, :mod:`posenc.cli.bench`.
@@ -207,9 +207,10 @@ def _flex_floor_of(
 
 
 class _Copied(torch.autograd.Function):
-    """A copy of ``x`` whose backward copies the gradient: what a rotation outside the
-    attention kernel cannot do without (it writes a rotated ``q`` and ``k`` that the
-    kernel reads, and in the backward their gradients' rotations), with no arithmetic."""
+    """A copy of ``x`` whose backward copies the gradient, with no arithmetic: the passes
+    that a rotation written as an out-of-place autograd Function per tensor makes at
+    least (it writes a rotated ``q`` and ``k`` for the kernel to read and, with
+    gradients, the rotations of their gradients), at its cost per Function."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
@@ -221,9 +222,9 @@ class _Copied(torch.autograd.Function):
 
 
 def _copy_floor_problem(scheme: Any) -> str | None:
-    """Why the copy floor does not bound ``scheme`` (no rotation), or None."""
+    """Why the copy floor is no yardstick for ``scheme`` (no rotation), or None."""
     if hooks_of(scheme).rotate is None:
-        return "no rotation: the copy floor is what rotating q and k costs at least"
+        return "no rotation: the copy floor is a yardstick for rotating q and k"
     return None
 
 
@@ -231,11 +232,11 @@ def _copy_floor_of(
     causal: bool = False, padding: float = 0.0, documents: int = 1, window: int | None = None
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """The copy floor: the floor (:func:`_floor_of`, its mask too) on copies of ``q`` and
-    ``k``, their gradients copied in the backward (:class:`_Copied`). Any rotation that
-    hands the kernel rotated queries and keys writes them and, with gradients, the
-    rotations of their gradients: a pass over each in both directions, which this costs
-    with nothing computed, so that no such rotation is faster (posenc's rotation at 1.0x
-    of it costs no more than copying)."""
+    ``k``, their gradients copied in the backward (:class:`_Copied`), so one out-of-place
+    pass over each in each direction, through a Python autograd Function per tensor. A
+    rotation of that form (posenc's) is no faster; one in place, fused into the
+    projection or the layout copy before attention, or in one native op for both tensors
+    can be."""
     floor = _floor_of(causal, padding, documents, window)
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -15,8 +15,9 @@ For each scheme and length it measures, interleaved in the same run:
   ``peer``, the scheme the way other code computes it (Hugging Face's T5 bias, Swin's
   gathered table, Shaw's ``[n, n, d]`` relation tensors, the Music Transformer skew,
   rotary-embedding-torch: :mod:`posenc.cli._bench_peers`), the same attention;
-  ``copy-floor``, a rotary scheme's bound: the floor on copies of ``q`` and ``k``, their
-  gradients copied in the backward, what any rotation outside the kernel costs at least.
+  ``copy-floor``, a rotary scheme's yardstick: the floor on copies of ``q`` and ``k``,
+  their gradients copied in the backward, what a rotation in eager out-of-place ops pays
+  at least.
 
 ``--shapes`` runs presets of ``(b, h, n, d)`` (:data:`SHAPES`: Swin's windows, BERT-base,
 long sequences) in place of ``--lengths``, ``--batch``, ``--heads`` and ``--head-dim``;
@@ -115,7 +116,7 @@ _BASELINE_WORDS = {
     "flex": "FlexAttention without a score_mod (flex-floor)",
     "materialised": "SDPA with the dense bias as attn_mask (materialised)",
     "peer": "the scheme as other code computes it (peer)",
-    "copies": "SDPA on copies of q and k, the least a rotation costs (copy-floor)",
+    "copies": "SDPA on copies of q and k, their gradients copied back (copy-floor)",
 }
 
 #: ``--shapes`` presets: name -> (b, h, n, d)
@@ -475,8 +476,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "written-out bias for alibi, Shaw's [n, n, d] relation tensors, the Music "
         "Transformer skew for relative, rotary-embedding-torch for rotary; skipped with the "
         "reason for the others or when the package is missing), copies (the floor on "
-        "copies of q and k, their gradients copied in the backward: the least any rotation "
-        "outside the attention kernel costs, copy-floor; rotary schemes only)",
+        "copies of q and k, their gradients copied back, each through an autograd Function: "
+        "what a rotation in eager out-of-place ops pays at least, copy-floor; rotary "
+        "schemes only)",
     )
     parser.add_argument(
         "--shapes",
