@@ -632,7 +632,7 @@ def test_a_fast_variant_is_timed_over_calls_in_a_row(monkeypatch):
     assert measure._calls(measure.SAMPLE_S * 0.67) == 2  # at least SAMPLE_S: rounded up
 
 
-def test_copy_floor_baseline_columns_bound_line_and_skip_reason(tmp_path, capsys):
+def test_copy_floor_baseline_columns_ratio_line_and_skip_reason(tmp_path, capsys):
     """copies adds the copy floor for a rotary scheme (its columns, its ratio to the floor
     under the table, the JSON's ratios) and skips a scheme without a rotation with why."""
     record = tmp_path / "bench.json"
