@@ -327,6 +327,37 @@ def hooks_of(scheme: Any) -> Hooks:
     return _new_hooks(Hooks, hooks)
 
 
+def hooks_signature(scheme: Any) -> tuple[Any, ...] | None:
+    """What :func:`hooks_of` reads of ``scheme``, as a hashable key: its class, and for each
+    hook name the function its class resolves it to and the class of the MRO whose dict
+    holds it. Two calls with equal keys collect the same hooks. None where no such key
+    says it: a class with its own attribute lookup, a hook that is not a plain function
+    of a class (a property or another descriptor, which may answer differently from call
+    to call), or a hook set on the instance or named by a submodule."""
+    owners = _hook_owners(scheme)
+    if owners is None:
+        return None
+    own = getattr(scheme, "__dict__", {})
+    if _HOOK_SET & own.keys() or _HOOK_SET & own.get("_modules", {}).keys():
+        return None  # set on the instance: hooks_of reads it there
+    cls = type(scheme)
+    functions = tuple([getattr(cls, name) for name in owners])
+    if functions and set(map(type, functions)) != _FUNCTIONS:
+        return None
+    return (cls, tuple(owners.items()), functions)
+
+
+#: the type of a plain function, alone
+_FUNCTIONS = {type(hooks_signature)}
+
+
+def bias_fits(bias: Tensor, b: int, h: int, q_pos: Tensor, k_pos: Tensor) -> bool:
+    """Whether ``bias`` has a shape :func:`checked_hooks` lets a ``score_bias`` return for
+    an attention of ``b`` sequences and ``h`` heads at these positions: ``[B', h or 1,
+    n_q, n_k]``."""
+    return _fits(bias.shape, _EXPECTED["score_bias"]((1, h), b, 0, q_pos, k_pos))
+
+
 def _new_hooks(cls: type[Hooks], found: dict[str, Any]) -> Hooks:
     """``cls(**found)`` without the dataclass's ``__init__`` (once per attention call: the
     hooks are written into the instance's dict at once)."""

@@ -19,9 +19,10 @@ from torch import Tensor
 
 from .._memo import plain_autograd
 from ..hooks import Hooks, _defined_by, checked_hooks, hooks_of
+from . import kept
 from .blocks import _by_blocks, _mask_blocks
 from .flex import _flex
-from .inputs import finite, repeat_heads, sees_any, zeroed_non_finite
+from .inputs import default_scale, finite, repeat_heads, sees_any, zeroed_non_finite
 from .learned import substituted
 from .mask import Mask
 from .plans import (
@@ -36,6 +37,7 @@ from .plans import (
     _plan_materialised,
     _plan_offset_bias,
     _plan_offset_term,
+    routed,
 )
 from .reference import _math
 from .sdpa import _sdpa
@@ -99,11 +101,16 @@ def attend(
     """
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         k, v = repeat_heads(q, k, v)
+    key = kept.signature(q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights)
+    out = None if key is None else kept.replay(key, q, k, v, scheme, q_pos, k_pos, scale)
+    if out is not None:
+        return out, None
     hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
     if mask.empty or (not torch.compiler.is_compiling() and finite(q, k, v)):
         return _attend(
-            q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale
-        )
+            q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale,
+            key,
+        )  # fmt: skip
     # NaN or inf somewhere: such tokens are zeroed, and the queries they touch made NaN after
     q, k, v, bad, bad_q = zeroed_non_finite(q, k, v)
     out, weights = _attend(
@@ -112,12 +119,6 @@ def attend(
     sees = sees_any(mask, bad, q.device) | bad_q  # [b, h, n_q, 1]
     out = out.masked_fill(sees, float("nan"))
     return out, None if weights is None else weights.masked_fill(sees, float("nan"))
-
-
-def default_scale(d: int) -> float:
-    """``1 / sqrt(d)``; 1 for queries with no channels, whose scores are all 0 whatever the
-    scale (SDPA's answer: each query gets the mean of the values it sees)."""
-    return d**-0.5 if d else 1.0
 
 
 def _learned_mask(mask: Mask) -> bool:
@@ -139,8 +140,10 @@ def _attend(
     dropout_p: float,
     need_weights: bool,
     scale: float | None,
+    key: tuple[Any, ...] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """:func:`attend` for inputs whose masked keys and values are finite."""
+    """:func:`attend` for inputs whose masked keys and values are finite (``key``: the
+    call's :func:`.kept.signature`, under which a route :func:`.kept.replay` runs is kept)."""
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if need_weights or backend == "math" or _learned_mask(mask):
         out, weights = _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)
@@ -148,7 +151,11 @@ def _attend(
     call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
     name, run, _ = _walk(PATHS[backend], call, backend)
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        return run(), None
+        out = run()
+        route = getattr(run, "route", None)
+        if key is not None and route is not None and call.read_by is None:
+            kept.record(scheme, key, route)  # no key shift folded into the keys
+        return out, None
     if name in _AUTOGRAD_PATHS and (not call.grad or _exact_twice(name, call, hooks)):
         return run(), None  # autograd's ops alone: every tensor the hooks read gets its gradient
     # a probe of the hooks, for a scheme not posenc's own (the flex path takes none: on
@@ -371,10 +378,11 @@ def _positional(hooks: Hooks) -> bool:
 def _plan_sdpa(call: Call) -> Plan:
     if call.hooks.value_term is not None:
         return "cannot add a value term (Shaw's a^V needs the attention weights)"
-    return lambda: _sdpa(
+    run = lambda: _sdpa(  # noqa: E731
         call.q, call.k, call.v, call.hooks, call.q_pos, call.k_pos, call.mask, call.scale,
         call.dropout_p,
     )  # fmt: skip
+    return run if _positional(call.hooks) else routed(run, ())
 
 
 def _plan_math(call: Call) -> Plan:

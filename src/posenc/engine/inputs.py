@@ -1,6 +1,6 @@
-"""What the dispatcher does to its inputs before a path runs: grouped key/value heads
-repeated for their query heads, and non-finite values found and kept from the queries
-they must not reach.
+"""What the dispatcher does to its inputs before a path runs: the default scale, grouped
+key/value heads repeated for their query heads, and non-finite values found and kept from
+the queries they must not reach.
 
 Shape legend: ``b`` batch, ``h`` heads, ``h_kv`` key/value heads, ``n_q`` queries, ``n_k``
 keys, ``d`` head dim.
@@ -15,6 +15,12 @@ from torch import Tensor
 
 from . import common
 from .mask import Mask
+
+
+def default_scale(d: int) -> float:
+    """``1 / sqrt(d)``; 1 for queries with no channels, whose scores are all 0 whatever the
+    scale (SDPA's answer: each query gets the mean of the values it sees)."""
+    return d**-0.5 if d else 1.0
 
 
 def repeat_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

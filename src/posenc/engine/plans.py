@@ -509,7 +509,23 @@ def _plan_materialised(call: Call) -> Plan:
             call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
             call.dropout_p, reference=False, bias=call.known_bias,
         )[0]  # fmt: skip
-    return lambda: _sdpa(
+    run = lambda: _sdpa(  # noqa: E731
         call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
         call.dropout_p, bias=None if hooks.score_bias is None else call.dense_bias,
     )  # fmt: skip
+    if hooks.score_term is not None or hooks.score_bias is None:
+        return run
+    return routed(run, _BIAS_ROUTE if hooks.kept_score_bias is None else _KEPT_BIAS_ROUTE)
+
+
+#: the routes of the materialised path's SDPA call with a bias alone (:mod:`.kept`): the
+#: bias hooks read in turn, as :func:`~.reference._read_bias` reads them
+_BIAS_ROUTE = ("score_bias",)
+_KEPT_BIAS_ROUTE = ("kept_score_bias", "score_bias")
+
+
+def routed(run: Callable[[], Tensor], route: tuple[str, ...]) -> Callable[[], Tensor]:
+    """``run``, marked with the route :mod:`.kept` may replay for calls of its signature:
+    SDPA's kernel on ``q, k, v`` with the bias of the hooks named (``()``: none)."""
+    run.route = route  # type: ignore[attr-defined]
+    return run

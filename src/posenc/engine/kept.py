@@ -1,0 +1,154 @@
+"""Kept routes: the route the dispatcher chose for a call's signature, replayed without the
+walk, for calls without gradients whose route is SDPA's kernel alone.
+
+The dispatcher's choice for a call without gradients (grad mode off), without a mask,
+dropout or weights asked for, reads the scheme's hooks (which it defines, and where), the
+shapes, dtypes and device of ``q, k, v`` and of the positions, the backend, the modes of
+torch (``torch.compile``, a dispatch or function mode, a ``torch.func`` transform, a
+forward-mode AD level), the thread count and the tuning constants (:mod:`.tuning`): the
+:func:`signature` of the call, which holds all of them. Where that choice was one of
+
+- SDPA's kernel on ``q, k, v`` (nothing positional in the scores: no scheme, or a
+  rotation applied before the call), or
+- SDPA's kernel with the scheme's ``score_bias`` (the tensor it keeps between calls where
+  its ``kept_score_bias`` gives one) as the float mask (the materialised path's route for
+  a bias alone),
+
+the route is kept per scheme and signature (:func:`record`), and a later call of the same
+signature runs it at once (:func:`replay`): the hooks are called as the path calls them,
+and the bias's shape is checked as :func:`~posenc.hooks.checked_hooks` checks it (a bias of
+another shape takes the dispatcher, which raises). A replay computes what the path
+computes, with the same kernel call, so it gives the same values: only the walk's Python
+is saved, which at ``b=2 h=8 n=64`` is a third of a call (docs/performance.md,
+"Seventeenth pass"). Routes are kept in a weak dictionary keyed by the scheme (a scheme
+that is garbage collected takes its routes along), at most :data:`KEPT_ROUTES` per scheme;
+they hold no tensor and no bound method.
+
+Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim;
+positions ``[B', n]`` with ``B'`` 1 or ``b``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._memo import _plain, plain_autograd
+from ..hooks import bias_fits, hooks_signature
+from . import plans, sdpa, tuning
+from .inputs import default_scale
+from .mask import Mask
+
+#: routes kept per scheme at most; one more empties the scheme's routes first
+KEPT_ROUTES = 16
+
+#: a route: the bias hooks to read in turn, ``()`` for none (SDPA's kernel on q, k, v),
+#: ``("score_bias",)`` or ``("kept_score_bias", "score_bias")`` (the first that gives a
+#: tensor)
+Route = tuple[str, ...]
+
+#: each scheme's routes by signature
+_ROUTES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Route]] = weakref.WeakKeyDictionary()
+#: the routes of calls without a scheme
+_UNSCHEMED: dict[tuple[Any, ...], Route] = {}
+
+#: the tuning constants, by name (read at call time: a test or an experiment may set one)
+_TUNING = tuple(
+    name for name, value in vars(tuning).items() if name.isupper() and type(value) in (int, float)
+)
+
+
+def signature(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scheme: Any,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    backend: str,
+    dropout_p: float,
+    need_weights: bool,
+) -> tuple[Any, ...] | None:
+    """What the dispatcher's choice reads for this call, as a key; None for a call whose
+    route is not kept: gradients recorded (grad mode on), a mask, dropout, weights asked
+    for, a mode of torch that changes what runs (``torch.compile``, ``torch.jit.trace``, a
+    dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), or a
+    scheme whose hooks have no key (:func:`~posenc.hooks.hooks_signature`)."""
+    if torch.is_grad_enabled() or need_weights or dropout_p or not mask.empty:
+        return None
+    if not (_plain() and plain_autograd()):
+        return None
+    if scheme is None:
+        hooks = None
+    else:
+        hooks = hooks_signature(scheme)
+        if hooks is None:
+            return None
+    return (
+        hooks, backend, q.shape, k.shape, v.shape, q_pos.shape, k_pos.shape, q.dtype, k.dtype,
+        v.dtype, q.device, plans._threads(), tuple(map(vars(tuning).get, _TUNING)),
+    )  # fmt: skip
+
+
+def _routes(scheme: Any) -> dict[tuple[Any, ...], Route] | None:
+    """The scheme's routes (None: none kept, or a scheme that cannot key a weak dictionary)."""
+    if scheme is None:
+        return _UNSCHEMED
+    try:
+        return _ROUTES.get(scheme)
+    except TypeError:  # not hashable, or no weak reference to it
+        return None
+
+
+def record(scheme: Any, key: tuple[Any, ...], route: Route) -> None:
+    """Keep ``route`` for the scheme and this :func:`signature` (a scheme that cannot key a
+    weak dictionary keeps none)."""
+    routes = _routes(scheme)
+    if routes is None:
+        try:
+            routes = _ROUTES.setdefault(scheme, {})
+        except TypeError:
+            return
+    if len(routes) >= KEPT_ROUTES:
+        routes.clear()
+    routes[key] = route
+
+
+def replay(
+    key: tuple[Any, ...],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scheme: Any,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scale: float | None,
+) -> Tensor | None:
+    """The route kept for the scheme and this :func:`signature` run on this call:
+    ``[b, h, n_q, d_v]``; None where no route is kept, or where the scheme's bias has a
+    shape the route does not take (the dispatcher then runs the call, and raises)."""
+    routes = _routes(scheme)
+    route = None if routes is None else routes.get(key)
+    if route is None:
+        return None
+    attn_mask = None
+    if route:
+        for name in route:
+            bias = getattr(scheme, name)(q_pos, k_pos)
+            if bias is not None:
+                break
+        if not (isinstance(bias, Tensor) and bias_fits(bias, q.shape[0], q.shape[1], q_pos, k_pos)):
+            return None
+        attn_mask = bias.to(q.dtype)  # [B', h or 1, n_q, n_k]
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    return sdpa._kernel(q, k, v, attn_mask, 0.0, False, scale)  # the path's call
+
+
+def clear() -> None:
+    """Forget every kept route."""
+    _ROUTES.clear()
+    _UNSCHEMED.clear()
