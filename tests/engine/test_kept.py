@@ -259,11 +259,11 @@ def test_routes_go_with_their_scheme_and_are_bounded(monkeypatch):
     KEPT_ROUTES per scheme (one more empties the scheme's)."""
     scheme = ALiBi(H)
     with torch.no_grad():
-        for n in range(2, 2 + kept.KEPT_ROUTES):
+        for n in range(2, 2 + tuning.KEPT_ROUTES):
             q = torch.randn(1, H, n, D)
             pos = run_positions(0, n)
             attend(q, q, q, scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(n, n))
-        assert len(kept._ROUTES[scheme]) == kept.KEPT_ROUTES
+        assert len(kept._ROUTES[scheme]) == tuning.KEPT_ROUTES
         q = torch.randn(1, H, 40, D)
         pos = run_positions(0, 40)
         attend(q, q, q, scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(40, 40))
@@ -272,6 +272,17 @@ def test_routes_go_with_their_scheme_and_are_bounded(monkeypatch):
     del scheme
     gc.collect()
     assert ref() is None and not kept._ROUTES
+
+
+def test_no_route_is_kept_at_a_bound_of_zero(monkeypatch, walks):
+    """``tuning.KEPT_ROUTES = 0`` keeps no route: every call walks the paths."""
+    monkeypatch.setattr(tuning, "KEPT_ROUTES", 0)
+    scheme = ALiBi(H)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        outs = [_call(scheme, q, k, v) for _ in range(3)]
+    assert len(walks) == 3 and not kept._ROUTES
+    assert torch.equal(outs[0], outs[2])
 
 
 def test_an_unhashable_scheme_runs_without_a_route(walks):

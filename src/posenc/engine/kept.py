@@ -19,9 +19,8 @@ signature runs it at once (:func:`replay`): the hooks are called as the path cal
 and the bias's shape is checked as :func:`~posenc.hooks.checked_hooks` checks it (a bias of
 another shape takes the dispatcher, which raises). A replay computes what the path
 computes, with the same kernel call, so it gives the same values: only the walk's Python
-is saved, which at ``b=2 h=8 n=64`` is a third of a call (docs/performance.md,
-"Seventeenth pass"). Routes are kept in a weak dictionary keyed by the scheme (a scheme
-that is garbage collected takes its routes along), at most :data:`KEPT_ROUTES` per scheme;
+is saved. Routes are kept in a weak dictionary keyed by the scheme (a scheme that is
+garbage collected takes its routes along), at most :data:`.tuning.KEPT_ROUTES` per scheme;
 they hold no tensor and no bound method.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim;
@@ -41,9 +40,6 @@ from ..hooks import bias_fits, hooks_signature
 from . import plans, sdpa, tuning
 from .inputs import default_scale
 from .mask import Mask
-
-#: routes kept per scheme at most; one more empties the scheme's routes first
-KEPT_ROUTES = 16
 
 #: a route: the bias hooks to read in turn, ``()`` for none (SDPA's kernel on q, k, v),
 #: ``("score_bias",)`` or ``("kept_score_bias", "score_bias")`` (the first that gives a
@@ -105,15 +101,19 @@ def _routes(scheme: Any) -> dict[tuple[Any, ...], Route] | None:
 
 
 def record(scheme: Any, key: tuple[Any, ...], route: Route) -> None:
-    """Keep ``route`` for the scheme and this :func:`signature` (a scheme that cannot key a
-    weak dictionary keeps none)."""
+    """Keep ``route`` for the scheme and this :func:`signature`, at most
+    :data:`tuning.KEPT_ROUTES` per scheme (one more empties the scheme's routes first; 0
+    keeps none; a scheme that cannot key a weak dictionary keeps none)."""
+    limit = tuning.KEPT_ROUTES
+    if limit <= 0:
+        return
     routes = _routes(scheme)
     if routes is None:
         try:
             routes = _ROUTES.setdefault(scheme, {})
         except TypeError:
             return
-    if len(routes) >= KEPT_ROUTES:
+    if len(routes) >= limit:
         routes.clear()
     routes[key] = route
 
