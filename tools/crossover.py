@@ -12,8 +12,8 @@ gradients of ``q, k, v`` and of the scheme's tables) and forward only (no grad) 
   op; otherwise SDPA with it as the float ``attn_mask``);
 - ``lean``: ``backend="lean"``: the lean path (named in the table) that ``auto`` takes
   above the crossover;
-- ``ops``: ``materialised`` with ``OPS_FORWARD_SCORES``, ``OPS_IN_PLACE_SCORES`` and
-  ``OPS_IN_PLACE_BIAS_SCORES`` lifted too (and ``OPS_FORWARD_THREADS`` at 1, at any ``--threads``), so that a call SDPA's
+- ``ops``: ``materialised`` with ``OPS_FORWARD_SCORES``, ``OPS_IN_PLACE_SCORES``,
+  ``OPS_IN_PLACE_BIAS_SCORES`` and ``OPS_GRAD_BIAS_SCORES`` lifted too (and ``OPS_FORWARD_THREADS`` at 1, at any ``--threads``), so that a call SDPA's
   fused kernel could run (no gradients; a constant bias such as ALiBi's with gradients for
   ``q, k, v`` alone) runs op by op rather than through SDPA (``materialised`` sets it to
   0): the last two columns, below 1 where op by op wins (about 1 where both run op by op:
@@ -78,6 +78,7 @@ OPS = (
     "OPS_FORWARD_SCORES",
     "OPS_IN_PLACE_SCORES",
     "OPS_IN_PLACE_BIAS_SCORES",
+    "OPS_GRAD_BIAS_SCORES",
     "OPS_FORWARD_THREADS",
 )
 
@@ -98,7 +99,7 @@ def _call(variant: str, scheme, causal: bool) -> Callable:
             for name in LIMITS:
                 setattr(tuning, name, 1 << 62)
             tuning.OPS_FORWARD_SCORES = tuning.OPS_IN_PLACE_SCORES = ops
-            tuning.OPS_IN_PLACE_BIAS_SCORES = ops
+            tuning.OPS_IN_PLACE_BIAS_SCORES = tuning.OPS_GRAD_BIAS_SCORES = ops
             tuning.OPS_FORWARD_THREADS = 1  # the thread count measured is the one set
             return posenc.attention(q, k, v, position=scheme, causal=causal)
         finally:

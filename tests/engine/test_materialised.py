@@ -289,9 +289,9 @@ def test_a_call_without_gradients_runs_op_by_op_up_to_its_in_place_limit(
 
 def test_by_default_a_bias_alone_without_gradients_runs_sdpa_and_a_term_op_by_op(monkeypatch):
     """The defaults: SDPA with a bias alone as its float mask (the route of the code posenc
-    replaces), a score term in one buffer op by op; with gradients a constant bias runs op
-    by op up to OPS_FORWARD_SCORES where the weights its graph keeps are no larger than
-    SDPA's output (ALiBi's kept bias: n_k <= d_v), SDPA's fused route beyond."""
+    replaces), a score term in one buffer op by op; with gradients a constant bias takes
+    SDPA's fused route at every size (OPS_GRAD_BIAS_SCORES = 0), a learned one runs op by
+    op."""
     calls = _spy_kernels(monkeypatch)
     q = torch.randn(2, 2, 16, 8)
     for scheme, kernel in (
@@ -303,12 +303,13 @@ def test_by_default_a_bias_alone_without_gradients_runs_sdpa_and_a_term_op_by_op
         with torch.no_grad():
             posenc.attention(q, q, q, position=scheme)
         assert calls == [kernel], type(scheme).__name__
-    for n, kernel in ((8, "ops"), (9, "sdpa"), (16, "sdpa")):  # 8 channels per value
-        calls.clear()
-        x = torch.randn(2, 2, n, 8, requires_grad=True)
-        posenc.attention(x, x, x, position=posenc.ALiBi(2)).sum().backward()
-        assert calls == [kernel], n
-        assert x.grad is not None
+    for n in (4, 8, 9, 16):  # 8 channels per value: fewer weights than outputs up to 8
+        for scheme, kernel in ((posenc.ALiBi(2), "sdpa"), (posenc.T5RelativeBias(2), "ops")):
+            calls.clear()
+            x = torch.randn(2, 2, n, 8, requires_grad=True)
+            posenc.attention(x, x, x, position=scheme).sum().backward()
+            assert calls == [kernel], (n, type(scheme).__name__)
+            assert x.grad is not None
 
 
 def test_the_math_path_zeroes_a_query_that_sees_no_key_under_a_causal_mask():
@@ -505,16 +506,17 @@ def test_second_order_through_a_users_key_shift_or_a_hook_set_on_an_instance():
 def test_a_constant_bias_with_gradients_takes_sdpas_fused_kernel(monkeypatch, build, kwargs):
     """A bias that asks for no gradient itself, in a call with gradients for q, k, v: SDPA
     with the bias as a float mask (its fused kernel and backward keep no [b, h, n, n]
-    weights) above OPS_FORWARD_SCORES, equal to math in float64 for the output and the
-    gradients; a gradient with create_graph=True goes through the math reference (SDPA's
-    backward is not differentiable twice); a learned table, or a term, keeps the formula op
-    by op; at most OPS_FORWARD_SCORES scores on CPU the constant bias runs op by op too."""
+    weights) above OPS_GRAD_BIAS_SCORES (0 by default), equal to math in float64 for the
+    output and the gradients; a gradient with create_graph=True goes through the math
+    reference (SDPA's backward is not differentiable twice); a learned table, or a term,
+    keeps the formula op by op; at most OPS_GRAD_BIAS_SCORES scores on CPU the constant bias
+    runs op by op too where its weights do not outweigh SDPA's output."""
     scheme = build().double()
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 12, 8, dtype=torch.float64) for _ in range(3))
     assert posenc.explain(q, k, v, position=scheme, **kwargs).path == "materialised"
     calls = _spy_kernels(monkeypatch)
-    monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 0)  # where the separate ops are slower
+    monkeypatch.setattr(tuning, "OPS_GRAD_BIAS_SCORES", 0)  # the default: SDPA's route
     weights = torch.linspace(-1, 1, 8, dtype=torch.float64)
     results = {}
     for backend in ("math", "auto"):
@@ -532,7 +534,7 @@ def test_a_constant_bias_with_gradients_takes_sdpas_fused_kernel(monkeypatch, bu
         posenc.attention(*leaves, position=learned.requires_grad_(True), **kwargs)
         assert calls == ["ops"], learned
     if not kwargs:  # small enough on CPU: the constant bias op by op too, the same values
-        monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 2 * 2 * 12 * 12)
+        monkeypatch.setattr(tuning, "OPS_GRAD_BIAS_SCORES", 2 * 2 * 12 * 12)
         monkeypatch.setattr(tuning, "OPS_GRAD_WEIGHTS_RATIO", 2)  # 12 keys, 8 channels
         firsts = {}
         for backend in ("math", "auto"):
@@ -569,7 +571,7 @@ def test_a_users_bias_that_reads_a_learned_tensor_keeps_its_gradient(monkeypatch
         def bias(self, offsets):
             return super().bias(offsets) * self.factor
 
-    monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 0)  # where SDPA would take a constant
+    monkeypatch.setattr(tuning, "OPS_GRAD_BIAS_SCORES", 0)  # where SDPA would take a constant
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 12, 8, dtype=torch.float64) for _ in range(3))
     padding = torch.zeros(2, 12, dtype=torch.bool)
@@ -622,6 +624,7 @@ def test_torch_func_grad_through_a_constant_bias_on_the_materialised_path(monkey
     import posenc
 
     monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 0)
+    monkeypatch.setattr(tuning, "OPS_GRAD_BIAS_SCORES", 0)
     scheme = posenc.ALiBi(2).double()
     q = torch.randn(2, 2, 12, 8, dtype=torch.float64)
     padding = torch.zeros(2, 12, dtype=torch.bool)
@@ -690,7 +693,9 @@ def test_with_gradients_a_constant_bias_takes_the_route_that_keeps_less(monkeypa
     output [b, h, n_q, d_v] and the float mask where the call builds one. With gradients a
     constant bias takes SDPA's route only where the weights outweigh those: ALiBi's kept
     bias with no mask and more keys than value channels; never for a bias it builds
-    (a cast, a mask folded in, a bias not kept), nor for few keys (cross-attention)."""
+    (a cast, a mask folded in, a bias not kept), nor for few keys (cross-attention). The
+    rule under OPS_GRAD_BIAS_SCORES lifted (by default 0: SDPA's route at every size)."""
+    monkeypatch.setattr(tuning, "OPS_GRAD_BIAS_SCORES", 3 << 19)
     calls = _spy_kernels(monkeypatch)
     frozen_t5 = posenc.T5RelativeBias(2, num_buckets=8, max_distance=16).requires_grad_(False)
     cases = [
@@ -752,8 +757,9 @@ def test_forward_mode_ad_through_a_constant_bias(monkeypatch, threads, padded):
 
 
 def test_with_other_value_channels_a_constant_bias_stays_op_by_op(monkeypatch):
-    """With d_v other than d SDPA runs its math kernel, which keeps the weights too: the
-    memory rule does not send such a call to SDPA's route."""
+    """With d_v other than d SDPA runs its math kernel, which keeps the weights too: such a
+    call stays op by op up to OPS_FORWARD_SCORES (not OPS_GRAD_BIAS_SCORES, nor the memory
+    rule, which are for SDPA's fused kernel)."""
     calls = _spy_kernels(monkeypatch)
     q, k = (torch.randn(2, 2, 32, 8, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 2, 32, 4, requires_grad=True)

@@ -92,9 +92,8 @@ def test_a_gradient_penalty_through_the_sdpa_route_equals_math_with_no_wrapper(
 ):
     """float64: the first and second derivatives through auto's SDPA route equal the math
     path's, and the route's output node is the kernel's (no create_graph wrapper); ALiBi's
-    constant bias on the materialised path's SDPA route (OPS_FORWARD_SCORES at 0, as past
-    it)."""
-    monkeypatch.setattr(tuning, "OPS_FORWARD_SCORES", 0)
+    constant bias on the materialised path's SDPA route (OPS_GRAD_BIAS_SCORES at 0)."""
+    monkeypatch.setattr(tuning, "OPS_GRAD_BIAS_SCORES", 0)
     torch.manual_seed(0)
     x = torch.randn(1, 2, n, 8, dtype=torch.float64)
     scheme = build()

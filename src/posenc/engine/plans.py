@@ -307,32 +307,31 @@ def _mib(elements: int, dtype: torch.dtype) -> str:
 def _ops_forward(call: Call, scores: int) -> bool:
     """Whether a call that SDPA's fused kernel could run (no gradient for the bias or term)
     runs op by op instead: on CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more,
-    no mask but a causal one, and at most :data:`tuning.OPS_IN_PLACE_SCORES` scores for a
-    call in one buffer (no gradient asked for: :func:`_in_place`),
-    :data:`tuning.OPS_FORWARD_SCORES` otherwise (a constant bias with gradients for
-    ``q, k, v``: its graph keeps the weights, which SDPA's does not). A bias alone in one
-    buffer: at most :data:`tuning.OPS_IN_PLACE_BIAS_SCORES` (0: SDPA with it as the float
-    mask, the route of the code posenc replaces, whose time no CPU's GEMMs can worsen).
-    With gradients, a bias alone not where the weights its graph keeps outweigh what SDPA's
-    route keeps (:func:`_weights_outweigh_sdpa`)."""
+    no mask but a causal one, and at most so many scores: for a call in one buffer (no
+    gradient asked for: :func:`_in_place`) :data:`tuning.OPS_IN_PLACE_SCORES`, a bias
+    alone :data:`tuning.OPS_IN_PLACE_BIAS_SCORES`; for a constant bias with gradients for
+    ``q, k, v`` and values of the queries' head dim (SDPA's fused kernel)
+    :data:`tuning.OPS_GRAD_BIAS_SCORES`; otherwise (other value channels, where SDPA runs
+    its math kernel; a ``torch.func`` transform, a forward-mode AD level)
+    :data:`tuning.OPS_FORWARD_SCORES`; with gradients, a bias alone only where the weights
+    its graph keeps do not outweigh what SDPA's route keeps
+    (:func:`_weights_outweigh_sdpa`). The two bias limits are 0: SDPA with the bias as its
+    float mask, the route of the code posenc replaces, whose time no CPU's GEMMs can
+    worsen."""
     in_place = _in_place(call)
-    if not in_place:
-        limit = tuning.OPS_FORWARD_SCORES
-    elif call.hooks.score_term is None:
-        limit = tuning.OPS_IN_PLACE_BIAS_SCORES
+    bias_alone = call.hooks.score_term is None
+    if in_place:
+        limit = tuning.OPS_IN_PLACE_BIAS_SCORES if bias_alone else tuning.OPS_IN_PLACE_SCORES
+    elif call.grad and bias_alone and call.v.shape[-1] == call.q.shape[-1]:
+        limit = tuning.OPS_GRAD_BIAS_SCORES  # SDPA's fused kernel takes it (d_v = d)
     else:
-        limit = tuning.OPS_IN_PLACE_SCORES
+        limit = tuning.OPS_FORWARD_SCORES
     return (
         scores <= limit
         and call.q.device.type == "cpu"
         and call.mask.causal_at_most
         and call.threads >= tuning.OPS_FORWARD_THREADS
-        and not (
-            not in_place
-            and call.grad
-            and call.hooks.score_term is None
-            and _weights_outweigh_sdpa(call)
-        )
+        and not (not in_place and call.grad and bias_alone and _weights_outweigh_sdpa(call))
     )
 
 
@@ -427,11 +426,13 @@ def _plan_materialised(call: Call) -> Plan:
       CPU with :data:`tuning.OPS_FORWARD_THREADS` threads or more and no mask but a causal
       one, the same ops: at most :data:`tuning.OPS_IN_PLACE_SCORES` scores with no
       gradient asked for, in one buffer (:func:`~.reference._forward_in_place`; a bias
-      alone at most :data:`tuning.OPS_IN_PLACE_BIAS_SCORES`), at most
-      :data:`tuning.OPS_FORWARD_SCORES` otherwise: there SDPA's fused kernel costs more
-      than the separate ones (with gradients, only where the weights the graph keeps are
-      at most :data:`tuning.OPS_GRAD_WEIGHTS_RATIO` times what SDPA's route keeps: its
-      output, and a float mask it builds);
+      alone at most :data:`tuning.OPS_IN_PLACE_BIAS_SCORES`), a constant bias with
+      gradients (and values of the queries' head dim) at most
+      :data:`tuning.OPS_GRAD_BIAS_SCORES` (and only where the weights
+      the graph keeps are at most :data:`tuning.OPS_GRAD_WEIGHTS_RATIO` times what SDPA's
+      route keeps: its output, and a float mask it builds), at most
+      :data:`tuning.OPS_FORWARD_SCORES` otherwise (:func:`_ops_forward`; the two bias
+      limits are 0);
     - otherwise SDPA with the bias and term as its float ``attn_mask``: one fused call,
       whose backward keeps no ``[b, h, n_q, n_k]`` weights (:func:`_op_by_op`).
 

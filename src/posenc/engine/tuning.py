@@ -53,7 +53,13 @@ MATERIALISED_CAUSAL_PAIRS = 1 << 12
 #: two threads or more (on one thread the fused kernel was as fast or faster at every
 #: shape measured, b=2 n=64 and Swin's windows: never op by op)
 OPS_FORWARD_SCORES = 3 << 19
-#: with gradients for q, k, v, a constant bias runs op by op (under OPS_FORWARD_SCORES)
+#: the same for a constant bias with gradients for q, k, v (no score term; ALiBi's, a
+#: frozen table's): 0, SDPA's fused route at every size, the peer's own kernel; op by op
+#: took 0.78-0.80x its time at b=2 n=64 on the twelfth pass's CPU and 1.09-1.59x on the
+#: seventeenth's (default and AVX2 kernels), so its gain depends on the machine, and SDPA's
+#: route never loses to the code it replaces (docs/performance.md, "Seventeenth pass")
+OPS_GRAD_BIAS_SCORES = 0
+#: with gradients for q, k, v, a constant bias runs op by op (under OPS_GRAD_BIAS_SCORES)
 #: only where the [b, h, n_q, n_k] weights its graph keeps are at most this many times
 #: what SDPA's fused route keeps beside q, k, v: its output [b, h, n_q, d_v], and the
 #: float mask where the call builds one (a bias not kept between calls, or cast, or with
