@@ -9,7 +9,17 @@ from pathlib import Path
 import pytest
 import torch.nn.functional as F
 
+from posenc.engine import kept
 from posenc.engine import sdpa as engine_sdpa
+
+
+@pytest.fixture(autouse=True)
+def no_kept_routes():
+    """Each test starts with no route kept (engine/kept.py): a test that spies on or
+    replaces the engine's functions sees its own calls walk the paths."""
+    kept.clear()
+    yield
+    kept.clear()
 
 
 @pytest.fixture

@@ -329,22 +329,22 @@ def hooks_of(scheme: Any) -> Hooks:
 
 def hooks_signature(scheme: Any) -> tuple[Any, ...] | None:
     """What :func:`hooks_of` reads of ``scheme``, as a hashable key: its class, and for each
-    hook name the function its class resolves it to and the class of the MRO whose dict
-    holds it. Two calls with equal keys collect the same hooks. None where no such key
-    says it: a class with its own attribute lookup, a hook that is not a plain function
-    of a class (a property or another descriptor, which may answer differently from call
-    to call), or a hook set on the instance or named by a submodule."""
+    hook name the class of the MRO whose dict holds it and what that dict holds. Two calls
+    with equal keys collect the same hooks. None where no such key says it: a class with
+    its own attribute lookup; a hook name whose class entry is not a plain function (a
+    property, a staticmethod or another descriptor, which may answer otherwise for
+    another instance or call; a class attribute set to None); a hook set on the instance
+    or named by a submodule. No descriptor is run."""
     owners = _hook_owners(scheme)
     if owners is None:
         return None
     own = getattr(scheme, "__dict__", {})
     if _HOOK_SET & own.keys() or _HOOK_SET & own.get("_modules", {}).keys():
         return None  # set on the instance: hooks_of reads it there
-    cls = type(scheme)
-    functions = tuple([getattr(cls, name) for name in owners])
-    if functions and set(map(type, functions)) != _FUNCTIONS:
+    entries = tuple([vars(cls)[name] for name, cls in owners.items()])  # type: ignore[index]
+    if entries and set(map(type, entries)) != _FUNCTIONS:
         return None
-    return (cls, tuple(owners.items()), functions)
+    return (type(scheme), tuple(owners.items()), entries)
 
 
 #: the type of a plain function, alone

@@ -19,18 +19,10 @@ from posenc import (
     Rotary,
     T5RelativeBias,
 )
-from posenc.engine import Mask, attend, dispatch, kept, tuning
+from posenc.engine import Mask, attend, dispatch, kept, plans, tuning
 from posenc.indices import run_positions
 
 B, H, N, D = 2, 4, 12, 8
-
-
-@pytest.fixture(autouse=True)
-def no_routes():
-    """Each test starts and ends with no route kept."""
-    kept.clear()
-    yield
-    kept.clear()
 
 
 @pytest.fixture
@@ -302,3 +294,241 @@ def test_an_unhashable_scheme_runs_without_a_route(walks):
         outs = [_call(scheme, q, k, v) for _ in range(2)]
     assert len(walks) == 2
     assert torch.equal(outs[0], outs[1])
+
+
+def _walked(fn):
+    """``fn()`` with no route kept or replayed (``KEPT_ROUTES`` 0): the dispatcher's answer."""
+    limit = tuning.KEPT_ROUTES
+    tuning.KEPT_ROUTES = 0
+    try:
+        return fn()
+    finally:
+        tuning.KEPT_ROUTES = limit
+
+
+CALLS = {
+    # (scheme, q [b, h, n_q, d], k and v heads, n_k, d_v, positions per sequence, kwargs)
+    "scale": ("alibi", (2, 4, 12, 8), 4, 12, 8, False, {"scale": 0.3}),
+    "grouped heads": ("t5", (2, 4, 12, 8), 2, 12, 8, False, {}),
+    "one query, many keys": ("alibi", (2, 4, 1, 8), 1, 20, 8, False, {}),
+    "other value channels": ("table", (2, 4, 12, 8), 4, 12, 16, False, {}),
+    "positions per sequence": ("table", (2, 4, 12, 8), 4, 12, 8, True, {}),
+    "empty batch": ("alibi", (0, 4, 12, 8), 4, 12, 8, False, {}),
+    "float64": ("swin-2d", (2, 4, 12, 8), 4, 12, 8, False, {"dtype": torch.float64}),
+    "bfloat16": ("alibi", (2, 4, 12, 8), 4, 12, 8, False, {"dtype": torch.bfloat16}),
+    "no scheme, scale": ("none", (2, 4, 12, 8), 4, 12, 8, False, {"scale": 2.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(CALLS))
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_every_kind_of_call_replays_what_the_dispatcher_gives(case, mode, walks):
+    """Calls of every shape the engine takes (a scale, grouped heads, decoding, other value
+    channels, positions per sequence, an empty batch, float64, bfloat16), in no-grad and
+    inference mode: the replayed call (the second of its signature, on other values)
+    equals, bit for bit, the dispatcher's answer for it with no route kept."""
+    name, (b, h, n_q, d), h_kv, n_k, d_v, per_sequence, kwargs = CALLS[case]
+    dtype = kwargs.pop("dtype", torch.float32)
+    scheme = _learned(name)
+    if scheme is not None:
+        scheme = scheme.to(dtype)
+    torch.manual_seed(0)
+    if per_sequence:
+        q_pos = torch.stack([torch.randperm(n_q) for _ in range(b)])  # [b, n_q]
+        k_pos = q_pos
+    else:
+        q_pos, k_pos = run_positions(n_k - n_q, n_q), run_positions(0, n_k)
+
+    def call(seed):
+        torch.manual_seed(seed)
+        q = torch.randn(b, h, n_q, d, dtype=dtype)
+        k = torch.randn(b, h_kv, n_k, d, dtype=dtype)
+        v = torch.randn(b, h_kv, n_k, d_v, dtype=dtype)
+        run = lambda: attend(  # noqa: E731
+            q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos, mask=Mask(n_q, n_k), **kwargs
+        )[0]
+        return run(), _walked(run)
+
+    with getattr(torch, mode)():
+        call(0)
+        walked_before = len(walks)
+        got, want = call(1)
+    assert torch.equal(got, want)
+    kept_any = bool(kept._UNSCHEMED) if scheme is None else scheme in kept._ROUTES
+    if kept_any:  # replayed: only the reference walked
+        assert len(walks) == walked_before + 1
+
+
+@pytest.mark.parametrize("extra", ["weights", "dropout"])
+def test_weights_or_dropout_after_a_kept_route_take_the_dispatcher(extra, walks):
+    """A call that asks for weights (the math path) or dropout (a walk) does not replay
+    the route a call of its shapes kept."""
+    scheme = ALiBi(H)
+    q, k, v = _qkv()
+    kwargs = {"need_weights": True} if extra == "weights" else {"dropout_p": 0.5}
+    pos = run_positions(0, N)
+    with torch.no_grad():
+        _call(scheme, q, k, v)
+        out, weights = attend(
+            q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(N, N), **kwargs
+        )
+    if extra == "weights":
+        assert len(walks) == 1 and weights.shape == (B, H, N, N)
+        ref = _math(scheme.double(), *(x.double() for x in (q, k, v)))
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    else:
+        assert len(walks) == 2 and weights is None
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("mode", ["forward AD", "vmap", "dispatch mode", "jit trace"])
+def test_modes_that_change_what_runs_keep_and_replay_no_route(mode, walks):
+    """Inside a forward-mode AD level, ``torch.func.vmap``, a dispatch mode or
+    ``torch.jit.trace`` no route is kept, and one kept before is not replayed: the paths
+    there differ (op by op, traced), and the call gives the definition."""
+    import torch.autograd.forward_ad as fwad
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    scheme = ALiBi(H).double()
+    q, k, v = (x.double() for x in _qkv())
+    pos = run_positions(0, N)
+    run = lambda q, k, v: _call(scheme, q, k, v, pos=pos)  # noqa: E731
+    with torch.no_grad():
+        run(q, k, v)  # a route kept outside the mode
+        walked = len(walks)
+        if mode == "forward AD":
+            with fwad.dual_level():
+                out = fwad.unpack_dual(run(fwad.make_dual(q, torch.ones_like(q)), k, v)).primal
+        elif mode == "vmap":
+            out = torch.func.vmap(lambda q: run(q[None], k[:1], v[:1])[0])(q)
+            k, v = k[:1].expand_as(k), v[:1].expand_as(v)
+        elif mode == "dispatch mode":
+            with Passing():
+                out = run(q, k, v)
+        else:
+            out = torch.jit.trace(run, (q, k, v), check_trace=False)(q, k, v)
+    assert len(walks) > walked
+    assert set(kept._ROUTES[scheme]) == set(kept._ROUTES[scheme])  # the kept one unchanged
+    assert len(kept._ROUTES[scheme]) == 1
+    # ALiBi's bias is computed in float32 and cast: 1e-6, not float64's rounding
+    torch.testing.assert_close(out, _math(scheme, q, k, v, pos=pos), atol=1e-6, rtol=0)
+
+
+def test_the_route_reads_the_kept_bias_first(walks):
+    """A scheme with a kept bias: its route asks ``kept_score_bias`` first, as the path does
+    (no new bias computed per call), and ``score_bias`` only where that gives none."""
+
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.asked, self.keep = [], True
+            self.kept = -(torch.arange(N)[None, :] - torch.arange(N)[:, None]).abs().float()
+
+        def score_bias(self, q_pos, k_pos):
+            self.asked.append("bias")
+            return self.kept[None, None].clone()  # [1, 1, N, N]
+
+        def kept_score_bias(self, q_pos, k_pos):
+            self.asked.append("kept")
+            return self.kept[None, None] if self.keep else None
+
+    scheme = Counted()
+    q, k, v = _qkv()
+    with torch.no_grad():
+        first = _call(scheme, q, k, v)
+        scheme.asked.clear()
+        again = _call(scheme, q, k, v)
+        assert scheme.asked == ["kept"]
+        scheme.keep = False
+        scheme.asked.clear()
+        computed = _call(scheme, q, k, v)
+        assert scheme.asked == ["kept", "bias"]
+    assert len(walks) == 1
+    assert torch.equal(first, again) and torch.equal(first, computed)
+
+
+def test_a_kept_bias_of_another_shape_raises_as_the_dispatcher_does(walks):
+    """A ``kept_score_bias`` that returns a wrong shape after its route was kept: the replay
+    declines, and the dispatcher's check names the hook (even where ``score_bias`` would
+    give the right shape)."""
+
+    class Odd(nn.Module):
+        wrong = False
+
+        def score_bias(self, q_pos, k_pos):
+            return torch.zeros(1, H, q_pos.shape[-1], k_pos.shape[-1])
+
+        def kept_score_bias(self, q_pos, k_pos):
+            heads = H + 1 if self.wrong else H
+            return torch.zeros(1, heads, q_pos.shape[-1], k_pos.shape[-1])
+
+    scheme = Odd()
+    q, k, v = _qkv()
+    with torch.no_grad():
+        _call(scheme, q, k, v)
+        scheme.wrong = True
+        with pytest.raises(ValueError, match="kept_score_bias hook returned shape"):
+            _call(scheme, q, k, v)
+    assert len(walks) == 2
+
+
+def test_the_device_is_in_the_signature(monkeypatch, walks):
+    """A route kept for meta tensors (where the op-by-op forward is not taken: not the CPU)
+    is not replayed for CPU tensors of the same shapes, whose path is op by op here."""
+    monkeypatch.setattr(tuning, "OPS_IN_PLACE_BIAS_SCORES", 1 << 20)
+    monkeypatch.setattr(plans, "_threads", lambda: 2)
+    scheme = TableBias(H).to("meta")  # the same module on both devices (moved in place)
+    with torch.no_grad():
+        meta = [torch.empty(B, H, N, D, device="meta") for _ in range(3)]
+        pos = run_positions(0, N, "meta")
+        attend(*meta, scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(N, N))
+        assert len(kept._ROUTES[scheme]) == 1
+        scheme.to_empty(device="cpu")
+        nn.init.normal_(scheme.table)
+        q, k, v = _qkv()
+        out = _call(scheme, q, k, v)
+    assert len(walks) == 2
+    torch.testing.assert_close(
+        out.double(), _math(scheme.double(), *(x.double() for x in (q, k, v))), atol=1e-5, rtol=0
+    )
+
+
+def test_a_staticmethod_or_descriptor_hook_keeps_no_route(walks):
+    """A hook whose class entry is not a plain function (a staticmethod, a descriptor that
+    answers per instance) keeps no route: the key could not tell two answers apart."""
+
+    class Switchable:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __get__(self, obj, cls=None):
+            if obj is None:
+                return self.fn
+            return self.fn.__get__(obj, cls) if obj.on else None
+
+    class Switch(nn.Module):
+        on = True
+
+        @Switchable
+        def score_bias(self, q_pos, k_pos):
+            return -4.0 * (k_pos[:, None, None, :] - q_pos[:, None, :, None]).abs().float()
+
+    class Static(nn.Module):
+        @staticmethod
+        def score_bias(q_pos, k_pos):
+            return -(k_pos[:, None, None, :] - q_pos[:, None, :, None]).abs().float()
+
+    q, k, v = _qkv()
+    for scheme in (Switch(), Static()):
+        with torch.no_grad():
+            outs = [_call(scheme, q, k, v) for _ in range(2)]
+            if isinstance(scheme, Switch):
+                scheme.on = False
+                plain = _call(scheme, q, k, v)  # the hook off: SDPA alone
+                assert torch.equal(plain, _call(None, q, k, v))
+        assert not kept._ROUTES and torch.equal(outs[0], outs[1])
+    assert len(walks) == 6

@@ -101,16 +101,14 @@ def attend(
     """
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         k, v = repeat_heads(q, k, v)
-    key = kept.signature(q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights)
-    out = None if key is None else kept.replay(key, q, k, v, scheme, q_pos, k_pos, scale)
+    out = kept.replay(q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale)
     if out is not None:
         return out, None
     hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
     if mask.empty or (not torch.compiler.is_compiling() and finite(q, k, v)):
         return _attend(
-            q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale,
-            key,
-        )  # fmt: skip
+            q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale
+        )
     # NaN or inf somewhere: such tokens are zeroed, and the queries they touch made NaN after
     q, k, v, bad, bad_q = zeroed_non_finite(q, k, v)
     out, weights = _attend(
@@ -140,10 +138,9 @@ def _attend(
     dropout_p: float,
     need_weights: bool,
     scale: float | None,
-    key: tuple[Any, ...] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """:func:`attend` for inputs whose masked keys and values are finite (``key``: the
-    call's :func:`.kept.signature`, under which a route :func:`.kept.replay` runs is kept)."""
+    """:func:`attend` for inputs whose masked keys and values are finite (a route that
+    :func:`.kept.replay` runs is kept for calls of this one's signature)."""
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if need_weights or backend == "math" or _learned_mask(mask):
         out, weights = _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)
@@ -153,8 +150,10 @@ def _attend(
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         out = run()
         route = getattr(run, "route", None)
-        if key is not None and route is not None and call.read_by is None:
-            kept.record(scheme, key, route)  # no key shift folded into the keys
+        if route is not None and call.read_by is None:  # no key shift folded into the keys
+            kept.record(
+                route, q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights
+            )
         return out, None
     if name in _AUTOGRAD_PATHS and (not call.grad or _exact_twice(name, call, hooks)):
         return run(), None  # autograd's ops alone: every tensor the hooks read gets its gradient

@@ -1,12 +1,13 @@
 """Kept routes: the route the dispatcher chose for a call's signature, replayed without the
 walk, for calls without gradients whose route is SDPA's kernel alone.
 
-The dispatcher's choice for a call without gradients (grad mode off), without a mask,
-dropout or weights asked for, reads the scheme's hooks (which it defines, and where), the
-shapes, dtypes and device of ``q, k, v`` and of the positions, the backend, the modes of
-torch (``torch.compile``, a dispatch or function mode, a ``torch.func`` transform, a
-forward-mode AD level), the thread count and the tuning constants (:mod:`.tuning`): the
-:func:`signature` of the call, which holds all of them. Where that choice was one of
+For a call without gradients (grad mode off), without a mask, dropout or weights asked
+for, the dispatcher's choice of path reads the scheme's hooks (which it defines, and
+where), the queries' shape, dtype and device, the keys' count, the backend, the modes of
+torch (``torch.compile``, ``torch.jit.trace``, a dispatch or function mode, a
+``torch.func`` transform, a forward-mode AD level), the thread count and the tuning
+constants (:mod:`.tuning`): the :func:`signature` of the call holds all of them, and the
+shapes and dtypes of ``k``, ``v`` and the positions besides. Where that choice was one of
 
 - SDPA's kernel on ``q, k, v`` (nothing positional in the scores: no scheme, or a
   rotation applied before the call), or
@@ -15,13 +16,18 @@ forward-mode AD level), the thread count and the tuning constants (:mod:`.tuning
   a bias alone),
 
 the route is kept per scheme and signature (:func:`record`), and a later call of the same
-signature runs it at once (:func:`replay`): the hooks are called as the path calls them,
-and the bias's shape is checked as :func:`~posenc.hooks.checked_hooks` checks it (a bias of
-another shape takes the dispatcher, which raises). A replay computes what the path
-computes, with the same kernel call, so it gives the same values: only the walk's Python
-is saved. Routes are kept in a weak dictionary keyed by the scheme (a scheme that is
-garbage collected takes its routes along), at most :data:`.tuning.KEPT_ROUTES` per scheme;
-they hold no tensor and no bound method.
+signature runs it at once (:func:`replay`): the hooks are called on the call's own
+positions as the path calls them, and the bias's shape is checked as
+:func:`~posenc.hooks.checked_hooks` checks it (a bias of another shape, or none, takes the
+dispatcher, which calls the hooks again and raises where it must). A replay computes what
+the path computes, with the same kernel call, so it gives the same values: only the
+walk's Python is saved. Routes are kept in a weak dictionary keyed by the scheme (a
+scheme that is garbage collected takes its routes along), at most
+:data:`.tuning.KEPT_ROUTES` per scheme; they hold no tensor and no bound method.
+
+The signature does not hold the engine's own functions: code that replaces one of them
+(a test's spy, a patched path) calls :func:`clear` first, or its calls may replay a route
+chosen before.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim;
 positions ``[B', n]`` with ``B'`` 1 or ``b``.
@@ -72,11 +78,12 @@ def signature(
     """What the dispatcher's choice reads for this call, as a key; None for a call whose
     route is not kept: gradients recorded (grad mode on), a mask, dropout, weights asked
     for, a mode of torch that changes what runs (``torch.compile``, ``torch.jit.trace``, a
-    dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), or a
-    scheme whose hooks have no key (:func:`~posenc.hooks.hooks_signature`)."""
+    dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), a
+    scheme whose hooks have no key (:func:`~posenc.hooks.hooks_signature`), or no route
+    kept at all (:data:`.tuning.KEPT_ROUTES` 0)."""
     if torch.is_grad_enabled() or need_weights or dropout_p or not mask.empty:
         return None
-    if not (_plain() and plain_autograd()):
+    if tuning.KEPT_ROUTES <= 0 or not (_plain() and plain_autograd()):
         return None
     if scheme is None:
         hooks = None
@@ -96,43 +103,62 @@ def _routes(scheme: Any) -> dict[tuple[Any, ...], Route] | None:
         return _UNSCHEMED
     try:
         return _ROUTES.get(scheme)
-    except TypeError:  # not hashable, or no weak reference to it
+    except Exception:  # unhashable, no weak reference to it, a __hash__ that raises
         return None
 
 
-def record(scheme: Any, key: tuple[Any, ...], route: Route) -> None:
-    """Keep ``route`` for the scheme and this :func:`signature`, at most
-    :data:`tuning.KEPT_ROUTES` per scheme (one more empties the scheme's routes first; 0
-    keeps none; a scheme that cannot key a weak dictionary keeps none)."""
-    limit = tuning.KEPT_ROUTES
-    if limit <= 0:
-        return
-    routes = _routes(scheme)
-    if routes is None:
-        try:
-            routes = _ROUTES.setdefault(scheme, {})
-        except TypeError:
-            return
-    if len(routes) >= limit:
-        routes.clear()
-    routes[key] = route
-
-
-def replay(
-    key: tuple[Any, ...],
+def record(
+    route: Route,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     scheme: Any,
     q_pos: Tensor,
     k_pos: Tensor,
+    mask: Mask,
+    backend: str,
+    dropout_p: float,
+    need_weights: bool,
+) -> None:
+    """Keep ``route``, which the dispatcher ran for this call, under the call's
+    :func:`signature` (none where it has none), at most :data:`.tuning.KEPT_ROUTES` per
+    scheme: a new signature past them empties the scheme's routes first. A scheme that
+    cannot key a weak dictionary keeps none."""
+    key = signature(q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights)
+    if key is None:
+        return
+    routes = _routes(scheme)
+    if routes is None:
+        try:
+            routes = _ROUTES.setdefault(scheme, {})
+        except Exception:  # as _routes
+            return
+    if key not in routes and len(routes) >= tuning.KEPT_ROUTES:
+        routes.clear()
+    routes[key] = route
+
+
+def replay(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scheme: Any,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    mask: Mask,
+    backend: str,
+    dropout_p: float,
+    need_weights: bool,
     scale: float | None,
 ) -> Tensor | None:
-    """The route kept for the scheme and this :func:`signature` run on this call:
-    ``[b, h, n_q, d_v]``; None where no route is kept, or where the scheme's bias has a
-    shape the route does not take (the dispatcher then runs the call, and raises)."""
+    """The route kept for the scheme and this call's :func:`signature`, run on this call:
+    ``[b, h, n_q, d_v]``; None where none is kept, or where the scheme's bias has a shape
+    the route does not take, or none (the dispatcher then runs the call)."""
     routes = _routes(scheme)
-    route = None if routes is None else routes.get(key)
+    if not routes:
+        return None
+    key = signature(q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights)
+    route = None if key is None else routes.get(key)
     if route is None:
         return None
     attn_mask = None
