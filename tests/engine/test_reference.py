@@ -124,10 +124,12 @@ def test_the_forward_in_one_buffer_equals_the_formula_op_by_op(parts, masked, n_
 
 def test_the_forward_in_one_buffer_runs_where_nothing_records_a_graph(monkeypatch):
     """``auto``'s op-by-op forward runs in one buffer in no-grad mode, and as the formula
-    op by op when grad mode is on (ALiBi's constant bias, gradients for q, k, v alone;
-    a bias alone in one buffer where OPS_IN_PLACE_BIAS_SCORES allows it)."""
+    op by op when grad mode is on (ALiBi's constant bias, gradients for q, k, v alone,
+    where OPS_GRAD_BIAS_SCORES allows it; a bias alone in one buffer where
+    OPS_IN_PLACE_BIAS_SCORES allows it)."""
     monkeypatch.setattr(plans, "_threads", lambda: 2)
     monkeypatch.setattr(tuning, "OPS_IN_PLACE_BIAS_SCORES", tuning.OPS_IN_PLACE_SCORES)
+    monkeypatch.setattr(tuning, "OPS_GRAD_BIAS_SCORES", tuning.OPS_FORWARD_SCORES)
     ran = []
     in_place, ops = plans._forward_in_place, plans._math
     monkeypatch.setattr(
