@@ -21,7 +21,7 @@ def test_strong_biases_agree_with_math(monkeypatch, fused):
     from posenc import ALiBi
 
     if not fused:
-        monkeypatch.setattr(common, "_fused_cpu_available", lambda q, hooks: False)
+        monkeypatch.setattr(common, "_fused_cpu_available", lambda q, v, hooks: False)
     monkeypatch.setattr(tuning, "LEAN_BLOCK_ELEMENTS", 2 * 4 * 300 * 64)  # several blocks
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 300, 16, requires_grad=True) for _ in range(3))

@@ -16,6 +16,7 @@ from torch import nn
 
 import posenc
 from posenc.engine import Mask, attend, explain_call, grid, offset_bias, offset_term, tuning
+from tolerances import assert_close, logit_size
 
 
 @pytest.mark.parametrize("name", ["t5", "relative", "shaw", "swin-2d", "relative-2d"])
@@ -377,3 +378,41 @@ def test_keys_of_heads_that_do_not_divide_the_queries_are_refused():
                 attend(q, k, v, q_pos=pos, k_pos=pos, mask=Mask(4, 4), backend=backend)
         with pytest.raises(ValueError, match=r"a divisor of q's 8"):
             explain_call(q, k, v, q_pos=pos, k_pos=pos, mask=Mask(4, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("positions", ["consecutive", "shuffled"])
+@pytest.mark.parametrize("name", ["alibi", "t5"])
+def test_values_of_another_head_dim_take_the_paths_that_allow_them(name, positions, dtype):
+    """v with a head dim other than q's (d_v != d) past the materialised path's sizes: the
+    fused CPU kernels take one head dim, so the per-offset and fused lean paths decline
+    (saying why) and the general lean engine runs it; outputs and gradients equal the
+    math path's (float64)."""
+    b, h, n, d, d_v = 1, 2, 300, 8, 16
+    scheme = {
+        "alibi": lambda: posenc.ALiBi(h),
+        "t5": lambda: posenc.T5RelativeBias(h, num_buckets=8, max_distance=16),
+    }[name]()
+    torch.manual_seed(0)
+    q, k = (torch.randn(b, h, n, d) for _ in range(2))
+    v = torch.randn(b, h, n, d_v)
+    kwargs = {"positions": torch.randperm(n)} if positions == "shuffled" else {}
+    explanation = posenc.explain(q.to(dtype), k.to(dtype), v.to(dtype), position=scheme, **kwargs)
+    assert explanation.path == "lean"
+    if dtype == torch.float32:
+        assert "values of another head dim" in explanation.reasons["lean-fused"]
+    results = {}
+    for backend, cast in (("auto", dtype), ("math", torch.float64)):
+        leaves = [x.detach().to(cast).requires_grad_() for x in (q, k, v)]
+        model = scheme.to(cast)
+        out = posenc.attention(*leaves, position=model, backend=backend, **kwargs)
+        out.float().square().sum().backward()
+        results[backend] = [out, *(x.grad for x in leaves)]
+    pos = kwargs.get("positions", torch.arange(n))[None]  # [1, n]
+    logit = logit_size(q, k, scheme.float(), pos, pos)
+    out, *grads = results["auto"]
+    want_out, *want_grads = results["math"]
+    assert_close(out, want_out, terms=d, logit=logit, dtype=dtype)
+    size = max(float(g.abs().max()) for g in want_grads)  # a backward's at its largest
+    for got, want in zip(grads, want_grads, strict=True):
+        assert_close(got, want, terms=n, logit=logit, magnitude=size, dtype=dtype)

@@ -116,7 +116,7 @@ def test_lean_accepts_a_strided_last_dimension(small_blocks, scheme_name):
 @pytest.mark.parametrize("scheme_name", ["none", "bias", "value"])
 def test_masked_keys_have_exactly_no_influence(small_blocks, monkeypatch, fused, scheme_name):
     if not fused:
-        monkeypatch.setattr(common, "_fused_cpu_available", lambda q, hooks: False)
+        monkeypatch.setattr(common, "_fused_cpu_available", lambda q, v, hooks: False)
     torch.manual_seed(0)
     scheme = SCHEMES[scheme_name](2, 4)
     q, k, v = (torch.randn(2, 2, 9, 4) for _ in range(3))

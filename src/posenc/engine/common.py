@@ -89,11 +89,13 @@ def _add_leading_sum(dest: Tensor, x: Tensor, dims: int = 1) -> None:
         dest.add_(part)
 
 
-def _fused_cpu_available(q: Tensor, hooks: Hooks) -> bool:
-    """Whether the fused CPU flash kernels can run the lean engine for these inputs."""
+def _fused_cpu_available(q: Tensor, v: Tensor, hooks: Hooks) -> bool:
+    """Whether the fused CPU flash kernels can run the lean engine for these inputs (on the
+    CPU, float32 or float64, values of the queries' head dim, no value term)."""
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64)
+        and v.shape[-1] == q.shape[-1]
         and hooks.value_term is None
         and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
     )

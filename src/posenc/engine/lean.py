@@ -78,7 +78,7 @@ class _LeanAttention(torch.autograd.Function):
         span: float,
         *params: Tensor,
     ) -> Tensor:
-        out = torch.empty_like(q)  # [b, h, n_q, d]
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))  # [b, h, n_q, d_v]
         lse = torch.empty(q.shape[:-1], dtype=_wide(q.dtype), device=q.device)  # [b, h, n_q]
         for start in range(0, q.shape[2], rows):
             blk = slice(start, min(start + rows, q.shape[2]))

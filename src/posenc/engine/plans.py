@@ -171,8 +171,8 @@ def _refusal(call: Call, extra: str, what: str, beside: str, *, causal_ok: bool)
     if getattr(hooks, beside) is not None:
         other = "bias" if beside == "score_bias" else "term"
         return f"the scheme adds a {other} beside its {'term' if other == 'bias' else 'bias'}"
-    if not common._fused_cpu_available(call.q, replace(hooks, value_term=None)):
-        return "the fused CPU kernels do not run here (device, dtype)"
+    if not common._fused_cpu_available(call.q, call.v, replace(hooks, value_term=None)):
+        return "the fused CPU kernels do not run here (device, dtype, values of another head dim)"
     if causal_ok and not _causal_only(call):
         return "a mask other than causal"
     if not causal_ok and not call.mask.empty:
@@ -279,8 +279,11 @@ def _plan_lean_fused(call: Call) -> Plan:
     hooks = call.hooks
     if hooks.contextual_term is not None:
         return _CONTEXTUAL
-    if not common._fused_cpu_available(call.q, hooks):
-        return "the fused CPU kernels do not run here (device, dtype, value term)"
+    if not common._fused_cpu_available(call.q, call.v, hooks):
+        return (
+            "the fused CPU kernels do not run here (device, dtype, values of another head "
+            "dim, value term)"
+        )
     q, k, v = _dense_last(call.q, call.k, call.v)
     span = math.inf if hooks.score_term is not None else _bias_span(q, k, call.scale)
     rows = _block_rows(call)
