@@ -101,14 +101,16 @@ def attend(
     """
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         k, v = repeat_heads(q, k, v)
-    out = kept.replay(q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale)
+    request = kept.Request(q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights)
+    out = kept.replay(request, scale)
     if out is not None:
         return out, None
     hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
     if mask.empty or (not torch.compiler.is_compiling() and finite(q, k, v)):
         return _attend(
-            q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale
-        )
+            q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale,
+            request,
+        )  # fmt: skip
     # NaN or inf somewhere: such tokens are zeroed, and the queries they touch made NaN after
     q, k, v, bad, bad_q = zeroed_non_finite(q, k, v)
     out, weights = _attend(
@@ -138,9 +140,11 @@ def _attend(
     dropout_p: float,
     need_weights: bool,
     scale: float | None,
+    request: kept.Request | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """:func:`attend` for inputs whose masked keys and values are finite (a route that
-    :func:`.kept.replay` runs is kept for calls of this one's signature)."""
+    """:func:`attend` for inputs whose masked keys and values are finite (``request``: the
+    call as :mod:`.kept` reads it, under whose signature a route :func:`.kept.replay` runs
+    is kept)."""
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if need_weights or backend == "math" or _learned_mask(mask):
         out, weights = _math(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p)
@@ -150,10 +154,8 @@ def _attend(
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         out = run()
         route = getattr(run, "route", None)
-        if route is not None and call.read_by is None:  # no key shift folded into the keys
-            kept.record(
-                route, q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights
-            )
+        if request is not None and route is not None and call.read_by is None:
+            kept.record(route, request)  # no key shift folded into the keys
         return out, None
     if name in _AUTOGRAD_PATHS and (not call.grad or _exact_twice(name, call, hooks)):
         return run(), None  # autograd's ops alone: every tensor the hooks read gets its gradient

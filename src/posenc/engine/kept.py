@@ -36,7 +36,7 @@ positions ``[B', n]`` with ``B'`` 1 or ``b``.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -52,6 +52,23 @@ from .mask import Mask
 #: tensor)
 Route = tuple[str, ...]
 
+
+class Request(NamedTuple):
+    """An attention call as :func:`signature` reads it (the arguments of
+    :func:`~posenc.engine.attend` but the scale, with grouped heads already repeated)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    scheme: Any
+    q_pos: Tensor
+    k_pos: Tensor
+    mask: Mask
+    backend: str
+    dropout_p: float
+    need_weights: bool
+
+
 #: each scheme's routes by signature
 _ROUTES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Route]] = weakref.WeakKeyDictionary()
 #: the routes of calls without a scheme
@@ -63,24 +80,14 @@ _TUNING = tuple(
 )
 
 
-def signature(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scheme: Any,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    mask: Mask,
-    backend: str,
-    dropout_p: float,
-    need_weights: bool,
-) -> tuple[Any, ...] | None:
+def signature(call: Request) -> tuple[Any, ...] | None:
     """What the dispatcher's choice reads for this call, as a key; None for a call whose
     route is not kept: gradients recorded (grad mode on), a mask, dropout, weights asked
     for, a mode of torch that changes what runs (``torch.compile``, ``torch.jit.trace``, a
     dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), a
     scheme whose hooks have no key (:func:`~posenc.hooks.hooks_signature`), or no route
     kept at all (:data:`.tuning.KEPT_ROUTES` 0)."""
+    q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights = call
     if torch.is_grad_enabled() or need_weights or dropout_p or not mask.empty:
         return None
     if tuning.KEPT_ROUTES <= 0 or not (_plain() and plain_autograd()):
@@ -107,30 +114,18 @@ def _routes(scheme: Any) -> dict[tuple[Any, ...], Route] | None:
         return None
 
 
-def record(
-    route: Route,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scheme: Any,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    mask: Mask,
-    backend: str,
-    dropout_p: float,
-    need_weights: bool,
-) -> None:
+def record(route: Route, call: Request) -> None:
     """Keep ``route``, which the dispatcher ran for this call, under the call's
     :func:`signature` (none where it has none), at most :data:`.tuning.KEPT_ROUTES` per
     scheme: a new signature past them empties the scheme's routes first. A scheme that
     cannot key a weak dictionary keeps none."""
-    key = signature(q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights)
+    key = signature(call)
     if key is None:
         return
-    routes = _routes(scheme)
+    routes = _routes(call.scheme)
     if routes is None:
         try:
-            routes = _ROUTES.setdefault(scheme, {})
+            routes = _ROUTES.setdefault(call.scheme, {})
         except Exception:  # as _routes
             return
     if key not in routes and len(routes) >= tuning.KEPT_ROUTES:
@@ -138,29 +133,18 @@ def record(
     routes[key] = route
 
 
-def replay(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scheme: Any,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    mask: Mask,
-    backend: str,
-    dropout_p: float,
-    need_weights: bool,
-    scale: float | None,
-) -> Tensor | None:
+def replay(call: Request, scale: float | None) -> Tensor | None:
     """The route kept for the scheme and this call's :func:`signature`, run on this call:
     ``[b, h, n_q, d_v]``; None where none is kept, or where the scheme's bias has a shape
     the route does not take, or none (the dispatcher then runs the call)."""
-    routes = _routes(scheme)
+    routes = _routes(call.scheme)
     if not routes:
         return None
-    key = signature(q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights)
+    key = signature(call)
     route = None if key is None else routes.get(key)
     if route is None:
         return None
+    q, k, v, scheme, q_pos, k_pos = call[:6]
     attn_mask = None
     if route:
         for name in route:
