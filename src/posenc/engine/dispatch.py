@@ -80,7 +80,7 @@ def attend(
         k: ``[b, h_kv, n_k, d]`` keys (already rotated): ``h_kv = h``, or a divisor of ``h``
             (grouped-query attention: key head ``g`` serves query heads ``g * h / h_kv`` to
             ``(g + 1) * h / h_kv - 1``, repeated for them here).
-        v: ``[b, h_kv, n_k, d]`` values.
+        v: ``[b, h_kv, n_k, d_v]`` values.
         scheme: an object with any of the hooks ``score_bias``, ``score_term``,
             ``value_term``, ``contextual_term`` (see :mod:`posenc.hooks`), or None.
         q_pos: ``[B', n_q]`` int64 query positions.
@@ -94,7 +94,7 @@ def attend(
         scale: the scores' scale (default ``1 / sqrt(d)``).
 
     Returns:
-        ``(out [b, h, n_q, d], weights or None)``. A query with no visible key gets 0.
+        ``(out [b, h, n_q, d_v], weights or None)``. A query with no visible key gets 0.
 
     Raises:
         ValueError: keys and values whose heads differ or do not divide the queries'.

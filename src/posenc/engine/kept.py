@@ -1,13 +1,17 @@
 """Kept routes: the route the dispatcher chose for a call's signature, replayed without the
-walk, for calls without gradients whose route is SDPA's kernel alone.
+walk, for calls without gradients whose route is one SDPA call.
 
 For a call without gradients (grad mode off), without a mask, dropout or weights asked
-for, the dispatcher's choice of path reads the scheme's hooks (which it defines, and
-where), the queries' shape, dtype and device, the keys' count, the backend, the modes of
-torch (``torch.compile``, ``torch.jit.trace``, a dispatch or function mode, a
-``torch.func`` transform, a forward-mode AD level), the thread count and the tuning
-constants (:mod:`.tuning`): the :func:`signature` of the call holds all of them, and the
-shapes and dtypes of ``k``, ``v`` and the positions besides. Where that choice was one of
+for, the paths up to the materialised one (``sdpa``, ``math``, ``flex``,
+``materialised``: :data:`.dispatch.PATHS`) decide on the scheme's hooks (which it
+defines, and where), the queries' shape, dtype and device, the keys' count, the backend,
+the modes of torch (``torch.compile``, ``torch.jit.trace``, a dispatch or function mode,
+a ``torch.func`` transform, a forward-mode AD level), the thread count and the tuning
+constants (:mod:`.tuning`) alone: the :func:`signature` of the call holds all of them,
+and the shapes of ``k``, ``v`` and the positions and the dtypes of ``k`` and ``v``
+besides. (The lean paths after them read the positions' and the bias's values, and keep
+no route; a path placed before the materialised one must read nothing the signature
+does not hold.) Where that choice was one of
 
 - SDPA's kernel on ``q, k, v`` (nothing positional in the scores: no scheme, or a
   rotation applied before the call), or
@@ -29,8 +33,8 @@ The signature does not hold the engine's own functions: code that replaces one o
 (a test's spy, a patched path) calls :func:`clear` first, or its calls may replay a route
 chosen before.
 
-Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim;
-positions ``[B', n]`` with ``B'`` 1 or ``b``.
+Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim,
+``d_v`` value head dim; positions ``[B', n]`` with ``B'`` 1 or ``b``.
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ _TUNING = tuple(
 
 
 def signature(call: Request) -> tuple[Any, ...] | None:
-    """What the dispatcher's choice reads for this call, as a key; None for a call whose
+    """What the dispatcher's choice of a kept route reads for this call (see the module
+    docstring), as a key; None for a call whose
     route is not kept: gradients recorded (grad mode on), a mask, dropout, weights asked
     for, a mode of torch that changes what runs (``torch.compile``, ``torch.jit.trace``, a
     dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), a

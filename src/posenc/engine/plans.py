@@ -396,8 +396,9 @@ def _constant_bias(call: Call) -> bool:
 def _op_by_op(call: Call, scores: int) -> bool:
     """Whether the materialised path runs the formula op by op rather than SDPA with the
     bias and term as a float ``attn_mask``: for a value term (SDPA cannot add it);
-    otherwise where :func:`_ops_forward` says the separate kernels are faster (no
-    gradients, or a constant bias such as ALiBi's with gradients for ``q, k, v`` alone);
+    otherwise where :func:`_ops_forward` says the separate kernels are faster (a score
+    term without gradients; a constant bias with gradients for ``q, k, v`` alone and values
+    of another head dim; a bias alone only where a limit is raised);
     inside a forward-mode AD level (SDPA's CPU kernels and the route's autograd Functions
     have no forward derivative); and with gradients unless the bias is constant (:func:`_constant_bias`: a learned
     table or a term of the queries would make SDPA fall back to its math kernel for a mask

@@ -47,17 +47,20 @@ MATERIALISED_VALUE_SCORES = 3 << 21
 MATERIALISED_CAUSAL_VALUE_SCORES = 1 << 21
 #: pairs per head at most on the materialised path for a causal bias without gradients
 MATERIALISED_CAUSAL_PAIRS = 1 << 12
-#: scores at most for which the materialised path runs op by op a call that SDPA's fused
-#: kernel could run (no gradients, or a constant bias with gradients for q, k, v alone):
-#: below it the separate kernels beat SDPA's fused kernel with a float mask on CPU with
-#: two threads or more (on one thread the fused kernel was as fast or faster at every
-#: shape measured, b=2 n=64 and Swin's windows: never op by op)
+#: scores at most for which the materialised path runs op by op a call that SDPA could
+#: run and that neither OPS_IN_PLACE_* nor OPS_GRAD_BIAS_SCORES governs: a constant bias
+#: with gradients and values of another head dim (SDPA's math kernel), a call under a
+#: torch.func transform; measured when it governed every call that SDPA's fused kernel
+#: could run: below it the separate kernels beat SDPA's fused kernel with a float mask on
+#: CPU with two threads or more (on one thread the fused kernel was as fast or faster at
+#: every shape measured, b=2 n=64 and Swin's windows: never op by op)
 OPS_FORWARD_SCORES = 3 << 19
 #: the same for a constant bias with gradients for q, k, v (no score term; ALiBi's, a
-#: frozen table's): 0, SDPA's fused route at every size, the peer's own kernel; op by op
-#: took 0.78-0.80x its time at b=2 n=64 on the twelfth pass's CPU and 1.09-1.59x on the
-#: seventeenth's (default and AVX2 kernels), so its gain depends on the machine, and SDPA's
-#: route never loses to the code it replaces (docs/performance.md, "Seventeenth pass")
+#: frozen table's) and values of the queries' head dim (another d_v stays under
+#: OPS_FORWARD_SCORES): 0, SDPA's fused route at every size, the peer's own kernel; op by
+#: op took 0.78-0.80x its time at b=2 n=64 on the twelfth pass's CPU and 1.07-1.31x there
+#: on the seventeenth's (1.17-1.59x at n = 16, default and AVX2 kernels), so its gain
+#: depends on the machine (docs/performance.md, "Seventeenth pass")
 OPS_GRAD_BIAS_SCORES = 0
 #: with gradients for q, k, v, a constant bias runs op by op (under OPS_GRAD_BIAS_SCORES)
 #: only where the [b, h, n_q, n_k] weights its graph keeps are at most this many times
