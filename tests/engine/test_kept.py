@@ -1,6 +1,6 @@
-"""Kept routes (engine/kept.py): a call without gradients replays the route the dispatcher
-chose for its signature, with the same values, and takes the dispatcher again whenever
-anything the choice read differs."""
+"""Kept routes (engine/kept.py): a call replays the route the dispatcher chose for its
+signature, with the same values (and, with gradients, the same gradients), and takes the
+dispatcher again whenever anything the choice read differs."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ class _Mine(ALiBi):
         ("dtype", 2),
         ("backend", 3),
         ("class hook", 2),
-        ("grad", 3),  # no route with gradients
+        ("grad", 2),  # a key of its own: kept, then replayed
         ("mask", 3),  # nor with a mask
     ],
 )
@@ -532,3 +532,162 @@ def test_a_staticmethod_or_descriptor_hook_keeps_no_route(walks):
                 assert torch.equal(plain, _call(None, q, k, v))
         assert not kept._ROUTES and torch.equal(outs[0], outs[1])
     assert len(walks) == 6
+
+
+FROZEN = {
+    "none": lambda: None,
+    "alibi": lambda: ALiBi(H),
+    "t5 frozen": lambda: T5RelativeBias(H, num_buckets=8, max_distance=16).requires_grad_(False),
+    "swin-2d frozen": lambda: RelativePositionBias((3, 4), H).requires_grad_(False),
+}
+
+
+def _grads(scheme, seed, needs=(True, True, True), **kwargs):
+    """``(out, gradients of q, k, v)`` of one call in grad mode, on fresh leaves (those in
+    ``needs`` ask for a gradient); a gradient not asked for is None."""
+    torch.manual_seed(seed)
+    leaves = [torch.randn(B, H, N, D).requires_grad_(need) for need in needs]
+    out = _call(scheme, *leaves, **kwargs)
+    grad_out = torch.randn_like(out)
+    wrt = [x for x in leaves if x.requires_grad]
+    found = iter(torch.autograd.grad(out, wrt, grad_out) if wrt else ())
+    return out, [next(found) if x.requires_grad else None for x in leaves], leaves, grad_out
+
+
+@pytest.mark.parametrize("name", list(FROZEN))
+def test_a_replayed_call_with_gradients_equals_the_dispatchers(name, walks):
+    """In grad mode a constant bias (the paper's ALiBi, a frozen table) or none keeps its
+    route too: the second call of its signature replays it (no walk) and gives, bit for
+    bit, the output and the gradients of q, k, v that the dispatcher gives with no route
+    kept, which are the definition's (the math path, float64)."""
+    if FROZEN[name]() is not None:
+        torch.manual_seed(1)
+    scheme = FROZEN[name]()
+    if scheme is not None:
+        for p in scheme.parameters():
+            nn.init.normal_(p)
+    _grads(scheme, 0)
+    assert len(walks) == 1
+    out, grads, leaves, grad_out = _grads(scheme, 1)
+    assert len(walks) == 1, "the second call replays"
+    want, want_grads, _, _ = _walked(lambda: _grads(scheme, 1))
+    assert torch.equal(out, want)
+    assert all(torch.equal(g, w) for g, w in zip(grads, want_grads, strict=True))
+    dscheme = None if scheme is None else scheme.double()
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    ref = _math(dscheme, *ref_leaves)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g.double(), r, atol=1e-5, rtol=0)
+
+
+def test_a_replayed_route_is_differentiable_twice():
+    """A gradient with ``create_graph=True`` through a replayed route is differentiable
+    again, with the definition's second derivative (the math path, float64)."""
+    scheme = ALiBi(H)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    _call(scheme, q, k, v)
+    assert len(kept._ROUTES[scheme]) == 1
+
+    def second(fn):
+        out = fn(q, k, v)
+        (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        return torch.autograd.grad(gq.square().sum(), (q, k, v))
+
+    got = second(lambda q, k, v: _call(scheme, q, k, v))
+    want = second(lambda q, k, v: _math(scheme, q, k, v))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-9, rtol=1e-7)
+
+
+def test_the_grad_flags_are_in_the_signature(walks):
+    """Which of q, k, v ask for a gradient is part of the key: a call that differs there
+    walks again (and keeps a route of its own), and each gives the dispatcher's gradients;
+    so does a call in grad mode after one without."""
+    scheme = ALiBi(H)
+    with torch.no_grad():
+        _call(scheme, *_qkv())
+    flags = [(True, False, False), (True, True, True), (False, False, False)]
+    for needs in flags:
+        out, grads, _, _ = _grads(scheme, 2, needs)
+        want, want_grads, _, _ = _walked(lambda: _grads(scheme, 2, needs))  # noqa: B023
+        assert torch.equal(out, want)
+        for g, w in zip(grads, want_grads, strict=True):
+            assert (g is None and w is None) or torch.equal(g, w)
+    assert len(walks) == 1 + 2 * len(flags)  # each flag set walked once, and for _walked
+    assert len(kept._ROUTES[scheme]) == 1 + len(flags)
+    for needs in flags:  # each replayed now
+        _grads(scheme, 3, needs)
+    assert len(walks) == 1 + 2 * len(flags)
+
+
+def test_a_learned_or_probed_scheme_keeps_no_route_with_gradients(walks):
+    """In grad mode no route is kept for a scheme whose parameters ask for a gradient (the
+    materialised path runs them op by op), nor for a scheme that may read another tensor
+    asking for one (the dispatcher probes its hooks in every call): each call walks, and
+    the tensor read gets its gradient."""
+    learned = T5RelativeBias(H, num_buckets=8, max_distance=16)
+    weight = torch.tensor(0.5, requires_grad=True)
+
+    class Steep:  # not posenc's own: it reads `weight`
+        def score_bias(self, q_pos, k_pos):
+            return -weight * (k_pos[:, None, None, :] - q_pos[:, None, :, None]).abs().float()
+
+    for scheme in (learned, Steep()):
+        for _ in range(2):
+            out = _call(scheme, *_qkv())
+            out.sum().backward()
+    assert len(walks) == 4 and not kept._ROUTES
+    assert weight.grad is not None and all(p.grad is not None for p in learned.parameters())
+
+
+@pytest.mark.parametrize(("name", "walked"), [("swin-1d", 2), ("rotary-mixed", 3)])
+def test_a_frozen_scheme_thawed_takes_the_dispatcher(name, walked, walks):
+    """A frozen table or rotation keeps a route in grad mode; thawed (its parameters asking
+    for a gradient again) the call takes the dispatcher (for the rotation, whose bias-free
+    route is the same kernel, the wrapper that differentiates the parameters as the
+    hooks read them, which plans its path again inside), and the parameters get their
+    gradients."""
+    if name == "swin-1d":
+        scheme = RelativePositionBias((1, N), H)
+    else:
+        scheme = posenc.RotaryMixed(D, H, size=(3, 4))
+    scheme.requires_grad_(False)
+    q, k, v = (x.requires_grad_() for x in _qkv())  # the same grad flags in every call
+    for _ in range(2):
+        posenc.attention(q, k, v, position=scheme)
+    assert len(walks) == 1
+    scheme.requires_grad_(True)
+    out = posenc.attention(q, k, v, position=scheme)
+    out.sum().backward()
+    assert len(walks) == walked
+    assert all(p.grad is not None for p in scheme.parameters())
+
+
+def test_a_bias_that_asks_for_a_gradient_is_not_replayed(walks):
+    """A posenc scheme whose table became a buffer that asks for a gradient (no parameter,
+    nothing set on the instance: the key is the same) is not replayed with gradients: the
+    dispatcher runs it op by op, and the buffer gets its gradient."""
+    scheme = RelativePositionBias((1, N), H)
+    table = scheme.table.detach().clone()
+    del scheme.table
+    scheme.register_buffer("table", table)
+    _call(scheme, *_qkv())
+    _call(scheme, *_qkv())
+    assert len(walks) == 1
+    table.requires_grad_(True)
+    out = _call(scheme, *_qkv())
+    out.sum().backward()
+    assert len(walks) == 2 and table.grad is not None
+
+
+def test_a_raised_limit_for_op_by_op_keeps_no_route_with_gradients(monkeypatch, walks):
+    """Where OPS_GRAD_BIAS_SCORES lets a constant bias with gradients run op by op, the
+    choice weighs the bias the scheme keeps against SDPA's: no route is kept."""
+    monkeypatch.setattr(tuning, "OPS_GRAD_BIAS_SCORES", 1 << 20)
+    scheme = ALiBi(H)
+    for _ in range(3):
+        _grads(scheme, 0)
+    assert len(walks) == 3 and not kept._ROUTES

@@ -151,14 +151,17 @@ def _attend(
         return out, (weights if need_weights else None)
     call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
     name, run, _ = _walk(PATHS[backend], call, backend)
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if (
+        torch.compiler.is_compiling()
+        or not torch.is_grad_enabled()
+        or (name in _AUTOGRAD_PATHS and (not call.grad or _exact_twice(name, call, hooks)))
+    ):  # no wrapper: no graph, or autograd's ops alone (every tensor the hooks read gets
+        # its gradient)
         out = run()
         route = getattr(run, "route", None)
         if request is not None and route is not None and call.read_by is None:
             kept.record(route, request)  # no key shift folded into the keys
         return out, None
-    if name in _AUTOGRAD_PATHS and (not call.grad or _exact_twice(name, call, hooks)):
-        return run(), None  # autograd's ops alone: every tensor the hooks read gets its gradient
     # a probe of the hooks, for a scheme not posenc's own (the flex path takes none: on
     # CUDA it declines a call with one, on CPU it has no backward)
     histories = [] if name == "flex" else call.histories

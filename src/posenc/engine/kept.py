@@ -49,6 +49,7 @@ from .._memo import _plain, plain_autograd
 from ..hooks import bias_fits, hooks_signature
 from . import plans, sdpa, tuning
 from .inputs import default_scale
+from .learned import _reads_own_only, scheme_parameters
 from .mask import Mask
 
 #: a route: the bias hooks to read in turn, ``()`` for none (SDPA's kernel on q, k, v),
@@ -86,17 +87,23 @@ _TUNING = tuple(
 
 def signature(call: Request) -> tuple[Any, ...] | None:
     """What the dispatcher's choice of a kept route reads for this call (see the module
-    docstring), as a key; None for a call whose
-    route is not kept: gradients recorded (grad mode on), a mask, dropout, weights asked
-    for, a mode of torch that changes what runs (``torch.compile``, ``torch.jit.trace``, a
-    dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), a
-    scheme whose hooks have no key (:func:`~posenc.hooks.hooks_signature`), or no route
-    kept at all (:data:`.tuning.KEPT_ROUTES` 0)."""
+    docstring), as a key; None for a call whose route is not kept: a mask, dropout,
+    weights asked for, a mode of torch that changes what runs (``torch.compile``,
+    ``torch.jit.trace``, a dispatch or function mode, a ``torch.func`` transform, a
+    forward-mode AD level), a scheme whose hooks have no key
+    (:func:`~posenc.hooks.hooks_signature`), no route kept at all
+    (:data:`.tuning.KEPT_ROUTES` 0), and in grad mode a choice that reads more than the key
+    (:func:`_grad_flags`)."""
     q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights = call
-    if torch.is_grad_enabled() or need_weights or dropout_p or not mask.empty:
+    if need_weights or dropout_p or not mask.empty:
         return None
     if tuning.KEPT_ROUTES <= 0 or not (_plain() and plain_autograd()):
         return None
+    grad = None
+    if torch.is_grad_enabled():
+        grad = _grad_flags(call)
+        if grad is None:
+            return None
     if scheme is None:
         hooks = None
     else:
@@ -105,8 +112,28 @@ def signature(call: Request) -> tuple[Any, ...] | None:
             return None
     return (
         hooks, backend, q.shape, k.shape, v.shape, q_pos.shape, k_pos.shape, q.dtype, k.dtype,
-        v.dtype, q.device, plans._threads(), tuple(map(vars(tuning).get, _TUNING)),
+        v.dtype, q.device, grad, plans._threads(), tuple(map(vars(tuning).get, _TUNING)),
     )  # fmt: skip
+
+
+def _grad_flags(call: Request) -> tuple[bool, bool, bool] | None:
+    """In grad mode, the grad flags of ``q, k, v`` that the choice reads besides what
+    :func:`signature` holds (whether the call computes gradients, and whether the path's
+    own graph is differentiable twice, so that the dispatcher runs it with no wrapper);
+    None where the choice reads more than the key could hold: a scheme that may read a
+    tensor requiring grad other than its parameters (the dispatcher probes its hooks in
+    every call: :func:`~.learned.learned_inputs`), a parameter of the scheme that requires
+    grad (a learned bias, or a learned rotation: their paths keep no route, and a thawed
+    one must not replay the route kept while it was frozen), and a constant bias that the
+    limit of :data:`.tuning.OPS_GRAD_BIAS_SCORES` may run op by op (that choice weighs the
+    bias the scheme keeps against SDPA's)."""
+    q, k, v, scheme = call[:4]
+    if not _reads_own_only(scheme) or scheme_parameters(scheme):
+        return None
+    b, h, n_q, d = q.shape
+    if d == v.shape[-1] and b * h * n_q * k.shape[2] <= tuning.OPS_GRAD_BIAS_SCORES:
+        return None
+    return q.requires_grad, k.requires_grad, v.requires_grad
 
 
 def _routes(scheme: Any) -> dict[tuple[Any, ...], Route] | None:
@@ -158,6 +185,8 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
                 break
         if not (isinstance(bias, Tensor) and bias_fits(bias, q.shape[0], q.shape[1], q_pos, k_pos)):
             return None
+        if bias.requires_grad and torch.is_grad_enabled():
+            return None  # not constant: the materialised path runs it op by op
         attn_mask = bias.to(q.dtype)  # [B', h or 1, n_q, n_k]
     scale = default_scale(q.shape[-1]) if scale is None else scale
     return sdpa._kernel(q, k, v, attn_mask, 0.0, False, scale)  # the path's call
