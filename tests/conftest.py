@@ -10,7 +10,6 @@ import pytest
 import torch.nn.functional as F
 
 from posenc.engine import kept
-from posenc.engine import sdpa as engine_sdpa
 
 
 @pytest.fixture(autouse=True)
@@ -25,18 +24,15 @@ def no_kept_routes():
 @pytest.fixture
 def sdpa_masks(monkeypatch):
     """``(masks, sdpa)``: every call of ``F.scaled_dot_product_attention`` (posenc's and the
-    bench's floor, which both reach it through ``torch.nn.functional``) and of its fused
-    CPU kernel with gradients (``posenc.engine.sdpa._flash``) appends its ``attn_mask`` to
-    ``masks``; ``sdpa`` is the function itself, for references."""
+    bench's floor, which both reach it through ``torch.nn.functional``) appends its
+    ``attn_mask`` to ``masks``; ``sdpa`` is the function itself, for references."""
     masks = []
     sdpa = F.scaled_dot_product_attention
-    flash = engine_sdpa._flash
     monkeypatch.setattr(
         F,
         "scaled_dot_product_attention",
         lambda *a, **kw: masks.append(kw.get("attn_mask")) or sdpa(*a, **kw),
     )
-    monkeypatch.setattr(engine_sdpa, "_flash", lambda *a: masks.append(a[3]) or flash(*a))
     return masks, sdpa
 
 

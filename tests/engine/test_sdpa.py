@@ -1,8 +1,10 @@
-"""posenc.engine.sdpa: SDPA's fused CPU kernel with gradients through ``_CPUFlash`` (the
-same values and gradients as SDPA, a second derivative from its math kernel), and the
-dispatcher's SDPA route without the create_graph wrapper on the CPU."""
+"""posenc.engine.sdpa: SDPA's fused CPU kernel with gradients, its node given a second
+derivative from SDPA's math kernel by a hook (the values and first-order gradients
+SDPA's own), and the dispatcher's SDPA route without the create_graph wrapper on the CPU."""
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
@@ -32,8 +34,8 @@ def _masks(n_q, n_k, dtype):
 )
 def test_the_kernel_route_equals_sdpa_bit_for_bit(dtype, which, n_q, n_k):
     """Values and gradients of q, k, v (one tensor passed as k and v) equal SDPA's own, bit
-    for bit: the same fused kernel forward and backward, a boolean mask made the float mask
-    SDPA makes of it."""
+    for bit, from its fused kernel's node (the route is SDPA's fused kernel itself); and
+    where SDPA's own graph has no second derivative, the route's gives the math kernel's."""
     attn_mask, causal = _masks(n_q, n_k, dtype)[which]
     torch.manual_seed(0)
     q = torch.randn(2, 3, n_q, 8, dtype=dtype)
@@ -46,12 +48,17 @@ def test_the_kernel_route_equals_sdpa_bit_for_bit(dtype, which, n_q, n_k):
             out = kernel(*leaves, leaves[1], attn_mask=attn_mask, is_causal=causal, scale=0.3)
         else:
             out = kernel(*leaves, leaves[1], attn_mask, 0.0, causal, 0.3)
-        (out * weights).sum().backward()
-        results.append((out, *(x.grad for x in leaves), out.grad_fn))
-    (*expected, native), (*found, node) = results
-    assert type(node).__name__ == "_CPUFlashBackward", type(native).__name__
+        (out * weights).sum().backward(retain_graph=True)
+        results.append((out, *(x.grad for x in leaves), out.grad_fn, leaves))
+    (*expected, native, plain), (*found, node, hooked) = results
+    assert type(node).__name__ == sdpa._FLASH_CPU_NODE, type(native).__name__
     for a, b in zip(found, expected, strict=True):
         assert torch.equal(a, b)
+    (g,) = torch.autograd.grad(results[1][0].square().sum(), hooked[0], create_graph=True)
+    assert g.requires_grad
+    with pytest.raises(RuntimeError, match="not implemented"):
+        (g_plain,) = torch.autograd.grad(results[0][0].square().sum(), plain[0], create_graph=True)
+        g_plain.sum().backward()
 
 
 def test_without_gradients_or_with_a_learned_mask_sdpa_runs_itself():
@@ -60,10 +67,11 @@ def test_without_gradients_or_with_a_learned_mask_sdpa_runs_itself():
     q = torch.randn(1, 2, 5, 4, requires_grad=True)
     with torch.no_grad():
         assert sdpa._kernel(q, q, q, None, 0.0, False, 0.5).grad_fn is None
-    assert "CPUFlash" not in type(sdpa._kernel(q, q, q, None, 0.1, False, 0.5).grad_fn).__name__
+    dropped = sdpa._kernel(q, q, q, None, 0.1, False, 0.5)
+    assert type(dropped.grad_fn).__name__ != sdpa._FLASH_CPU_NODE
     mask = torch.zeros(1, 2, 5, 5, requires_grad=True)
     out = sdpa._kernel(q.detach(), q.detach(), q.detach(), mask, 0.0, False, 0.5)
-    assert "CPUFlash" not in type(out.grad_fn).__name__
+    assert type(out.grad_fn).__name__ != sdpa._FLASH_CPU_NODE
     (grad,) = torch.autograd.grad(out.sum(), mask)
     assert grad.shape == mask.shape
 
@@ -147,7 +155,7 @@ def test_empty_inputs_keep_sdpas_own_answer_and_a_second_derivative(shape):
     v = torch.randn(*shape[:3], 3, dtype=torch.float64)
     out = posenc.attention(q * 2, q, v)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q * 2, q, v))
-    assert "CPUFlash" not in type(out.grad_fn).__name__
+    assert type(out.grad_fn).__name__ != sdpa._FLASH_CPU_NODE
     (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
     assert g.shape == shape
     assert sdpa._kernel(q, q, v, None, 0.0, False, 0.5).shape == (*shape[:3], 3)
@@ -171,5 +179,61 @@ def test_the_mask_is_saved_through_autograd():
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         out = sdpa._kernel(q, q, q, mask, 0.0, False, 0.5)
-    assert type(out.grad_fn).__name__ == "_CPUFlashBackward"
+    assert type(out.grad_fn).__name__ == sdpa._FLASH_CPU_NODE
     assert any(t is mask for t in packed)
+
+
+def test_a_second_derivative_for_the_inputs_asked_for_one_tensor_thrice():
+    """float64: ``create_graph=True`` through the kernel's node for one input of three (the
+    engine asks the node for that one alone), and for one tensor passed as q, k and v:
+    each differentiable again, equal to SDPA's math kernel's."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(1, 2, 6, 6, dtype=torch.float64)
+
+    def math(q, k, v):
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, mask, 0.0, False, scale=0.4
+        )[0]
+
+    for args, wrt in (((x, k, k), k), ((x, x, x), x)):
+        results = []
+        for attend in (lambda *a: sdpa._kernel(*a, mask, 0.0, False, 0.4), math):
+            out = attend(*args)
+            assert attend is math or type(out.grad_fn).__name__ == sdpa._FLASH_CPU_NODE
+            (g,) = torch.autograd.grad(out.sin().sum(), wrt, create_graph=True)
+            (gg,) = torch.autograd.grad(g.square().sum(), x)
+            results.append((g, gg))
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_the_hook_holds_no_tensor():
+    """The hook keeps nothing of the call: the queries go when the kernel's node lets its
+    saved tensors go (a backward that does not keep the graph), the output still alive."""
+    x = torch.randn(1, 2, 6, 4, requires_grad=True)
+    q = x * 2
+    gone = weakref.ref(q)
+    out = sdpa._kernel(q, x, x, None, 0.0, False, 0.5)
+    assert type(out.grad_fn).__name__ == sdpa._FLASH_CPU_NODE
+    del q
+    assert gone() is not None  # saved by the node
+    out.sum().backward()
+    assert gone() is None
+
+
+def test_without_a_current_node_the_dispatcher_wraps_the_route(monkeypatch):
+    """A torch that does not tell a hook which node runs: the kernel's node gets no hook,
+    and the dispatcher wraps the route for its second derivative, still the definition's
+    (float64, against the math path)."""
+    monkeypatch.setattr(sdpa, "_current_node", None)
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 12, 8, dtype=torch.float64)
+    scheme = posenc.ALiBi(2)
+    out = posenc.attention(x.clone().requires_grad_(), x, x, position=scheme)
+    assert "TwiceDifferentiable" in type(out.grad_fn).__name__
+    auto = _second_derivatives(scheme, "auto", x)
+    math = _second_derivatives(scheme, "math", x)
+    for a, b in zip(auto, math, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)

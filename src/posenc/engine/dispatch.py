@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .._memo import plain_autograd
 from ..hooks import Hooks, _defined_by, checked_hooks, hooks_of
-from . import kept
+from . import kept, sdpa
 from .blocks import _by_blocks, _mask_blocks
 from .flex import _flex
 from .inputs import default_scale, finite, repeat_heads, sees_any, zeroed_non_finite
@@ -243,12 +243,14 @@ def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
 
 def _kernel_alone(name: str, call: Call, hooks: Hooks) -> bool:
     """Whether path ``name``'s SDPA route has a graph of SDPA's kernel alone on the CPU
-    (whose fused kernel runs through :class:`~.sdpa._CPUFlash`, differentiable twice, and
-    whose math kernel is plain ops): no dropout, eager autograd, no tensor the hooks read
+    (whose fused kernel's node gets a second derivative where this torch allows,
+    :func:`~.sdpa.differentiable_twice`, and whose math kernel is plain ops): no dropout, eager autograd, no tensor the hooks read
     that asks for a gradient, and nothing positional that records a graph: no key shift,
     term or value term, and a bias only on the materialised path, which has found it
     constant (``Call.constant_bias``, read once per call)."""
     if call.q.device.type != "cpu" or call.dropout_p > 0 or not plain_autograd():
+        return False
+    if not sdpa.differentiable_twice():
         return False
     if not (call.q.numel() and call.k.numel() and call.v.numel()):
         return False  # SDPA answers empty inputs apart, with no second derivative

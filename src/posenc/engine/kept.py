@@ -1,17 +1,20 @@
 """Kept routes: the route the dispatcher chose for a call's signature, replayed without the
-walk, for calls without gradients whose route is one SDPA call.
+walk, for calls whose route is one SDPA call.
 
-For a call without gradients (grad mode off), without a mask, dropout or weights asked
-for, the paths up to the materialised one (``sdpa``, ``math``, ``flex``,
-``materialised``: :data:`.dispatch.PATHS`) decide on the scheme's hooks (which it
-defines, and where), the queries' shape, dtype and device, the keys' count, the backend,
-the modes of torch (``torch.compile``, ``torch.jit.trace``, a dispatch or function mode,
-a ``torch.func`` transform, a forward-mode AD level), the thread count and the tuning
-constants (:mod:`.tuning`) alone: the :func:`signature` of the call holds all of them,
-and the shapes of ``k``, ``v`` and the positions and the dtypes of ``k`` and ``v``
-besides. (The lean paths after them read the positions' and the bias's values, and keep
-no route; a path placed before the materialised one must read nothing the signature
-does not hold.) Where that choice was one of
+For a call without a mask, dropout or weights asked for, the paths up to the materialised
+one (``sdpa``, ``math``, ``flex``, ``materialised``: :data:`.dispatch.PATHS`) decide on
+the scheme's hooks (which it defines, and where), the queries' shape, dtype and device,
+the keys' count, the backend, the modes of torch (``torch.compile``, ``torch.jit.trace``,
+a dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), the
+thread count and the tuning constants (:mod:`.tuning`) alone; in grad mode also on which
+of ``q, k, v`` ask for a gradient, and on what the scheme's hooks may read that asks for
+one, which the key holds only for a scheme that can read nothing such (posenc's own
+modules with no parameter that requires grad: :func:`_grad_flags`). The
+:func:`signature` of the call holds all of them, and the shapes of ``k``, ``v`` and the
+positions and the dtypes of ``k`` and ``v`` besides. (The lean paths after them read the
+positions' and the bias's values, and keep no route; a path placed before the
+materialised one must read nothing the signature does not hold.) Where that choice was
+one of
 
 - SDPA's kernel on ``q, k, v`` (nothing positional in the scores: no scheme, or a
   rotation applied before the call), or
@@ -19,13 +22,14 @@ does not hold.) Where that choice was one of
   its ``kept_score_bias`` gives one) as the float mask (the materialised path's route for
   a bias alone),
 
-the route is kept per scheme and signature (:func:`record`), and a later call of the same
-signature runs it at once (:func:`replay`): the hooks are called on the call's own
-positions as the path calls them, and the bias's shape is checked as
-:func:`~posenc.hooks.checked_hooks` checks it (a bias of another shape, or none, takes the
-dispatcher, which calls the hooks again and raises where it must). A replay computes what
-the path computes, with the same kernel call, so it gives the same values: only the
-walk's Python is saved. Routes are kept in a weak dictionary keyed by the scheme (a
+run by the dispatcher with no wrapper (with gradients: where the path's own graph is
+differentiable twice), the route is kept per scheme and signature (:func:`record`), and a
+later call of the same signature runs it at once (:func:`replay`): the hooks are called
+on the call's own positions as the path calls them, and the bias's shape is checked as
+:func:`~posenc.hooks.checked_hooks` checks it (a bias of another shape, or none, or in
+grad mode one that asks for a gradient, takes the dispatcher, which calls the hooks again
+and raises where it must). A replay computes what the path computes, with the same
+kernel call, so it gives the same values: only the walk's Python is saved. Routes are kept in a weak dictionary keyed by the scheme (a
 scheme that is garbage collected takes its routes along), at most
 :data:`.tuning.KEPT_ROUTES` per scheme; they hold no tensor and no bound method.
 

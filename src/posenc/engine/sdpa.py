@@ -2,11 +2,11 @@
 term and the bias folded into its ``attn_mask``; a contextual term (CoPE) too, read from
 the logits that this path computes once more for it.
 
-Where SDPA would run its fused CPU kernel with gradients asked for, the path runs that
-kernel through :class:`_CPUFlash`: the same forward and first-order backward, and a
-second derivative (``create_graph=True``) from SDPA's math kernel, which the fused
-kernel's backward lacks; the dispatcher then needs no wrapper around the path
-(``dispatch._exact_twice``).
+Where SDPA runs its fused CPU kernel with gradients asked for, whose backward is not
+differentiable, the kernel's node in autograd's graph gets a hook (:func:`_kernel`): the
+same forward and first-order backward as SDPA's (they are SDPA's), and a second derivative
+(``create_graph=True``) from SDPA's math kernel; the dispatcher then needs no wrapper
+around the path (``dispatch._exact_twice``).
 
 Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim.
 """
@@ -14,12 +14,10 @@ Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` hea
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend
 
 from .._memo import plain_autograd
 from ..hooks import Hooks
@@ -86,8 +84,13 @@ def _sdpa(
     return out
 
 
-#: :func:`torch._fused_sdp_choice`'s answer for the fused (flash) kernel
-_FLASH = int(SDPBackend.FLASH_ATTENTION)
+#: the node of SDPA's fused CPU kernel in autograd's graph (its backward is the kernel's,
+#: which is not differentiable: :func:`_second_derivative` makes it so)
+_FLASH_CPU_NODE = "ScaledDotProductFlashAttentionForCpuBackward0"
+
+#: the node whose backward runs now, where this torch tells (None: the fused kernel's
+#: graph is differentiable once, and the dispatcher wraps its route)
+_current_node = getattr(torch._C, "_current_autograd_node", None)
 
 
 def _kernel(
@@ -99,81 +102,52 @@ def _kernel(
     is_causal: bool,
     scale: float,
 ) -> Tensor:
-    """:func:`~torch.nn.functional.scaled_dot_product_attention`, or where it would run its
-    fused CPU kernel with a gradient asked for (of ``q``, ``k`` or ``v``; a mask that asks
-    for one, or dropout, makes SDPA take its math kernel), that kernel through
-    :class:`_CPUFlash`: ``[b, h, n_q, d_v]``, the same values and gradients."""
-    if (
-        dropout_p == 0
-        and q.device.type == "cpu"
-        and torch.is_grad_enabled()
-        and (q.requires_grad or k.requires_grad or v.requires_grad)
-        and q.numel() > 0
-        and k.numel() > 0
-        and v.numel() > 0  # SDPA answers empty inputs apart
-        and (attn_mask is None or not attn_mask.requires_grad)
-        and plain_autograd()
-        and torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale) == _FLASH
-    ):
-        return _flash(q, k, v, attn_mask, is_causal, scale)
-    return F.scaled_dot_product_attention(
+    """:func:`~torch.nn.functional.scaled_dot_product_attention`: ``[b, h, n_q, d_v]``. Where
+    its graph is the fused CPU kernel's (gradients asked for of ``q``, ``k`` or ``v``, no
+    dropout, no mask that asks for one), whose backward is not differentiable, the node
+    gets :func:`_second_derivative` as a hook: the same values and first-order
+    gradients, and a second derivative (``create_graph=True``) from SDPA's math kernel."""
+    out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
     )
+    if (
+        dropout_p == 0
+        and _current_node is not None
+        and out.requires_grad
+        and out.device.type == "cpu"
+        and plain_autograd()  # (nor under torch.compile, which cannot read a grad_fn)
+    ):
+        node = out.grad_fn
+        if type(node).__name__ == _FLASH_CPU_NODE:
+            node.register_hook(_second_derivative)
+    return out
 
 
-def _flash(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float
-) -> Tensor:
-    """:class:`_CPUFlash` with SDPA's mask: a boolean one (True = attend) made the float
-    mask SDPA makes of it (0, ``-inf``): ``[b, h, n_q, d_v]``."""
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        hidden = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
-        attn_mask = hidden.masked_fill_(~attn_mask, float("-inf"))
-    return _CPUFlash.apply(q, k, v, attn_mask, is_causal, scale)
+def differentiable_twice() -> bool:
+    """Whether :func:`_kernel`'s graph of the fused CPU kernel is differentiable twice by
+    itself (this torch tells a hook which node runs), so that the dispatcher needs no
+    wrapper around the route."""
+    return _current_node is not None
 
 
-class _CPUFlash(torch.autograd.Function):
-    """SDPA's fused CPU kernel with a second derivative.
-
-    The forward and a first-order backward are the kernel's own
-    (``_scaled_dot_product_flash_attention_for_cpu`` and its backward: the values and
-    gradients SDPA gives). A backward with ``create_graph=True`` (gradient penalties,
-    Hessian-vector products) differentiates SDPA's math kernel on the saved inputs with a
-    graph, so that the second derivative is the definition's. The mask is a constant
-    (float, ``-inf`` where a key is hidden).
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        attn_mask: Tensor | None,
-        is_causal: bool,
-        scale: float,
-    ) -> Tensor:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale
-        )  # out [b, h, n_q, d_v], lse [b, h, n_q]
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
-        ctx.is_causal, ctx.scale = is_causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse, attn_mask = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: the math kernel, with a graph
-            slots = [x.view_as(x) for x in (q, k, v)]  # one per argument: q is k is v too
-            # the kernel itself: sdpa_kernel() would set the process's SDPA flags
-            ref, _ = torch.ops.aten._scaled_dot_product_attention_math(
-                *slots, attn_mask, 0.0, ctx.is_causal, scale=ctx.scale
-            )
-            wrt = [x for x in slots if x.requires_grad]
-            found = iter(torch.autograd.grad(ref, wrt, grad_out, create_graph=True))
-            grads = [next(found) if x.requires_grad else None for x in slots]
-        else:
-            backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-            args = (grad_out, q, k, v, out, lse, 0.0, ctx.is_causal)
-            grads = list(backward(*args, attn_mask=attn_mask, scale=ctx.scale))
-        return (*grads, None, None, None)
+def _second_derivative(
+    grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]
+) -> tuple[Tensor | None, ...] | None:
+    """The hook :func:`_kernel` sets on the fused CPU kernel's node: nothing in a first-order
+    backward (the kernel's own gradients stand); in one with ``create_graph=True``
+    (gradient penalties, Hessian-vector products) the gradients the engine asks of the
+    node (those of ``grad_inputs`` not None) from SDPA's math kernel on the node's saved
+    ``q, k, v`` and mask, with a graph, so that the second derivative is the
+    definition's."""
+    if not torch.is_grad_enabled():
+        return None
+    node = _current_node()  # the kernel's node: its saved tensors, through the unpack hooks
+    saved = (node._saved_query, node._saved_key, node._saved_value)
+    slots = [x.view_as(x) for x in saved]  # one per argument: q is k is v too
+    # the kernel itself: sdpa_kernel() would set the process's SDPA flags
+    ref, _ = torch.ops.aten._scaled_dot_product_attention_math(
+        *slots, node._saved_attn_mask, 0.0, node._saved_is_causal, scale=node._saved_scale
+    )
+    wanted = [x for x, g in zip(slots, grad_inputs, strict=True) if g is not None]
+    found = iter(torch.autograd.grad(ref, wanted, grad_outputs[0], create_graph=True))
+    return tuple(None if g is None else next(found) for g in grad_inputs)

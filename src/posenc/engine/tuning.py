@@ -112,7 +112,7 @@ SHAW_PAIR_VALUES = 1 << 22
 #: threads at least for which a call runs op by op under OPS_FORWARD_SCORES,
 #: OPS_IN_PLACE_SCORES or OPS_IN_PLACE_BIAS_SCORES
 OPS_FORWARD_THREADS = 2
-#: routes a scheme keeps at most for calls without gradients (engine/kept.py: the
-#: dispatcher's choice per call signature, replayed without the walk); one more empties
-#: the scheme's routes first; 0 keeps none
+#: routes a scheme keeps at most (engine/kept.py: the dispatcher's choice per call
+#: signature, replayed without the walk); one more empties the scheme's routes first; 0
+#: keeps none
 KEPT_ROUTES = 16
