@@ -691,3 +691,19 @@ def test_a_raised_limit_for_op_by_op_keeps_no_route_with_gradients(monkeypatch, 
     for _ in range(3):
         _grads(scheme, 0)
     assert len(walks) == 3 and not kept._ROUTES
+
+
+def test_no_route_is_replayed_under_saved_tensor_hooks(walks):
+    """Under saved-tensor hooks (activation checkpointing, offloading) SDPA's fused kernel
+    has no second derivative of its own and the dispatcher wraps the route: a route kept
+    outside them is not replayed inside, and none is kept there."""
+    scheme = ALiBi(H)
+    _grads(scheme, 0)
+    _grads(scheme, 1)
+    assert len(walks) == 1
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        for _ in range(2):
+            out, _, _, _ = _grads(scheme, 2)
+    assert len(walks) == 1 + 2 * 2  # each call walked, and its wrapper planned again
+    assert len(kept._ROUTES[scheme]) == 1
+    assert "TwiceDifferentiable" in type(out.grad_fn).__name__

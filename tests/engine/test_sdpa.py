@@ -237,3 +237,70 @@ def test_without_a_current_node_the_dispatcher_wraps_the_route(monkeypatch):
     math = _second_derivatives(scheme, "math", x)
     for a, b in zip(auto, math, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_a_second_derivative_under_activation_checkpointing():
+    """float64, non-reentrant checkpointing (saved-tensor hooks that unpack once, which the
+    node's own backward has done): the dispatcher wraps the route, and the second
+    derivative is the math path's."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    x0 = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    results = []
+    for backend in ("auto", "math"):
+        x = x0.clone().requires_grad_()
+        run = lambda t: posenc.attention(t * 2, t * 3, t, backend=backend)  # noqa: B023, E731
+        out = checkpoint(run, x, use_reentrant=False)
+        (g,) = torch.autograd.grad(out.sin().sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.square().sum(), x)
+        results.append((out, g, gg))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not sdpa.differentiable_twice()
+        out = posenc.attention(x0.clone().requires_grad_(), x0, x0)
+    assert "TwiceDifferentiable" in type(out.grad_fn).__name__
+
+
+def test_no_gradient_coming_into_the_node_with_create_graph():
+    """A backward with ``create_graph=True`` that brings the kernel's node no gradient (a
+    Function downstream returns None for it): nothing asked of the node, the rest of the
+    gradient as the math path's."""
+
+    class Drop(torch.autograd.Function):  # a + b, no gradient for a
+        @staticmethod
+        def forward(ctx, a, b):
+            return a + b
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, grad
+
+    torch.manual_seed(0)
+    x0 = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    grads = []
+    for backend in ("auto", "math"):
+        x = x0.clone().requires_grad_()
+        z = Drop.apply(posenc.attention(x * 2, x, x, backend=backend), x.sin())
+        (g,) = torch.autograd.grad(z.sum(), x, create_graph=True)
+        grads.append(g)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+def test_a_backward_that_names_no_node_keeps_the_kernels_gradients(monkeypatch):
+    """Where the backward does not say which node runs (compiled autograd), the hook leaves
+    the kernel's own gradients (SDPA's, bit for bit), and differentiating them again raises
+    torch's error rather than giving another derivative."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 6, 4, requires_grad=True)
+    out = sdpa._kernel(x * 2, x, x, None, 0.0, False, 0.5)
+    assert type(out.grad_fn).__name__ == sdpa._FLASH_CPU_NODE
+    monkeypatch.setattr(sdpa, "_current_node", lambda: None)
+    (g,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    (want,) = torch.autograd.grad(
+        F.scaled_dot_product_attention(x * 2, x, x, scale=0.5).square().sum(), x
+    )
+    assert torch.equal(g, want)
+    with pytest.raises(RuntimeError, match="not implemented"):
+        g.sum().backward()

@@ -128,11 +128,15 @@ def _grad_flags(call: Request) -> tuple[bool, bool, bool] | None:
     tensor requiring grad other than its parameters (the dispatcher probes its hooks in
     every call: :func:`~.learned.learned_inputs`), a parameter of the scheme that requires
     grad (a learned bias, or a learned rotation: their paths keep no route, and a thawed
-    one must not replay the route kept while it was frozen), and a constant bias that the
-    limit of :data:`.tuning.OPS_GRAD_BIAS_SCORES` may run op by op (that choice weighs the
-    bias the scheme keeps against SDPA's)."""
+    one must not replay the route kept while it was frozen), a call where SDPA's fused
+    kernel has no second derivative of its own (saved-tensor hooks in force:
+    :func:`~.sdpa.differentiable_twice`, which the dispatcher reads), and a constant bias
+    that the limit of :data:`.tuning.OPS_GRAD_BIAS_SCORES` may run op by op (that choice
+    weighs the bias the scheme keeps against SDPA's)."""
     q, k, v, scheme = call[:4]
     if not _reads_own_only(scheme) or scheme_parameters(scheme):
+        return None
+    if not sdpa.differentiable_twice():  # saved-tensor hooks: the dispatcher wraps the route
         return None
     b, h, n_q, d = q.shape
     if d == v.shape[-1] and b * h * n_q * k.shape[2] <= tuning.OPS_GRAD_BIAS_SCORES:

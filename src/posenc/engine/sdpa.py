@@ -92,6 +92,10 @@ _FLASH_CPU_NODE = "ScaledDotProductFlashAttentionForCpuBackward0"
 #: graph is differentiable once, and the dispatcher wraps its route)
 _current_node = getattr(torch._C, "_current_autograd_node", None)
 
+#: the saved-tensor hooks in force (activation checkpointing, offloading), where this torch
+#: tells
+_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
 
 def _kernel(
     q: Tensor,
@@ -104,18 +108,19 @@ def _kernel(
 ) -> Tensor:
     """:func:`~torch.nn.functional.scaled_dot_product_attention`: ``[b, h, n_q, d_v]``. Where
     its graph is the fused CPU kernel's (gradients asked for of ``q``, ``k`` or ``v``, no
-    dropout, no mask that asks for one), whose backward is not differentiable, the node
-    gets :func:`_second_derivative` as a hook: the same values and first-order
-    gradients, and a second derivative (``create_graph=True``) from SDPA's math kernel."""
+    dropout, no mask that asks for one), whose backward is not differentiable, and
+    :func:`differentiable_twice` holds, the node gets :func:`_second_derivative` as a hook:
+    SDPA's own values and gradients, and in a backward with ``create_graph=True`` the
+    gradients of SDPA's math kernel (equal to rounding), with a graph."""
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
     )
     if (
         dropout_p == 0
-        and _current_node is not None
         and out.requires_grad
         and out.device.type == "cpu"
         and plain_autograd()  # (nor under torch.compile, which cannot read a grad_fn)
+        and differentiable_twice()
     ):
         node = out.grad_fn
         if type(node).__name__ == _FLASH_CPU_NODE:
@@ -125,9 +130,13 @@ def _kernel(
 
 def differentiable_twice() -> bool:
     """Whether :func:`_kernel`'s graph of the fused CPU kernel is differentiable twice by
-    itself (this torch tells a hook which node runs), so that the dispatcher needs no
-    wrapper around the route."""
-    return _current_node is not None
+    itself, so that the dispatcher needs no wrapper around the route: this torch tells a
+    hook which node runs and which saved-tensor hooks are in force, and none are (the
+    hook reads the node's saved tensors after its own backward has: activation
+    checkpointing lets them be unpacked once)."""
+    if _current_node is None or _saved_tensor_hooks is None:
+        return False
+    return _saved_tensor_hooks(False) is None
 
 
 def _second_derivative(
@@ -137,11 +146,18 @@ def _second_derivative(
     backward (the kernel's own gradients stand); in one with ``create_graph=True``
     (gradient penalties, Hessian-vector products) the gradients the engine asks of the
     node (those of ``grad_inputs`` not None) from SDPA's math kernel on the node's saved
-    ``q, k, v`` and mask, with a graph, so that the second derivative is the
-    definition's."""
-    if not torch.is_grad_enabled():
+    ``q, k, v`` and mask, with a graph, so that the second derivative is the definition's
+    (the fused kernel's backward has run too, its answer replaced). Where the backward
+    does not say which node runs (compiled autograd), the kernel's own gradients stand,
+    and differentiating them again raises torch's error that their derivative is not
+    implemented."""
+    if not torch.is_grad_enabled() or grad_outputs[0] is None:
         return None
+    if not any(g is not None for g in grad_inputs):
+        return None  # nothing asked of the node
     node = _current_node()  # the kernel's node: its saved tensors, through the unpack hooks
+    if node is None:
+        return None
     saved = (node._saved_query, node._saved_key, node._saved_value)
     slots = [x.view_as(x) for x in saved]  # one per argument: q is k is v too
     # the kernel itself: sdpa_kernel() would set the process's SDPA flags
