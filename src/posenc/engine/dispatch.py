@@ -243,11 +243,12 @@ def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
 
 def _kernel_alone(name: str, call: Call, hooks: Hooks) -> bool:
     """Whether path ``name``'s SDPA route has a graph of SDPA's kernel alone on the CPU
-    (whose fused kernel's node gets a second derivative where this torch allows,
-    :func:`~.sdpa.differentiable_twice`, and whose math kernel is plain ops): no dropout, eager autograd, no tensor the hooks read
-    that asks for a gradient, and nothing positional that records a graph: no key shift,
-    term or value term, and a bias only on the materialised path, which has found it
-    constant (``Call.constant_bias``, read once per call)."""
+    (whose fused kernel's node gets a second derivative where
+    :func:`~.sdpa.differentiable_twice` holds, and whose math kernel is plain ops): no
+    dropout, eager autograd, no tensor the hooks read that asks for a gradient, and
+    nothing positional that records a graph: no key shift, term or value term, and a bias
+    only on the materialised path, which has found it constant (``Call.constant_bias``,
+    read once per call)."""
     if call.q.device.type != "cpu" or call.dropout_p > 0 or not plain_autograd():
         return False
     if not sdpa.differentiable_twice():

@@ -29,9 +29,10 @@ on the call's own positions as the path calls them, and the bias's shape is chec
 :func:`~posenc.hooks.checked_hooks` checks it (a bias of another shape, or none, or in
 grad mode one that asks for a gradient, takes the dispatcher, which calls the hooks again
 and raises where it must). A replay computes what the path computes, with the same
-kernel call, so it gives the same values: only the walk's Python is saved. Routes are kept in a weak dictionary keyed by the scheme (a
-scheme that is garbage collected takes its routes along), at most
-:data:`.tuning.KEPT_ROUTES` per scheme; they hold no tensor and no bound method.
+kernel call, so it gives the same values: only the walk's Python is saved. Routes are
+kept in a weak dictionary keyed by the scheme (a scheme that is garbage collected takes
+its routes along), at most :data:`.tuning.KEPT_ROUTES` per scheme; they hold no tensor
+and no bound method.
 
 The signature does not hold the engine's own functions: code that replaces one of them
 (a test's spy, a patched path) calls :func:`clear` first, or its calls may replay a route
