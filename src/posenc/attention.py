@@ -338,8 +338,10 @@ def explain(
         an :class:`~posenc.engine.Explanation`: ``.path``, the name of the path taken
         (``"sdpa"``, ``"math"``, ``"flex"``, ``"mask-blocks"``, ``"offset-term"``,
         ``"grid-term"``, ``"grid-bias"``, ``"offset-bias"``, ``"lean-fused"`` or
-        ``"lean"``), and ``.reasons``, for each path tried before it, why it was not
-        taken. ``print()`` shows both.
+        ``"lean"``), ``.reasons``, for each path tried before it, why it was not
+        taken, and ``.replayed``, whether the route is kept for calls of this signature
+        (in the grad mode of the call to ``explain``), which after a first call skip the
+        choice of path. ``print()`` shows them.
 
     Raises:
         As :func:`attention`.

@@ -707,3 +707,33 @@ def test_no_route_is_replayed_under_saved_tensor_hooks(walks):
     assert len(walks) == 1 + 2 * 2  # each call walked, and its wrapper planned again
     assert len(kept._ROUTES[scheme]) == 1
     assert "TwiceDifferentiable" in type(out.grad_fn).__name__
+
+
+def test_explain_says_whether_the_route_is_replayed(walks):
+    """``posenc.explain`` reports ``replayed`` exactly where calls keep their route (in the
+    grad mode it is called in): the second call then walks no path; a mask, a learned table
+    with gradients or a scheme of a user's own with gradients keep none."""
+    q, k, v = _qkv()
+    grad_q = q.clone().requires_grad_()
+    learned = T5RelativeBias(H, num_buckets=8, max_distance=16)
+    cases = [
+        (ALiBi(H), {}, False, True),
+        (ALiBi(H), {}, True, True),
+        (None, {}, True, True),
+        (ALiBi(H), {"causal": True}, False, False),
+        (learned, {}, True, False),
+        (learned, {}, False, True),
+        (TableBias(H), {}, True, False),
+        (TableBias(H), {}, False, True),
+    ]
+    for scheme, kwargs, grad, replayed in cases:
+        kept.clear()
+        with torch.set_grad_enabled(grad):
+            x = grad_q if grad else q
+            explanation = posenc.explain(x, k, v, position=scheme, **kwargs)
+            assert explanation.replayed is replayed, (scheme, kwargs, grad)
+            assert ("replayed:" in str(explanation)) is replayed
+            walked = len(walks)
+            for _ in range(2):
+                posenc.attention(x, k, v, position=scheme, **kwargs)
+        assert len(walks) - walked == (1 if replayed else 2), (scheme, kwargs, grad)

@@ -48,14 +48,19 @@ BACKENDS = ("auto", "math", "sdpa", "flex", "lean")
 @dataclass(frozen=True)
 class Explanation:
     """What :func:`posenc.explain` reports: the path taken and, for each path before it in
-    the order ``backend`` walks, why it was not."""
+    the order ``backend`` walks, why it was not; and whether the route is kept, so that
+    after a first call the calls of the same signature (shapes, dtypes, device, backend,
+    grad flags, ...) replay it without choosing the path again (:mod:`.kept`)."""
 
     path: str
     reasons: dict[str, str]
+    replayed: bool = False
 
     def __str__(self) -> str:
         lines = [f"path: {self.path}"]
         lines += [f"  not {name}: {why}" for name, why in self.reasons.items()]
+        if self.replayed:
+            lines.append("  replayed: after a first call, calls of this signature skip the choice")
         return "\n".join(lines)
 
 
@@ -151,12 +156,7 @@ def _attend(
         return out, (weights if need_weights else None)
     call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
     name, run, _ = _walk(PATHS[backend], call, backend)
-    if (
-        torch.compiler.is_compiling()
-        or not torch.is_grad_enabled()
-        or (name in _AUTOGRAD_PATHS and (not call.grad or _exact_twice(name, call, hooks)))
-    ):  # no wrapper: no graph, or autograd's ops alone (every tensor the hooks read gets
-        # its gradient)
+    if _unwrapped(name, call, hooks):
         out = run()
         route = getattr(run, "route", None)
         if request is not None and route is not None and call.read_by is None:
@@ -184,6 +184,17 @@ def _attend(
     return _TwiceDifferentiable.apply(
         fast, reference, dropout_p, 3 + len(histories), *tensors
     ), None
+
+
+def _unwrapped(name: str, call: Call, hooks: Hooks) -> bool:
+    """Whether the dispatcher runs path ``name`` as it is, with no wrapper: no graph is
+    recorded, or the path is built of autograd's ops alone (every tensor the hooks read
+    gets its gradient) and needs none for a second derivative (:func:`_exact_twice`)."""
+    return (
+        torch.compiler.is_compiling()
+        or not torch.is_grad_enabled()
+        or (name in _AUTOGRAD_PATHS and (not call.grad or _exact_twice(name, call, hooks)))
+    )
 
 
 def _reference(
@@ -636,6 +647,13 @@ def explain_call(
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if backend != "math" and _learned_mask(mask):
         return Explanation("math", {backend: "a float attn_mask that requires grad"})
-    call = Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme)
-    name, _, reasons = _walk(PATHS[backend], _prepared(call), backend)
-    return Explanation(name, reasons)
+    call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
+    name, run, reasons = _walk(PATHS[backend], call, backend)
+    request = kept.Request(q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, False)
+    replayed = (
+        getattr(run, "route", None) is not None
+        and call.read_by is None
+        and _unwrapped(name, call, hooks)
+        and kept.signature(request) is not None
+    )
+    return Explanation(name, reasons, replayed)
