@@ -210,6 +210,10 @@ _TWO_FORMS = (
 )
 
 
+#: the top-level package of the engine (posenc), whose classes' two forms agree
+_PACKAGE = __name__.partition(".")[0]
+
+
 def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
     """Whether path ``name``'s own graph gives the definition's second derivatives, so that
     no wrapper is needed: the math path (the reference hooks, op by op), and the
@@ -229,7 +233,7 @@ def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
         if getattr(hooks, fast) is None or getattr(hooks, other) is None:
             continue
         owner = _defined_by(scheme, fast)  # None: set on the instance
-        if owner is None or owner.__module__.partition(".")[0] != "posenc":
+        if owner is None or owner.__module__.partition(".")[0] != _PACKAGE:
             return False
     return True
 

@@ -29,7 +29,7 @@ from ..hooks import Hooks
 from . import common
 
 #: the top-level packages whose modules read nothing but their own parameters and buffers
-_OWN_PACKAGES = frozenset(("posenc", "torch"))
+_OWN_PACKAGES = frozenset((__name__.partition(".")[0], "torch"))  # posenc's own name
 
 
 def scheme_parameters(scheme: Any) -> list[Tensor]:
