@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -389,3 +390,20 @@ def test_hooks_of_answers_the_same_when_a_lookup_writes_into_the_instance():
     assert hooks_of(scheme).offset_bias is None  # the parent's, under Steeper's score_bias
     expected = run("math", scheme, q, k, v, pos, pos, Mask(6, 6))
     torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bias_fits_answers_as_the_hooks_check_of_a_score_bias():
+    """``bias_fits`` (the kept route's check) agrees with the shapes ``checked_hooks`` lets
+    a ``score_bias`` return, over every batch, head and length size around the call's."""
+    from posenc.hooks import _EXPECTED, _fits, bias_fits
+
+    b, h = 3, 4
+    for pos_batch in (1, b):
+        q_pos = torch.zeros(pos_batch, 5, dtype=torch.long)
+        k_pos = torch.zeros(pos_batch, 7, dtype=torch.long)
+        allowed = _EXPECTED["score_bias"]((1, h), b, 0, q_pos, k_pos)
+        for shape in itertools.product((1, 2, 3), (1, 2, 4), (4, 5), (7, 8)):
+            bias = torch.zeros(shape)
+            assert bias_fits(bias, b, h, q_pos, k_pos) == _fits(bias.shape, allowed), shape
+        for shape in ((h, 5, 7), (1, 1, 1, 5, 7)):
+            assert not bias_fits(torch.zeros(shape), b, h, q_pos, k_pos)

@@ -355,7 +355,14 @@ def bias_fits(bias: Tensor, b: int, h: int, q_pos: Tensor, k_pos: Tensor) -> boo
     """Whether ``bias`` has a shape :func:`checked_hooks` lets a ``score_bias`` return for
     an attention of ``b`` sequences and ``h`` heads at these positions: ``[B', h or 1,
     n_q, n_k]``."""
-    return _fits(bias.shape, _EXPECTED["score_bias"]((1, h), b, 0, q_pos, k_pos))
+    shape = bias.shape  # as _fits against _EXPECTED["score_bias"], without building the tuple
+    return (
+        len(shape) == 4
+        and shape[0] in (1, q_pos.shape[0], b)
+        and shape[1] in (1, h)
+        and shape[2] == q_pos.shape[-1]
+        and shape[3] == k_pos.shape[-1]
+    )
 
 
 def _new_hooks(cls: type[Hooks], found: dict[str, Any]) -> Hooks:

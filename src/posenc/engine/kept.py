@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .._memo import _plain, plain_autograd
+from .._memo import eager
 from ..hooks import bias_fits, hooks_signature
 from . import plans, sdpa, tuning
 from .inputs import default_scale
@@ -84,11 +84,6 @@ _ROUTES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Route]] = weakref.
 #: the routes of calls without a scheme
 _UNSCHEMED: dict[tuple[Any, ...], Route] = {}
 
-#: the tuning constants, by name (read at call time: a test or an experiment may set one)
-_TUNING = tuple(
-    name for name, value in vars(tuning).items() if name.isupper() and type(value) in (int, float)
-)
-
 
 def signature(call: Request) -> tuple[Any, ...] | None:
     """What the dispatcher's choice of a kept route reads for this call (see the module
@@ -102,7 +97,7 @@ def signature(call: Request) -> tuple[Any, ...] | None:
     q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights = call
     if need_weights or dropout_p or not mask.empty:
         return None
-    if tuning.KEPT_ROUTES <= 0 or not (_plain() and plain_autograd()):
+    if tuning.KEPT_ROUTES <= 0 or not eager():
         return None
     grad = None
     if torch.is_grad_enabled():
@@ -117,7 +112,7 @@ def signature(call: Request) -> tuple[Any, ...] | None:
             return None
     return (
         hooks, backend, q.shape, k.shape, v.shape, q_pos.shape, k_pos.shape, q.dtype, k.dtype,
-        v.dtype, q.device, grad, plans._threads(), tuple(map(vars(tuning).get, _TUNING)),
+        v.dtype, q.device, grad, plans._threads(), tuning.state,
     )  # fmt: skip
 
 
@@ -196,7 +191,7 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
             return None
         if bias.requires_grad and torch.is_grad_enabled():
             return None  # not constant: the materialised path runs it op by op
-        attn_mask = bias.to(q.dtype)  # [B', h or 1, n_q, n_k]
+        attn_mask = bias if bias.dtype == q.dtype else bias.to(q.dtype)  # [B', h or 1, n_q, n_k]
     scale = default_scale(q.shape[-1]) if scale is None else scale
     return sdpa._kernel(q, k, v, attn_mask, 0.0, False, scale)  # the path's call
 

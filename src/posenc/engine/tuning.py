@@ -2,10 +2,15 @@
 
 What each was measured at, and with which command, is the "tuning constants" table of
 docs/performance.md. Code reads them as ``tuning.NAME`` at call time, so that a test or
-an experiment can change one.
+an experiment can change one by assigning it (``tuning.NAME = value``, or pytest's
+``monkeypatch.setattr``): each assignment sets :data:`state`, the constants' names and
+values in one tuple, which the kept routes' key holds (:mod:`.kept`).
 """
 
 from __future__ import annotations
+
+import sys
+import types
 
 #: a probability ``exp(x - lse)`` below ``exp(-EXP_FLOOR)`` is exactly 0 (no denormals)
 EXP_FLOOR = 80.0
@@ -116,3 +121,32 @@ OPS_FORWARD_THREADS = 2
 #: signature, replayed without the walk); one more empties the scheme's routes first; 0
 #: keeps none
 KEPT_ROUTES = 16
+
+
+class _Constants(types.ModuleType):
+    """This module: each assignment or deletion of an attribute sets :data:`state` anew."""
+
+    # (ModuleType's own methods, not super(): a reload replaces this class, ``__class__``
+    # included, in the middle of an assignment)
+    def __setattr__(self, name: str, value: object) -> None:
+        types.ModuleType.__setattr__(self, name, value)
+        types.ModuleType.__setattr__(self, "state", _state(vars(self)))
+
+    def __delattr__(self, name: str) -> None:
+        types.ModuleType.__delattr__(self, name)
+        types.ModuleType.__setattr__(self, "state", _state(vars(self)))
+
+
+def _state(names: dict[str, object]) -> tuple[tuple[str, object], ...]:
+    """The constants' names and values, in their order in the module."""
+    return tuple(
+        (name, value)
+        for name, value in names.items()
+        if name.isupper() and type(value) in (int, float)
+    )
+
+
+#: every constant's name and value as they are now (kept up to date by each assignment): a
+#: key that holds it matches while the constants have these values
+state = _state(vars())
+sys.modules[__name__].__class__ = _Constants
