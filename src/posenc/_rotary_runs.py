@@ -12,7 +12,10 @@ found for positions on the CPU, :func:`~posenc.indices.run_start`):
   ``addcmul_`` into it, or where it is traced a swap of each pair's channels, a product and
   an ``addcmul`` (:func:`_apply_expanded`),
 
-where :func:`~posenc.rotary.apply_rotary` takes seven ops.
+where :func:`~posenc.rotary.apply_rotary` takes seven ops. For an attention call without
+gradients, :func:`rotate_runs_into` writes both into a kept buffer instead, each pair one
+complex number times its phase (the pairs ``(i, i + r/2)`` side by side:
+:mod:`posenc._rotary_buffer`).
 
 Shape legend: ``b`` batch, ``h`` heads, ``n`` positions, ``r`` rotated channels.
 """
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._memo import _plain, memo, plain_autograd
+from ._memo import _plain, eager, memo, plain_autograd
 from .absolute import inverse_frequencies
 from .indices import run_start
 
@@ -206,6 +209,87 @@ def _as_pairs(q: Tensor, k: Tensor) -> bool:
     if q.device.type != "cpu" or not (plain_autograd() and _plain()):
         return False
     return all(_viewable(x) for x in (q, k) if x.dtype in (torch.float32, torch.float64))
+
+
+def runs_into(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[tuple[int, int]] | None:
+    """The runs of positions for :func:`rotate_runs_into`, ``[(first, n)]`` for the queries
+    then the keys (one entry where ``k_pos is q_pos``), or None where it does not take the
+    call: positions that are not each one run, ``q`` and ``k`` not both float32 or both
+    float64 on the CPU with elements, or a graph that may be recorded (grad mode on for
+    a ``q`` that asks for a gradient, ``torch.compile``, a mode or a transform)."""
+    if q.dtype not in _COMPLEX or k.dtype != q.dtype or not (q.numel() and k.numel()):
+        return None
+    if q_pos.device != q.device or k_pos.device != q.device or not _eager_cpu(q):
+        return None
+    firsts = [run_start(pos) for pos in ((q_pos,) if k_pos is q_pos else (q_pos, k_pos))]
+    if None in firsts:
+        return None
+    return list(zip(firsts, (q_pos.shape[-1], k_pos.shape[-1]), strict=False))
+
+
+def rotate_runs_into(
+    q: Tensor, k: Tensor, runs: list[tuple[int, int]], rotary_dim: int, base: float,
+    interleaved: bool, flat: Tensor,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``q`` and ``k`` rotated as :func:`rotate_runs` rotates them, written into ``flat``,
+    for a caller that reads them through their scores ``q_i . k_j`` alone, records no
+    graph for them, and lends ``flat`` while it reads them.
+
+    Each pair is multiplied by its phase as one complex number (:func:`_rotate_into`):
+    the pairs ``(2i, 2i+1)`` of an ``interleaved`` rotation in place, the pairs ``(i, i +
+    r/2)`` side by side (channels ``0, r/2, 1, r/2 + 1, ...`` of the rotated ones: the
+    same permutation for ``q`` and ``k``, which keeps every dot product but not the
+    channels), so that the rotation costs one or two passes and no new tensor.
+
+    Args:
+        q: ``[b, h, n_q, d]`` queries.
+        k: ``[b, h_kv, n_k, d]`` keys.
+        runs: :func:`runs_into` of the call (not None).
+        rotary_dim: ``r``, the rotated channels (the first ``r``).
+        base: the wavelength base.
+        interleaved: pairs ``(2i, 2i+1)`` if True, else ``(i, i + r/2)``.
+        flat: a buffer of at least ``q.numel() + k.numel()`` elements of ``q``'s dtype.
+
+    Returns:
+        ``(q, k)`` rotated, contiguous views of ``flat`` in their shapes.
+    """
+    rotated, start = [], 0
+    for x, (first, n) in zip((q, k), (runs[0], runs[-1]), strict=True):
+        out = flat[start : start + x.numel()].view(x.shape)  # [b, h, n, d], contiguous
+        start += x.numel()
+        phase = _run_phases(rotary_dim, base, first, n, _COMPLEX[x.dtype], x.device)  # [n, r/2]
+        _rotate_into(x, phase, interleaved, out)
+        rotated.append(out)
+    return rotated[0], rotated[1]
+
+
+def _eager_cpu(q: Tensor) -> bool:
+    """Whether a rotation that records no graph may run as plain eager ops on the CPU: no
+    ``torch.compile`` trace, dispatch or function mode, ``torch.func`` transform or
+    forward-mode AD level, and no graph recorded for ``q``."""
+    return q.device.type == "cpu" and eager() and not (torch.is_grad_enabled() and q.requires_grad)
+
+
+def _rotate_into(x: Tensor, phase: Tensor, interleaved: bool, out: Tensor) -> None:
+    """Write ``x [..., d]`` rotated by ``phase [..., n, r/2]`` into ``out`` (contiguous, of
+    ``x``'s shape and dtype): each pair as one complex number times its phase, ``(x_a cos -
+    x_b sin, x_a sin + x_b cos)`` for the pair ``(a, b)``, side by side in ``out`` (the
+    pairs ``(2i, 2i+1)`` stay in place), within an ulp of each product rounded before the
+    sum (the CPU's kernel may fuse a multiply and an add); the channels past ``r`` copied."""
+    half = phase.shape[-1]
+    rot = 2 * half
+    whole = rot == x.shape[-1]
+    pairs = _pairs(out if whole else out[..., :rot])  # [..., r/2] complex
+    if interleaved and _viewable(x):
+        torch.mul(_pairs(x if whole else x[..., :rot]), phase, out=pairs)  # one pass
+    else:
+        first, second = (
+            (x[..., 0:rot:2], x[..., 1:rot:2]) if interleaved else (x[..., :half], x[..., half:rot])
+        )  # [..., r/2] each: the pairs' two channels
+        torch.complex(first, second, out=pairs)  # side by side
+        pairs.mul_(phase)
+    if not whole:
+        out[..., rot:].copy_(x[..., rot:])
 
 
 def _apply_phases(x: Tensor, phase: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
+from ._rotary_buffer import rotated
 from .cache import KVCache
 from .engine import BACKENDS, Explanation, Mask, attend, explain_call
 from .hooks import HOOK_NAMES
@@ -100,36 +101,39 @@ def _core(
     """Rotate, append to the cache (not stored), mask and attend (which repeats grouped
     key/value heads for their query heads): ``(out [b, h, n_q, d] or an Explanation,
     weights, the cache's new entries)``."""
-    rotate = getattr(position, "rotate", None)
-    if rotate is not None:
-        q, k = rotate(q, k, q_pos, k_pos)
-    entries = None
-    if cache is not None:  # stored by the caller once the step has succeeded
-        entries = cache.extended(k, v, k_pos, key_padding)
-        k, v, k_pos, key_padding = entries
-    b, h, n_q, _ = q.shape
-    n_k = k.shape[2]
-    allowed, bias = check.attn_mask(attn_mask, b, h, n_q, n_k)
-    mask = Mask(
-        n_q,
-        n_k,
-        key_padding=key_padding,
-        lengths=lengths,
-        causal=causal,
-        q_doc=documents,
-        k_doc=documents,
-        behind=window,
-        ahead=None if causal else window,
-        allowed=allowed,
-        bias=bias,
-    )
-    args = dict(scheme=position, q_pos=q_pos, k_pos=k_pos, mask=mask, backend=backend)
-    if explain_only:
-        return explain_call(q, k, v, dropout_p=dropout_p, scale=scale, **args), None, None
-    out, weights = attend(
-        q, k, v, dropout_p=dropout_p, need_weights=need_weights, scale=scale, **args
-    )
-    return out, weights, entries
+    scores_only = cache is None and not explain_only  # nothing keeps the rotated q, k
+    q, k, lent = rotated(position, q, k, q_pos, k_pos, scores_only)
+    try:
+        entries = None
+        if cache is not None:  # stored by the caller once the step has succeeded
+            entries = cache.extended(k, v, k_pos, key_padding)
+            k, v, k_pos, key_padding = entries
+        b, h, n_q, _ = q.shape
+        n_k = k.shape[2]
+        allowed, bias = check.attn_mask(attn_mask, b, h, n_q, n_k)
+        mask = Mask(
+            n_q,
+            n_k,
+            key_padding=key_padding,
+            lengths=lengths,
+            causal=causal,
+            q_doc=documents,
+            k_doc=documents,
+            behind=window,
+            ahead=None if causal else window,
+            allowed=allowed,
+            bias=bias,
+        )
+        args = dict(scheme=position, q_pos=q_pos, k_pos=k_pos, mask=mask, backend=backend)
+        if explain_only:
+            return explain_call(q, k, v, dropout_p=dropout_p, scale=scale, **args), None, None
+        out, weights = attend(
+            q, k, v, dropout_p=dropout_p, need_weights=need_weights, scale=scale, **args
+        )
+        return out, weights, entries
+    finally:
+        if lent is not None:  # the kept buffer q and k were rotated into
+            lent.__exit__(None, None, None)
 
 
 def _prepare(

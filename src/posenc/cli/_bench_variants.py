@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import registry
+from .._rotary_buffer import rotated
 from ..dense import as_attn_mask
 from ..engine import Mask, attend
 from ..engine.flex import _block_mask, _compiled_flex
@@ -129,10 +130,14 @@ def _core(
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         mask, pos = _masked(q, causal, padding, documents, window)
-        rotate = getattr(scheme, "rotate", None)
-        if rotate is not None:
-            q, k = rotate(q, k, pos, pos)
-        out, _ = attend(q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=mask, backend=backend)
+        q, k, lent = rotated(scheme, q, k, pos, pos, True)  # as posenc.attention rotates
+        try:
+            out, _ = attend(
+                q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=mask, backend=backend
+            )
+        finally:
+            if lent is not None:
+                lent.__exit__(None, None, None)
         return out
 
     return run

@@ -117,6 +117,10 @@ SHAW_PAIR_VALUES = 1 << 22
 #: threads at least for which a call runs op by op under OPS_FORWARD_SCORES,
 #: OPS_IN_PLACE_SCORES or OPS_IN_PLACE_BIAS_SCORES
 OPS_FORWARD_THREADS = 2
+#: elements of the queries at least for a rotation without gradients in an attention call
+#: to write the rotated queries and keys into the thread's kept buffer (engine/workspace.py:
+#: no new tensors; below it a new tensor costs less than lending the buffer)
+ROTATION_BUFFER_ELEMENTS = 1 << 18
 #: routes a scheme keeps at most (engine/kept.py: the dispatcher's choice per call
 #: signature, replayed without the walk); one more empties the scheme's routes first; 0
 #: keeps none
