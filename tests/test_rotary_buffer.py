@@ -264,3 +264,32 @@ def test_runs_into_declines_what_the_buffer_does_not_take():
         assert rotary_runs_into(Rotary(16), q, k, pos, pos) == [(0, 12)]
     q.requires_grad_(True)
     assert runs_into(q, k, pos, pos) is None  # a graph would save the buffer
+    assert runs_into(q.detach(), k.requires_grad_(True), pos, pos) is None
+
+
+def test_a_patched_rotary_class_is_called_as_patched(buffered, monkeypatch):
+    """A spy or mock on the class (its rotate, its tables, a hook added) is called: the
+    buffer stands only for Rotary's own methods."""
+    q, k, v = _inputs(torch.float64)
+    seen = []
+    rotate = Rotary.rotate
+
+    def spy(self, *args):
+        seen.append(1)
+        return rotate(self, *args)
+
+    monkeypatch.setattr(Rotary, "rotate", spy)
+    with torch.no_grad():
+        posenc.attention(q, k, v, position=Rotary(16))
+    assert seen == [1] and workspace.kept_elements() == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(tuning, "ROTATION_BUFFER_ELEMENTS", 1)
+    cos_sin = Rotary.cos_sin
+    monkeypatch.setattr(Rotary, "cos_sin", lambda self, *a, **kw: cos_sin(self, *a, **kw))
+    pos = run_positions(0, 12)
+    assert rotary_runs_into(Rotary(16), q, k, pos, pos) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(Rotary, "score_term", lambda self, q, q_pos, k_pos: None, raising=False)
+    assert rotary_runs_into(Rotary(16), q, k, pos, pos) is None
+    monkeypatch.undo()
+    assert rotary_runs_into(Rotary(16), q, k, pos, pos) == [(0, 12)]

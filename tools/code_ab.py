@@ -55,7 +55,8 @@ def load_base(commit: str, where: Path) -> ModuleType:
         capture_output=True,
     ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(where, filter="data")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.10.12+
+        tar.extractall(where, **safe)  # an archive of this repository
     (where / "src" / "posenc").rename(where / "posenc_base")
     for name in [name for name in sys.modules if name.partition(".")[0] == "posenc_base"]:
         del sys.modules[name]  # a version loaded before

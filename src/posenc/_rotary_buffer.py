@@ -9,7 +9,11 @@ page costs a fault when first written (the module docstring of
 thread keeps for the in-place forward, lent for the call, with a rotation of one or two
 passes (:func:`~posenc._rotary_runs.rotate_runs_into`): each pair one complex number
 times its phase, the pairs ``(i, i + r/2)`` of a half-split rotation side by side, which
-permutes the channels of ``q`` and ``k`` alike and keeps every score ``q_i . k_j``.
+permutes the channels of ``q`` and ``k`` alike and keeps every score ``q_i . k_j``, to
+rounding: SDPA sums a score over the channels in the permuted order, and each pair rounds
+as one complex product, so that such a call may differ in its last bits from the same
+call with gradients, with a KV cache or below the threshold (the pairs ``(2i, 2i+1)`` keep
+their order and round as with gradients: the same bits).
 
 Shape legend: ``b`` batch, ``h`` heads, ``h_kv`` key heads, ``n_q`` queries, ``n_k`` keys,
 ``d`` head dim; positions ``[B', n]`` with ``B'`` 1 or ``b``.
@@ -91,7 +95,25 @@ def runs_into(
     own = vars(position)
     if _INSTANCE_SET & own.keys() or _HOOK_SET & own["_modules"].keys():
         return None  # a hook, or the tables, set on the instance: the attention calls them
+    if not _plain_class():
+        return None  # the class's methods patched (a spy, a mock): the attention calls them
     return _runs_into(q, k, q_pos, k_pos)
+
+
+def _plain_class() -> bool:
+    """Whether :class:`~posenc.Rotary` is as posenc defines it: the methods the rotation
+    reads are its own (none replaced on the class since import) and it defines no other
+    hook."""
+    found = vars(Rotary)
+    return all(found.get(name) is method for name, method in _OWN.items()) and not (
+        _OTHER_HOOKS & found.keys()
+    )
+
+
+#: the methods of Rotary a rotation into the buffer stands for, as posenc defines them
+_OWN = {name: vars(Rotary)[name] for name in ("rotate", "_rotate", "cos_sin")}
+#: the hooks other than the rotation (a patch that adds one to the class reads q or k)
+_OTHER_HOOKS = _HOOK_SET - {"rotate"}
 
 
 def rotate_into(

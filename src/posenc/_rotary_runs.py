@@ -216,10 +216,10 @@ def runs_into(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[tuple[
     then the keys (one entry where ``k_pos is q_pos``), or None where it does not take the
     call: positions that are not each one run, ``q`` and ``k`` not both float32 or both
     float64 on the CPU with elements, or a graph that may be recorded (grad mode on for
-    a ``q`` that asks for a gradient, ``torch.compile``, a mode or a transform)."""
+    a ``q`` or ``k`` that asks for a gradient, ``torch.compile``, a mode or a transform)."""
     if q.dtype not in _COMPLEX or k.dtype != q.dtype or not (q.numel() and k.numel()):
         return None
-    if q_pos.device != q.device or k_pos.device != q.device or not _eager_cpu(q):
+    if q_pos.device != q.device or k_pos.device != q.device or not _eager_cpu(q, k):
         return None
     firsts = [run_start(pos) for pos in ((q_pos,) if k_pos is q_pos else (q_pos, k_pos))]
     if None in firsts:
@@ -263,11 +263,13 @@ def rotate_runs_into(
     return rotated[0], rotated[1]
 
 
-def _eager_cpu(q: Tensor) -> bool:
+def _eager_cpu(q: Tensor, k: Tensor) -> bool:
     """Whether a rotation that records no graph may run as plain eager ops on the CPU: no
     ``torch.compile`` trace, dispatch or function mode, ``torch.func`` transform or
-    forward-mode AD level, and no graph recorded for ``q``."""
-    return q.device.type == "cpu" and eager() and not (torch.is_grad_enabled() and q.requires_grad)
+    forward-mode AD level, and no graph recorded for ``q`` or ``k``."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return False
+    return q.device.type == "cpu" and eager()
 
 
 def _rotate_into(x: Tensor, phase: Tensor, interleaved: bool, out: Tensor) -> None:

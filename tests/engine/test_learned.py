@@ -381,3 +381,14 @@ def test_a_tensor_a_users_key_shift_reads_gets_its_gradient(n):
         grads[backend] = torch.autograd.grad(out.square().sum(), (table, q, k, v))
     for found, expected in zip(grads["auto"], grads["math"], strict=True):
         torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_posenc_s_own_modules_are_those_of_its_package_as_imported():
+    """The package is read from the engine's own module name (a vendored or second copy
+    counts its own modules, not its neighbours')."""
+    from posenc.engine.learned import PACKAGE, own_module
+
+    assert PACKAGE == "posenc"
+    assert own_module("posenc") and own_module("posenc.alibi") and own_module("posenc.engine.kept")
+    assert not own_module("posenc_base.alibi") and not own_module("posencx")
+    assert not own_module("myproject.schemes") and not own_module("torch.nn")

@@ -23,7 +23,7 @@ from . import kept, sdpa
 from .blocks import _by_blocks, _mask_blocks
 from .flex import _flex
 from .inputs import default_scale, finite, repeat_heads, sees_any, zeroed_non_finite
-from .learned import substituted
+from .learned import own_module, substituted
 from .mask import Mask
 from .plans import (
     _CONTEXTUAL,
@@ -210,10 +210,6 @@ _TWO_FORMS = (
 )
 
 
-#: the top-level package of the engine (posenc), whose classes' two forms agree
-_PACKAGE = __name__.partition(".")[0]
-
-
 def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
     """Whether path ``name``'s own graph gives the definition's second derivatives, so that
     no wrapper is needed: the math path (the reference hooks, op by op), and the
@@ -233,7 +229,7 @@ def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
         if getattr(hooks, fast) is None or getattr(hooks, other) is None:
             continue
         owner = _defined_by(scheme, fast)  # None: set on the instance
-        if owner is None or owner.__module__.partition(".")[0] != _PACKAGE:
+        if owner is None or not own_module(owner.__module__):
             return False
     return True
 

@@ -28,8 +28,14 @@ from torch.utils._pytree import tree_map
 from ..hooks import Hooks
 from . import common
 
-#: the top-level packages whose modules read nothing but their own parameters and buffers
-_OWN_PACKAGES = frozenset((__name__.partition(".")[0], "torch"))  # posenc's own name
+#: posenc's package, as it is imported (``posenc``, or where a copy of it lives: a vendored
+#: ``project._vendor.posenc``, a second version loaded beside it)
+PACKAGE = __name__.rpartition(".engine.")[0]
+
+
+def own_module(name: str) -> bool:
+    """Whether the module ``name`` is posenc's own (of :data:`PACKAGE`)."""
+    return name == PACKAGE or name.startswith(PACKAGE + ".")
 
 
 def scheme_parameters(scheme: Any) -> list[Tensor]:
@@ -131,7 +137,7 @@ def _own_class(cls: type) -> bool:
     theirs, or defines no attribute that is a function or descriptor but its
     ``__init__``."""
     for c in cls.__mro__:
-        if c.__module__.partition(".")[0] in _OWN_PACKAGES or c is object:
+        if c is object or own_module(c.__module__) or c.__module__.partition(".")[0] == "torch":
             continue
         for name, attr in vars(c).items():
             if name not in _SETUP_ONLY and (callable(attr) or hasattr(attr, "__get__")):

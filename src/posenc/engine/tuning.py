@@ -3,8 +3,13 @@
 What each was measured at, and with which command, is the "tuning constants" table of
 docs/performance.md. Code reads them as ``tuning.NAME`` at call time, so that a test or
 an experiment can change one by assigning it (``tuning.NAME = value``, or pytest's
-``monkeypatch.setattr``): each assignment sets :data:`state`, the constants' names and
-values in one tuple, which the kept routes' key holds (:mod:`.kept`).
+``monkeypatch.setattr``, ``mock.patch.object``): each assignment or deletion sets
+:data:`state`, the constants' names and values in one tuple, which the kept routes' key
+holds (:mod:`.kept`). A write into the module's dict itself (``vars(tuning)[NAME] = ...``,
+``mock.patch.dict(tuning.__dict__, ...)``) bypasses it: call
+:func:`posenc.engine.kept.clear` after one, or a kept route may be replayed for a
+constant since changed (a path exact either way, but maybe not the one the constant
+now chooses).
 """
 
 from __future__ import annotations
@@ -92,8 +97,9 @@ OPS_IN_PLACE_SCORES = 3 << 21
 #: loses to that code
 OPS_IN_PLACE_BIAS_SCORES = 0
 #: values that a thread keeps, per device and dtype, for the in-place forward's scores
-#: (and its weights where its softmax is not in place), between calls (engine/workspace.py:
-#: 2^23 is 32 MiB in float32, above OPS_IN_PLACE_SCORES; a larger call borrows a fresh one)
+#: (and its weights where its softmax is not in place) and for the queries and keys a call
+#: without gradients rotates, between calls (engine/workspace.py: 2^23 is 32 MiB in
+#: float32, above OPS_IN_PLACE_SCORES; a larger call borrows a fresh one)
 WORKSPACE_ELEMENTS = 1 << 23
 #: keys per row, a multiple of which the in-place forward's softmax writes into its input
 #: (AVX-512 holds 16 float32: a shorter last vector of a row, stored, stalls the next
@@ -142,12 +148,17 @@ class _Constants(types.ModuleType):
 
 
 def _state(names: dict[str, object]) -> tuple[tuple[str, object], ...]:
-    """The constants' names and values, in their order in the module."""
-    return tuple(
-        (name, value)
-        for name, value in names.items()
-        if name.isupper() and type(value) in (int, float)
-    )
+    """Every constant (a name in capitals) and its value, in their order in the module; a
+    value that cannot be hashed stands as a token of its own, equal to no other."""
+    state = []
+    for name, value in names.items():
+        if name.isupper():
+            try:
+                hash(value)
+            except TypeError:
+                value = object()
+            state.append((name, value))
+    return tuple(state)
 
 
 #: every constant's name and value as they are now (kept up to date by each assignment): a
