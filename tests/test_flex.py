@@ -305,3 +305,20 @@ def test_a_documents_mask_shared_by_the_batch_reads_its_one_row():
     keep = mod(b, h, torch.arange(4)[None, None, :, None], torch.arange(4)[None, None, None, :])
     keep = keep.expand(2, 1, 4, 4)  # the batch index is not read: broadcast
     assert torch.equal(keep[1, 0], docs[0][:, None] == docs[0])
+
+
+@pytest.mark.compile
+def test_flex_on_cpu_is_right_for_few_channels_at_lengths_eight_past_sixteen():
+    """torch 2.13's compiled CPU FlexAttention returned NaN or wrong rows for q and k of 8
+    or 16 channels when both lengths are 8 more than a multiple of 16; posenc widens them
+    with zero channels, which change no score (a term's score_mod reads its own q)."""
+    torch.manual_seed(0)
+    for d in (16, 8):  # one compiled graph: both widened to the same channels
+        q, k, v = (torch.randn(1, 2, 24, d) for _ in range(3))
+        got = attention(q, k, v, backend="flex")
+        torch.testing.assert_close(got, attention(q, k, v, backend="math"), rtol=0, atol=1e-5)
+    scheme = posenc.ShawRelativePosition(16, 3, values=False)  # a query term: reads q itself
+    q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
+    got = attention(q, k, v, position=scheme, backend="flex")
+    want = attention(q, k, v, position=scheme, backend="math")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -151,6 +151,11 @@ def _flex(
     return out
 
 
+#: the channels of q and k, at least, that the compiled CPU kernel is given (fewer are
+#: padded with zeros: see _flex_forward)
+_CPU_HEAD_DIM = 32
+
+
 def _flex_forward(
     q: Tensor,
     k: Tensor,
@@ -186,6 +191,13 @@ def _flex_forward(
             if keep is not None:
                 has_key = keep.any(dim=-1, keepdim=True)
     flex = _compiled_flex(q.device.type)
+    if q.device.type == "cpu" and q.shape[-1] < _CPU_HEAD_DIM:
+        # torch 2.13's compiled CPU kernel gives NaN or wrong rows for q and k of 8 or 16
+        # channels where both lengths are 8 more than a multiple of 16 (4, 12, 24 and
+        # 32-128 channels were right): zero channels change no score (the score_mods read
+        # their own q, and the scale is given)
+        widen = (0, _CPU_HEAD_DIM - q.shape[-1])
+        q, k = torch.nn.functional.pad(q, widen), torch.nn.functional.pad(k, widen)
     out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
     if has_key is not None:
         out = out * has_key
