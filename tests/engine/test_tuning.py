@@ -57,3 +57,29 @@ def test_a_reload_keeps_the_state_in_step():
     assert module is tuning and tuning.state == _values()
     tuning.KEPT_ROUTES = tuning.KEPT_ROUTES
     assert tuning.state == _values()
+
+
+def test_assignments_from_two_threads_leave_the_state_of_both(monkeypatch):
+    import sys
+    import threading
+
+    monkeypatch.setattr(tuning, "GEMM_COLUMNS", tuning.GEMM_COLUMNS)
+    monkeypatch.setattr(tuning, "CAUSAL_ROWS", tuning.CAUSAL_ROWS)
+
+    def assign(name):
+        for value in range(300):
+            setattr(tuning, name, value)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [
+            threading.Thread(target=assign, args=(n,)) for n in ("GEMM_COLUMNS", "CAUSAL_ROWS")
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert tuning.state == _values()

@@ -15,6 +15,7 @@ now chooses).
 from __future__ import annotations
 
 import sys
+import threading
 import types
 
 #: a probability ``exp(x - lse)`` below ``exp(-EXP_FLOOR)`` is exactly 0 (no denormals)
@@ -136,15 +137,21 @@ KEPT_ROUTES = 16
 class _Constants(types.ModuleType):
     """This module: each assignment or deletion of an attribute sets :data:`state` anew."""
 
-    # (ModuleType's own methods, not super(): a reload replaces this class, ``__class__``
-    # included, in the middle of an assignment)
+    # ModuleType's own methods, not super(): a reload replaces this class, ``__class__``
+    # included, in the middle of an assignment. One assignment at a time: two threads'
+    # assignments must not leave the state one of them computed before the other's.
     def __setattr__(self, name: str, value: object) -> None:
-        types.ModuleType.__setattr__(self, name, value)
-        types.ModuleType.__setattr__(self, "state", _state(vars(self)))
+        with _ASSIGNING:
+            types.ModuleType.__setattr__(self, name, value)
+            types.ModuleType.__setattr__(self, "state", _state(vars(self)))
 
     def __delattr__(self, name: str) -> None:
-        types.ModuleType.__delattr__(self, name)
-        types.ModuleType.__setattr__(self, "state", _state(vars(self)))
+        with _ASSIGNING:
+            types.ModuleType.__delattr__(self, name)
+            types.ModuleType.__setattr__(self, "state", _state(vars(self)))
+
+
+_ASSIGNING = threading.RLock()
 
 
 def _state(names: dict[str, object]) -> tuple[tuple[str, object], ...]:
