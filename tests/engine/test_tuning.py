@@ -60,26 +60,35 @@ def test_a_reload_keeps_the_state_in_step():
 
 
 def test_assignments_from_two_threads_leave_the_state_of_both(monkeypatch):
-    import sys
+    """Thread A computes the state of its assignment and, before storing it, waits (at most
+    0.3 s) for thread B's assignment to land: B must wait for A instead, or A would store
+    a state without B's constant."""
     import threading
 
     monkeypatch.setattr(tuning, "GEMM_COLUMNS", tuning.GEMM_COLUMNS)
     monkeypatch.setattr(tuning, "CAUSAL_ROWS", tuning.CAUSAL_ROWS)
+    real = tuning._state
+    inside, landed = threading.Event(), threading.Event()
 
-    def assign(name):
-        for value in range(300):
-            setattr(tuning, name, value)
+    def slow_state(names):
+        state = real(names)
+        if threading.current_thread().name == "A":
+            inside.set()
+            landed.wait(0.3)
+        return state
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
-    try:
-        threads = [
-            threading.Thread(target=assign, args=(n,)) for n in ("GEMM_COLUMNS", "CAUSAL_ROWS")
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    monkeypatch.setattr(tuning, "_state", slow_state)
+
+    def second():
+        inside.wait(5)
+        tuning.CAUSAL_ROWS = 2
+        landed.set()
+
+    a = threading.Thread(target=setattr, args=(tuning, "GEMM_COLUMNS", 1), name="A")
+    b = threading.Thread(target=second, name="B")
+    a.start()
+    b.start()
+    a.join()
+    b.join()
+    assert (tuning.GEMM_COLUMNS, tuning.CAUSAL_ROWS) == (1, 2)
     assert tuning.state == _values()
