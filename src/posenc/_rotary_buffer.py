@@ -33,9 +33,6 @@ from .engine.workspace import borrowed
 from .hooks import _HOOK_SET
 from .rotary import Rotary
 
-#: the dtypes a rotation writes into the kept buffer (those with a complex counterpart)
-_BUFFERED = (torch.float32, torch.float64)
-
 #: what :func:`runs_into` must find on the class, not set on the instance
 _INSTANCE_SET = _HOOK_SET | {"cos_sin"}
 
@@ -66,9 +63,6 @@ def rotated(
         and not torch.is_grad_enabled()
         and not torch.jit.is_tracing()  # (before numel: a trace records the rotation alone)
         and q.numel() >= tuning.ROTATION_BUFFER_ELEMENTS
-        and q.dtype in _BUFFERED
-        and k.dtype == q.dtype
-        and q.device.type == "cpu"
     ):
         runs = runs_into(position, q, k, q_pos, k_pos)
         if runs is not None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._memo import _plain, eager, memo, plain_autograd
+from ._memo import eager, memo, plain_autograd
 from .absolute import inverse_frequencies
 from .indices import run_start
 
@@ -156,12 +156,9 @@ def rotate_runs(
         ``(q, k)`` rotated, in their shapes and dtypes, or None.
     """
     device = q.device
-    if q_pos.device != device or k_pos.device != device:
+    runs = _runs(q_pos, k_pos, device)
+    if runs is None:
         return None
-    firsts = [run_start(pos) for pos in ((q_pos,) if k_pos is q_pos else (q_pos, k_pos))]
-    if None in firsts:
-        return None
-    runs = list(zip(firsts, (q_pos.shape[-1], k_pos.shape[-1]), strict=False))
     if interleaved and _as_pairs(q, k):
         rotated = []
         for x, (first, n) in zip((q, k), (runs[0], runs[-1]), strict=True):
@@ -206,7 +203,7 @@ def _as_pairs(q: Tensor, k: Tensor) -> bool:
     contiguous copy: bfloat16 and float16) or with a view as complex pairs
     (:func:`_viewable`). The two forms differ by at most an ulp, so that a float32 tensor
     without such a view may round unlike a contiguous one."""
-    if q.device.type != "cpu" or not (plain_autograd() and _plain()):
+    if q.device.type != "cpu" or not eager():
         return False
     return all(_viewable(x) for x in (q, k) if x.dtype in (torch.float32, torch.float64))
 
@@ -219,7 +216,16 @@ def runs_into(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[tuple[
     a ``q`` or ``k`` that asks for a gradient, ``torch.compile``, a mode or a transform)."""
     if q.dtype not in _COMPLEX or k.dtype != q.dtype or not (q.numel() and k.numel()):
         return None
-    if q_pos.device != q.device or k_pos.device != q.device or not _eager_cpu(q, k):
+    if not _eager_cpu(q, k):
+        return None
+    return _runs(q_pos, k_pos, q.device)
+
+
+def _runs(q_pos: Tensor, k_pos: Tensor, device: torch.device) -> list[tuple[int, int]] | None:
+    """``[(first, n)]`` of the queries' positions, then the keys' (one entry where ``k_pos
+    is q_pos``), where each is one run on ``device`` (:func:`~posenc.indices.run_start`);
+    else None."""
+    if q_pos.device != device or k_pos.device != device:
         return None
     firsts = [run_start(pos) for pos in ((q_pos,) if k_pos is q_pos else (q_pos, k_pos))]
     if None in firsts:
