@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _validate as check
+from ._tables import realized
 
 __all__ = [
     "LearnedEncoding",
@@ -89,7 +90,7 @@ def sinusoidal(positions: Tensor, dim: int, *, base: float = 10000.0) -> Tensor:
     inv_freq = inverse_frequencies(dim, base, device=positions.device)  # [dim/2]
     angles = positions.to(inv_freq.dtype).unsqueeze(-1) * inv_freq  # [..., dim/2]
     table = torch.stack((angles.sin(), angles.cos()), dim=-1)  # [..., dim/2, 2]
-    return table.flatten(-2).float()  # [..., dim]
+    return realized(table.flatten(-2).float())[0]  # [..., dim]
 
 
 def sinusoidal_shift(offset: int, dim: int, *, base: float = 10000.0) -> Tensor:

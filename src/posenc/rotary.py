@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from ._rotary_runs import rotate_runs
+from ._tables import realized
 from .absolute import inverse_frequencies
 from .rotary_scaling import (
     DynamicNTKScaling,
@@ -193,7 +194,7 @@ class Rotary(nn.Module):
             )
             factor = self.scaling.attention_factor
         angles = rotary_angles(positions, inv_freq)  # [B', n, r/2] float64
-        return angles.cos() * factor, angles.sin() * factor  # cast by apply_rotary
+        return realized(angles.cos() * factor, angles.sin() * factor)  # cast by apply_rotary
 
     def hf_cos_sin(
         self,
@@ -467,7 +468,7 @@ class Rotary2D(nn.Module):
             angles = rotary_angles(axis, inv_freq)  # [B', n, d/4]
             if layout == "bnhd":
                 angles = angles.unsqueeze(2)  # [B', n, d/4] -> [B', n, 1, d/4]
-            out.append(apply_rotary(part, angles.cos(), angles.sin()))
+            out.append(apply_rotary(part, *realized(angles.cos(), angles.sin())))
         rotated = torch.cat(out, dim=-1)
         if not self.prefix_tokens:
             return rotated

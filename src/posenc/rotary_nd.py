@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
+from ._tables import realized
 from .absolute import angle_dtype, inverse_frequencies
 from .rotary import apply_rotary, check_grid_positions, rotary_angles
 
@@ -382,7 +383,7 @@ class RotaryMixed(_GridRotary):
         freqs = self.freqs.to(torch.promote_types(self.freqs.dtype, angle_dtype(x.device)))
         angles = mixed_angles(coords[..., 1], coords[..., 0], freqs)  # [B', h, n, d/2]
         # a 4-D cos broadcasts over [b, h, n, d/2]: one angle per head
-        return apply_rotary(x, angles.cos(), angles.sin(), interleaved=True)
+        return apply_rotary(x, *realized(angles.cos(), angles.sin()), interleaved=True)
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention with other heads or another head dim."""
@@ -494,7 +495,7 @@ class RotaryND(_GridRotary):
 
     def _rotate_at(self, name: str, x: Tensor, coords: Tensor) -> Tensor:
         angles = self.angles(coords)  # [B', n, d/2]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = realized(angles.cos(), angles.sin())
         if self.style == "mrope":
             return apply_rotary(x, cos, sin)  # pairs (j, j + d/2)
         out, start = [], 0

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
+from ._tables import realized
 from .absolute import angle_dtype, inverse_frequencies
 from .rotary import apply_rotary, rotary_angles
 
@@ -223,7 +224,7 @@ class XPos(nn.Module):
         angles = rotary_angles(positions, inv_freq)  # [B', n, d/2]
         decay = xpos_decay(self.head_dim, gamma=self.gamma, device=device)  # [d/2]
         factor = xpos_scale(positions, decay, self.scale_base, inverse=keys)  # [B', n, d/2]
-        return angles.cos() * factor, angles.sin() * factor  # [B', n, d/2], cast by apply_rotary
+        return realized(angles.cos() * factor, angles.sin() * factor)  # [B', n, d/2], cast later
 
     def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
         """The attention hook: rotate and scale ``q [b,h,n_q,d]`` at ``q_pos`` and ``k`` at
