@@ -251,6 +251,56 @@ def test_a_hook_added_to_a_class_after_its_first_use_is_found():
     assert hooks_of(Child()).score_bias is bias
 
 
+@pytest.mark.compile
+def test_a_compiled_call_follows_a_hook_added_after_it_compiled():
+    """Traced by Dynamo, hooks_of guards on the dicts it reads: a hook set on the instance,
+    on its class or as a submodule after the first compiled call recompiles, and the call
+    then gives the eager output with that hook (the math path's, which differs from
+    ALiBi's)."""
+    from posenc import ALiBi
+
+    class Doubled(ALiBi):
+        pass
+
+    def steep(q_pos, k_pos):  # a bias ALiBi never gives: -3 |j - i|
+        return -3.0 * (k_pos[:, None, None, :] - q_pos[:, None, :, None]).abs().float()
+
+    class Steep(nn.Module):
+        def forward(self, q_pos, k_pos):
+            return steep(q_pos, k_pos)
+
+    q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
+    pos = torch.arange(6)[None]
+    mask = Mask(6, 6)
+
+    def changes():
+        yield "instance", Doubled(2), lambda s: setattr(s, "score_bias", steep)
+        yield "class", Doubled(2), lambda s: setattr(Doubled, "score_bias", staticmethod(steep))
+        # (a class's score_bias would shadow a submodule of that name: a bare module)
+        yield "submodule", nn.Module(), lambda s: setattr(s, "score_bias", Steep())
+
+    for where, scheme, change in changes():
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda q, k, v, s=scheme: run("auto", s, q, k, v, pos, pos, mask),
+            backend="eager",
+            fullgraph=True,
+        )
+        with torch.no_grad():
+            torch.testing.assert_close(
+                compiled(q, k, v), run("math", scheme, q, k, v, pos, pos, mask)
+            )
+            change(scheme)
+            expected = run("math", scheme, q, k, v, pos, pos, mask)
+            assert not torch.allclose(expected, run("math", ALiBi(2), q, k, v, pos, pos, mask)), (
+                where
+            )
+            torch.testing.assert_close(compiled(q, k, v), expected, msg=where)
+        if "score_bias" in vars(Doubled):
+            del Doubled.score_bias
+    torch._dynamo.reset()
+
+
 def test_a_hook_behind_a_descriptor_that_needs_an_instance_is_found():
     """Hook names are read from the class dicts, not by running the class's descriptors
     without an instance (one that reads the instance would raise there, and the hook would

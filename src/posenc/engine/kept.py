@@ -173,6 +173,8 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
     """The route kept for the scheme and this call's :func:`signature`, run on this call:
     ``[b, h, n_q, d_v]``; None where none is kept, or where the scheme's bias has a shape
     the route does not take, or none (the dispatcher then runs the call)."""
+    if torch.compiler.is_compiling():
+        return None  # no key while compiling (signature): nothing for Dynamo to trace
     routes = _routes(call.scheme)
     if not routes:
         return None
