@@ -413,6 +413,59 @@ def test_flex_floor_baseline_forward_on_cpu(tmp_path, capsys):
     torch.testing.assert_close(flex, bench._floor_of(True, 0.25, 2)(q, k, v))
 
 
+@pytest.mark.compile
+def test_compile_times_every_variant_compiled(tmp_path, capsys):
+    """--compile: each variant (the floor, posenc, the reference, a baseline) runs under
+    torch.compile, its graphs built anew for the case; recorded in the header and the
+    JSON's config."""
+    from torch._dynamo.utils import counters
+
+    import posenc.cli._bench_measure as measure
+
+    record = tmp_path / "bench.json"
+    argv = _tiny("--schemes", "rotary", "--baselines", "materialised", "--no-backward")
+    counters.clear()
+    wrapped = []
+    real = measure.compiled
+
+    def spy(fn):
+        wrapped.append(fn)
+        return real(fn)
+
+    measure.compiled = spy
+    try:
+        assert main([*argv, "--compile", "--json", str(record)]) == 0
+    finally:
+        measure.compiled = real
+        torch._dynamo.reset()
+    assert "every variant under torch.compile" in capsys.readouterr().out
+    saved = json.loads(record.read_text())
+    assert saved["config"]["compile"] is True
+    (case,) = saved["cases"]
+    assert set(case["fwd_s"]) == {"floor", "posenc", "reference", "materialised"}
+    assert len(wrapped) == 4
+    assert counters["stats"]["unique_graphs"] >= 4  # a graph at least per variant
+    fn = real(measure._variant("floor", None, "auto"))
+    assert fn._torchdynamo_orig_callable is not None  # a Dynamo-compiled function
+
+
+def test_compiled_variant_equals_eager():
+    """compiled: the variant under torch.compile, the same output."""
+    import posenc.cli._bench_measure as measure
+
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    fn = measure._variant(
+        "posenc", registry.build("alibi", registry.Shape(2, 4, 8, (2, 4))), "auto"
+    )
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = measure.compiled(fn)(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, fn(q, k, v))
+
+
 def test_flex_baseline_with_the_backward_on_cpu_is_refused(capsys, no_bench):
     line = refused_before_measuring(["--baselines", "flex,materialised"], capsys)
     assert line == (

@@ -44,6 +44,7 @@ from ._bench_variants import (
     _materialised_problem,
     _variant,
     build_scheme,
+    compiled,
 )
 from ._memory import MEMORY_MMAP_THRESHOLD, MEMORY_TRIM_THRESHOLD, PeakMemory, status_kib
 from ._progress import Progress
@@ -94,6 +95,8 @@ def _peak_of_case(spec: dict[str, Any]) -> float | None:
     scheme = build_scheme(spec["scheme"], spec["heads"], spec["head_dim"], spec["n"])
     masks = {k: spec[k] for k in ("causal", "padding", "documents", "window") if k in spec}
     run = _variant(spec["variant"], scheme, spec["backend"], **masks)
+    if spec.get("compile"):
+        run = compiled(run)
     args = (spec["batch"], spec["heads"], spec["n"], spec["head_dim"], dtype)
     inputs = _inputs(*args, torch.device("cpu"), spec["backward"])
     _time_once(run, inputs, spec["backward"], torch.device("cpu"))  # warm-up: lazy init
@@ -211,6 +214,7 @@ def run_bench(
     documents: int = 1,
     window: int | None = None,
     baselines: Sequence[str] = (),
+    compile: bool = False,
     progress: Progress | None = None,
 ) -> list[Case]:
     """Benchmark ``schemes`` at ``lengths``; see :mod:`posenc.cli.bench` for what is measured.
@@ -234,6 +238,10 @@ def run_bench(
     (``copy-floor``: the floor on copies of ``q`` and ``k``, for a rotary scheme; skipped
     with the reason for the others); the flex floor times the backward only on CUDA
     (FlexAttention has none on CPU).
+
+    ``compile=True`` times every variant under :func:`torch.compile` (:func:`compiled`:
+    static shapes, Dynamo's caches emptied before each case, so that each case compiles
+    its own graphs, in its first warm-up call), as in a compiled model.
 
     On CUDA a variant that runs out of memory is dropped from its case with the reason
     (in :attr:`Case.skipped`), and the others are measured.
@@ -290,6 +298,9 @@ def run_bench(
                 else:
                     case.skipped[key] = problem
             variants = {key: _variant(key, scheme, backend, *masks) for key in keys}
+            if compile:
+                torch.compiler.reset()  # this case's graphs alone: no recompile limit
+                variants = {key: compiled(fn) for key, fn in variants.items()}
             meter = peak if memory and in_process else None
             _measure_case(case, variants, sizes, device, backward, warmup, repeats, meter)
             if memory and not in_process:
@@ -297,7 +308,7 @@ def run_bench(
                 spec |= {"head_dim": head_dim, "dtype": str(dtype).removeprefix("torch.")}
                 spec |= {"backward": backward, "backend": backend}
                 spec |= {"causal": causal, "padding": padding, "documents": documents}
-                spec |= {"window": window}
+                spec |= {"window": window, "compile": compile}
                 for key in case.fwd_bwd_s:
                     case.peak_mib[key] = _peak_in_subprocess({**spec, "variant": key})
             cases.append(case)

@@ -327,6 +327,13 @@ BASELINES = {
 }
 
 
+def compiled(fn: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Callable[..., Tensor]:
+    """``fn`` under :func:`torch.compile` with static shapes (``dynamic=False``: each
+    case's sizes are fixed, as in a model compiled for them), graph breaks allowed (as a
+    user compiles a model)."""
+    return torch.compile(fn, dynamic=False)
+
+
 def _variant(
     key: str,
     scheme: Any,

@@ -21,7 +21,8 @@ For each scheme and length it measures, interleaved in the same run:
 
 ``--shapes`` runs presets of ``(b, h, n, d)`` (:data:`SHAPES`: Swin's windows, BERT-base,
 long sequences) in place of ``--lengths``, ``--batch``, ``--heads`` and ``--head-dim``;
-``--busy N`` measures with ``N`` neighbour processes spinning matrix products;
+``--compile`` times every variant under :func:`torch.compile` (static shapes; each case
+compiles its own graphs first); ``--busy N`` measures with ``N`` neighbour processes spinning matrix products;
 ``--processes N`` runs the whole measurement in ``N`` fresh processes, one after another,
 and reports each ratio's median over them with its range (:mod:`._bench_processes`).
 
@@ -286,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
         "documents": args.documents,
         "window": args.window,
         "baselines": args.baselines,
+        "compile": args.compile,
         "shapes": {name: dict(zip("bhnd", SHAPES[name], strict=True)) for name in args.shapes},
         "busy": args.busy,
         "processes": args.processes,
@@ -353,6 +355,7 @@ def _bench(args: argparse.Namespace, dtype: torch.dtype) -> list[Case]:
         documents=args.documents,
         window=args.window,
         baselines=args.baselines,
+        compile=args.compile,
         progress=progress,
     )
 
@@ -370,6 +373,8 @@ def _header(args: argparse.Namespace, gpu: str | None) -> str:
         masks += f"last sequence {args.padding:.0%} padding, "
     if args.window is not None:
         masks += f"window {args.window}, "
+    if args.compile:
+        masks += "every variant under torch.compile, "
     if args.busy:
         masks += f"{args.busy} busy neighbour process{'es' if args.busy > 1 else ''}, "
     if args.processes > 1:
@@ -487,6 +492,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="comma-separated presets of (b, h, n, d), each run in turn, a column of the "
         "table: " + "; ".join(f"{name} = {_sizes(name)}" for name in SHAPES) + ". They "
         "replace --lengths, --batch, --heads and --head-dim (ignored then)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="time every variant (posenc, the floor, the reference, the baselines) under "
+        "torch.compile with static shapes, as in a compiled model; each case compiles its "
+        "own graphs first (seconds per variant)",
     )
     parser.add_argument(
         "--busy",
