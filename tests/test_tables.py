@@ -5,7 +5,7 @@ through one custom operator, which must be a copy (values equal, no alias), pass
 gradient through unchanged, batch under vmap, survive a reload of the module, and be in
 the graph of every scheme that rotates or builds a sinusoidal table (captured by Dynamo
 with a backend that runs the graph as it is: no Inductor compile here; tests/test_compile.py
-compiles every scheme with Inductor against eager).
+compiles every scheme with Inductor against eager), but not in an exported program.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 
-from posenc import MultiHeadAttention, _tables, registry, sinusoidal
+from posenc import MultiHeadAttention, Rotary, _tables, registry, sinusoidal
 from posenc._tables import realized
 
 HEADS, HEAD_DIM, N = 2, 8, 12
@@ -112,6 +112,20 @@ def test_every_rotation_reads_realized_tables_when_compiled(name):
     with torch.no_grad():
         calls = _graph_calls(model, x)
     assert any(target in _op_targets() for target in calls), f"{name}: {sorted(map(str, calls))}"
+
+
+def test_an_exported_program_holds_no_posenc_operator():
+    """torch.export keeps to ATen's ops (its programs run where posenc is not imported):
+    the tables pass unchanged there, and the program gives the eager output."""
+    torch.manual_seed(0)
+    model = MultiHeadAttention(HEADS * HEAD_DIM, HEADS, position=Rotary(HEAD_DIM)).eval()
+    x = torch.randn(2, N, HEADS * HEAD_DIM)
+    program = torch.export.export(model, (x,))
+    targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
+    assert not targets & _op_targets()
+    assert not any(_tables._NAMESPACE in str(target) for target in targets)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), model(x))
 
 
 def test_the_sinusoidal_table_is_realized_when_compiled():

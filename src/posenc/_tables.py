@@ -9,7 +9,8 @@ compute the angle, a float64 cos and sin (and a power, for xPos) for each of the
 :func:`realized` hands the tables, while compiling, to one opaque operator (a
 ``torch.library`` custom op: a copy, with a fake kernel, an autograd formula and a vmap
 rule), so that Inductor writes them to memory once and the kernels read them there;
-eager, the tables pass unchanged.
+eager, and under ``torch.export`` (whose programs must run where posenc is not imported:
+AOTInductor, ExecuTorch), the tables pass unchanged.
 
 Shape legend: ``S`` any shape of a table.
 """
@@ -63,9 +64,9 @@ _copy_op = _define()
 
 
 def realized(*tables: Tensor) -> tuple[Tensor, ...]:
-    """``tables`` themselves; while compiling, copies made by one opaque operator, which
-    Inductor runs once on the tables rather than inlining them into each kernel that
-    reads them.
+    """``tables`` themselves; while compiling (not exporting), copies made by one opaque
+    operator, which Inductor runs once on the tables rather than inlining them into each
+    kernel that reads them.
 
     Args:
         tables: ``[*S]`` tensors of one shape, dtype and device (cos and sin).
@@ -73,8 +74,8 @@ def realized(*tables: Tensor) -> tuple[Tensor, ...]:
     Returns:
         The tables, in their order (while compiling, equal copies).
     """
-    if not torch.compiler.is_compiling():
-        return tables
+    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return tables  # an exported program keeps to ATen's ops: it runs without posenc
     if len(tables) == 1:
         return (_copy_op(tables[0]),)
     return tuple(_copy_op(torch.stack(tables)).unbind(0))  # one call: [len, *S]
