@@ -301,6 +301,33 @@ def test_a_compiled_call_follows_a_hook_added_after_it_compiled():
     torch._dynamo.reset()
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["alibi", "sandwich", "rotary", "t5", "swin-2d", "shaw"])
+def test_a_compiled_call_does_not_recompile_for_an_attribute_no_hook_reads(name):
+    """Traced, hooks_of guards on which hook names the instance's dict holds, not on the
+    rest of it: setting an attribute the attention never reads between compiled calls
+    keeps one graph (a guard on every key and value would recompile each call, and past
+    Dynamo's recompile limit run the call uncompiled)."""
+    from torch._dynamo.utils import counters
+
+    from posenc import MultiHeadAttention, registry
+
+    scheme = registry.build(name, registry.Shape(2, 8, 12, (3, 4)))
+    model = MultiHeadAttention(16, 2, position=scheme).eval()
+    x = torch.randn(2, 12, 16)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        with torch.no_grad():
+            for step in range(3):
+                scheme.step = step
+                compiled(x)
+        assert counters["stats"]["unique_graphs"] == 1
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_hook_behind_a_descriptor_that_needs_an_instance_is_found():
     """Hook names are read from the class dicts, not by running the class's descriptors
     without an instance (one that reads the instance would raise there, and the hook would

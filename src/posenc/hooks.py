@@ -309,14 +309,14 @@ def hooks_of(scheme: Any) -> Hooks:
     # whose each hook is, as :func:`_defined_by` says after the lookups (a lookup may write
     # into the instance: a ``functools.cached_property``)
     own = getattr(scheme, "__dict__", {})
-    if owners is None:
-        owner = functools.partial(_defined_by, scheme)
-    else:
-        owner = lambda name: _owner(owners[name], name, own)  # noqa: E731
     mro = type(scheme).__mro__
     for extra, base in DERIVED_HOOKS.items():
         if extra in hooks and base in hooks:
-            extra_cls, base_cls = owner(extra), owner(base)
+            if owners is None:
+                extra_cls, base_cls = _defined_by(scheme, extra), _defined_by(scheme, base)
+            else:  # (no closure over the instance's dict: Dynamo would guard its every key)
+                extra_cls = _owner(owners[extra], extra, own)
+                base_cls = _owner(owners[base], base, own)
             if extra_cls is None:  # set on the instance with its hook: trust the pair
                 continue
             # the hook set on the instance, or found before the extra's class in the method
