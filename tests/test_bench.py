@@ -424,6 +424,7 @@ def test_compile_times_every_variant_compiled(tmp_path, capsys):
 
     record = tmp_path / "bench.json"
     argv = _tiny("--schemes", "rotary", "--baselines", "materialised", "--no-backward")
+    argv += ["--warmup", "1"]  # (after _tiny's --warmup 0: the last one counts)
     counters.clear()
     wrapped = []
     real = measure.compiled
@@ -447,6 +448,14 @@ def test_compile_times_every_variant_compiled(tmp_path, capsys):
     assert counters["stats"]["unique_graphs"] >= 4  # a graph at least per variant
     fn = real(measure._variant("floor", None, "auto"))
     assert fn._torchdynamo_orig_callable is not None  # a Dynamo-compiled function
+
+
+def test_compile_without_a_warmup_is_refused(capsys, no_bench):
+    line = refused_before_measuring(["--compile", "--warmup", "0"], capsys)
+    assert line == (
+        "posenc bench: error: --compile needs --warmup 1 or more, got --warmup 0: each "
+        "variant compiles in its first call, which a timed repeat would then include"
+    )
 
 
 def test_compiled_variant_equals_eager():

@@ -202,11 +202,17 @@ def check(args: argparse.Namespace) -> None:
 
     Raises:
         ValueError: ``--memory process`` on a GPU; ``--backend flex`` or ``--baselines
-            flex`` with the backward on CPU, where FlexAttention has none; a scheme that
+            flex`` with the backward on CPU, where FlexAttention has none; ``--compile``
+            with ``--warmup 0`` (the first timed call would compile); a scheme that
             cannot be built with ``--heads`` and ``--head-dim``; a ``--backend`` that
             cannot run one of ``--schemes``.
     """
     device_type = torch.device(args.device).type
+    if args.compile and args.warmup < 1:
+        raise ValueError(
+            f"--compile needs --warmup 1 or more, got --warmup {args.warmup}: each variant "
+            "compiles in its first call, which a timed repeat would then include"
+        )
     on_cpu = device_type == "cpu"
     if args.memory == "process" and not on_cpu:
         raise ValueError(
@@ -498,7 +504,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="time every variant (posenc, the floor, the reference, the baselines) under "
         "torch.compile with static shapes, as in a compiled model; each case compiles its "
-        "own graphs first (seconds per variant)",
+        "own graphs in its warm-up (seconds per variant; needs --warmup 1 or more)",
     )
     parser.add_argument(
         "--busy",
