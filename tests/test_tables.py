@@ -114,6 +114,16 @@ def test_every_rotation_reads_realized_tables_when_compiled(name):
     assert any(target in _op_targets() for target in calls), f"{name}: {sorted(map(str, calls))}"
 
 
+def test_rotary_2d_reads_its_tables_from_one_call_shared_by_q_and_k():
+    """Rotary2D's row and column tables go through one operator call, and self-attention
+    rotates the keys with the queries' tables (not computed again)."""
+    scheme = registry.build("rotary-2d", registry.Shape(HEADS, HEAD_DIM, N, GRID))
+    model = MultiHeadAttention(HEADS * HEAD_DIM, HEADS, position=scheme).eval()
+    with torch.no_grad():
+        calls = _graph_calls(model, torch.randn(2, N, HEADS * HEAD_DIM))
+    assert sum(target in _op_targets() for target in calls) == 1
+
+
 def test_an_exported_program_holds_no_posenc_operator():
     """torch.export keeps to ATen's ops (its programs run where posenc is not imported):
     the tables pass unchanged there, and the program gives the eager output."""

@@ -455,26 +455,43 @@ class Rotary2D(nn.Module):
         self.size = None if size is None else _grid(size)
         self.prefix_tokens = _prefix(prefix_tokens)
 
-    def _rotate_flat(self, x: Tensor, pos: Tensor, width: int, layout: str = "bhnd") -> Tensor:
-        """Rotate ``x [b, h, n, d]`` (or ``[b, n, h, d]``) at flat positions ``pos [B', n]``;
-        prefix tokens pass unchanged."""
+    def _flat_tables(
+        self, pos: Tensor, width: int, layout: str = "bhnd"
+    ) -> tuple[tuple[Tensor, ...], Tensor | None]:
+        """The rotation at flat positions ``pos [B', n]``, for :meth:`_rotate_flat`:
+        ``((cos_rows, sin_rows, cos_cols, sin_cols), prefix)``, the tables ``[B', n, d/4]``
+        (``[B', n, 1, d/4]`` for ``layout="bnhd"``) and the prefix tokens' mask ``[B', 1,
+        n, 1]`` (``[B', n, 1, 1]``), None without prefix tokens."""
         inv_freq = inverse_frequencies(self.head_dim // 2, self.base, device=pos.device)  # [d/4]
         cell = pos - self.prefix_tokens  # [B', n] row-major cell index, < 0 for prefix tokens
         grid = cell.clamp(min=0) if self.prefix_tokens else cell
-        rows, cols = grid // width, grid % width  # [B', n]
-        half = self.head_dim // 2
-        out = []
-        for part, axis in ((x[..., :half], rows), (x[..., half:], cols)):
+        tables = []
+        for axis in (grid // width, grid % width):  # rows, columns: [B', n]
             angles = rotary_angles(axis, inv_freq)  # [B', n, d/4]
             if layout == "bnhd":
                 angles = angles.unsqueeze(2)  # [B', n, d/4] -> [B', n, 1, d/4]
-            out.append(apply_rotary(part, *realized(angles.cos(), angles.sin())))
-        rotated = torch.cat(out, dim=-1)
+            tables += [angles.cos(), angles.sin()]
         if not self.prefix_tokens:
-            return rotated
+            return realized(*tables), None
         prefix = (cell < 0)[:, :, None, None]  # [B', n] -> [B', n, 1, 1]
         if layout == "bhnd":
             prefix = prefix.transpose(1, 2)  # [B', n, 1, 1] -> [B', 1, n, 1]
+        return realized(*tables), prefix
+
+    def _rotate_flat(self, x: Tensor, tables: tuple[tuple[Tensor, ...], Tensor | None]) -> Tensor:
+        """Rotate ``x [b, h, n, d]`` (or ``[b, n, h, d]``) by the :meth:`_flat_tables` of its
+        positions; prefix tokens pass unchanged."""
+        (cos_rows, sin_rows, cos_cols, sin_cols), prefix = tables
+        half = self.head_dim // 2
+        rotated = torch.cat(
+            (
+                apply_rotary(x[..., :half], cos_rows, sin_rows),
+                apply_rotary(x[..., half:], cos_cols, sin_cols),
+            ),
+            dim=-1,
+        )
+        if prefix is None:
+            return rotated
         return torch.where(prefix, x, rotated)  # prefix tokens exactly unchanged
 
     def _check_positions(self, what: str, pos: Tensor, size: tuple[int, int]) -> None:
@@ -506,7 +523,12 @@ class Rotary2D(nn.Module):
         self._check_positions("query", q_pos, size)
         if k_pos is not q_pos:
             self._check_positions("key", k_pos, size)
-        return self._rotate_flat(q, q_pos, size[1]), self._rotate_flat(k, k_pos, size[1])
+        tables = self._flat_tables(q_pos, size[1])
+        if k_pos is not q_pos:  # self-attention at the same positions: the same tables
+            return self._rotate_flat(q, tables), self._rotate_flat(
+                k, self._flat_tables(k_pos, size[1])
+            )
+        return self._rotate_flat(q, tables), self._rotate_flat(k, tables)
 
     def forward(
         self,
@@ -555,7 +577,8 @@ class Rotary2D(nn.Module):
                 )
         pos = torch.arange(total, device=q.device)[None]  # [1, P + H*W]
         width = size[1]
-        return self._rotate_flat(q, pos, width, layout), self._rotate_flat(k, pos, width, layout)
+        tables = self._flat_tables(pos, width, layout)  # q and k: the same positions
+        return self._rotate_flat(q, tables), self._rotate_flat(k, tables)
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention whose head dim differs from ``head_dim``."""
