@@ -22,7 +22,8 @@ For each scheme and length it measures, interleaved in the same run:
 ``--shapes`` runs presets of ``(b, h, n, d)`` (:data:`SHAPES`: Swin's windows, BERT-base,
 long sequences) in place of ``--lengths``, ``--batch``, ``--heads`` and ``--head-dim``;
 ``--compile`` times every variant under :func:`torch.compile` (static shapes; each case
-compiles its own graphs first); ``--busy N`` measures with ``N`` neighbour processes spinning matrix products;
+compiles its own graphs in its warm-up); ``--busy N`` measures with ``N`` neighbour
+processes spinning matrix products;
 ``--processes N`` runs the whole measurement in ``N`` fresh processes, one after another,
 and reports each ratio's median over them with its range (:mod:`._bench_processes`).
 
