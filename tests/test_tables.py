@@ -114,10 +114,11 @@ def test_every_rotation_reads_realized_tables_when_compiled(name):
     assert any(target in _op_targets() for target in calls), f"{name}: {sorted(map(str, calls))}"
 
 
-def test_rotary_2d_reads_its_tables_from_one_call_shared_by_q_and_k():
-    """Rotary2D's row and column tables go through one operator call, and self-attention
-    rotates the keys with the queries' tables (not computed again)."""
-    scheme = registry.build("rotary-2d", registry.Shape(HEADS, HEAD_DIM, N, GRID))
+@pytest.mark.parametrize("name", ["rotary-2d", "rotary-mixed", "rotary-nd"])
+def test_grid_rotations_read_their_tables_from_one_call_shared_by_q_and_k(name):
+    """A grid rotation's tables (Rotary2D's rows and columns in one) go through one
+    operator call: self-attention rotates the keys with the queries' tables."""
+    scheme = registry.build(name, registry.Shape(HEADS, HEAD_DIM, N, GRID))
     model = MultiHeadAttention(HEADS * HEAD_DIM, HEADS, position=scheme).eval()
     with torch.no_grad():
         calls = _graph_calls(model, torch.randn(2, N, HEADS * HEAD_DIM))

@@ -128,25 +128,47 @@ def mixed_angles(x: Tensor, y: Tensor, freqs: Tensor) -> Tensor:
 
 class _GridRotary(nn.Module):
     """Flat positions to grid coordinates, prefix tokens, ``forward`` and ``rotate_at``;
-    a subclass sets ``head_dim``, ``size``, ``prefix_tokens`` and defines ``_rotate_at``."""
+    a subclass sets ``head_dim``, ``size``, ``prefix_tokens`` and defines ``_tables`` and
+    ``_rotated``."""
 
     head_dim: int
     size: tuple[int, ...] | None
     prefix_tokens: int
     axis_names: tuple[str, ...]
 
-    def _rotate_at(self, name: str, x: Tensor, coords: Tensor) -> Tensor:
-        """Rotate ``x [b, h, n, d]`` at ``coords [B', n, N]``."""
+    def _tables(self, coords: Tensor) -> tuple[Tensor, ...]:
+        """``(cos, sin)`` of the angles at ``coords [B', n, N]``."""
         raise NotImplementedError
 
-    def _rotate_flat(self, name: str, x: Tensor, pos: Tensor, size: tuple[int, ...]) -> Tensor:
-        """Rotate ``x [b, h, n, d]`` at flat positions ``pos [B', n]``; prefix tokens pass."""
+    def _rotated(self, name: str, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate ``x [b, h, n, d]`` (``name``: ``"q"`` or ``"k"``, for messages) by the
+        tables of :meth:`_tables`."""
+        raise NotImplementedError
+
+    def _rotate_at(self, name: str, x: Tensor, coords: Tensor) -> Tensor:
+        """Rotate ``x [b, h, n, d]`` at ``coords [B', n, N]``."""
+        return self._rotated(name, x, *self._tables(coords))
+
+    def _flat_tables(
+        self, pos: Tensor, size: tuple[int, ...]
+    ) -> tuple[tuple[Tensor, ...], Tensor | None]:
+        """The rotation at flat positions ``pos [B', n]``, for :meth:`_rotate_flat`: the
+        :meth:`_tables` of their coordinates, and the prefix tokens' mask ``[B', 1, n, 1]``
+        (None without prefix tokens)."""
         cell = pos - self.prefix_tokens  # [B', n] row-major cell index, < 0 for prefix tokens
         coords = grid_coordinates(cell.clamp(min=0) if self.prefix_tokens else cell, size)
-        rotated = self._rotate_at(name, x, coords)
-        if not self.prefix_tokens:
+        prefix = (cell < 0)[:, None, :, None] if self.prefix_tokens else None  # [B', 1, n, 1]
+        return self._tables(coords), prefix
+
+    def _rotate_flat(
+        self, name: str, x: Tensor, tables: tuple[tuple[Tensor, ...], Tensor | None]
+    ) -> Tensor:
+        """Rotate ``x [b, h, n, d]`` by the :meth:`_flat_tables` of its positions; prefix
+        tokens pass unchanged."""
+        (cos, sin), prefix = tables
+        rotated = self._rotated(name, x, cos, sin)
+        if prefix is None:
             return rotated
-        prefix = (cell < 0)[:, None, :, None]  # [B', n] -> [B', 1, n, 1]
         return torch.where(prefix, x, rotated)  # prefix tokens exactly unchanged
 
     def _check_positions(self, what: str, pos: Tensor, size: tuple[int, ...]) -> None:
@@ -180,7 +202,12 @@ class _GridRotary(nn.Module):
         self._check_positions("query", q_pos, size)
         if k_pos is not q_pos:
             self._check_positions("key", k_pos, size)
-        return self._rotate_flat("q", q, q_pos, size), self._rotate_flat("k", k, k_pos, size)
+        tables = self._flat_tables(q_pos, size)
+        if k_pos is not q_pos:  # self-attention at the same positions: the same tables
+            return self._rotate_flat("q", q, tables), self._rotate_flat(
+                "k", k, self._flat_tables(k_pos, size)
+            )
+        return self._rotate_flat("q", q, tables), self._rotate_flat("k", k, tables)
 
     def forward(
         self,
@@ -226,7 +253,8 @@ class _GridRotary(nn.Module):
                     f"grid the tokens come from (and layout='bnhd' for [b, n, h, d])"
                 )
         pos = torch.arange(total, device=q.device)[None]  # [1, P + prod(size)]
-        out = (self._rotate_flat(name, x, pos, size) for name, x in (("q", q), ("k", k)))
+        tables = self._flat_tables(pos, size)  # q and k: the same positions
+        out = (self._rotate_flat(name, x, tables) for name, x in (("q", q), ("k", k)))
         rq, rk = (x.transpose(1, 2) if layout == "bnhd" else x for x in out)
         return rq, rk
 
@@ -372,7 +400,12 @@ class RotaryMixed(_GridRotary):
             angles = torch.rand(self.heads, device=self.freqs.device) * 2 * math.pi  # [h]
             self.freqs.copy_(mixed_frequencies(self.head_dim, angles, self.base))
 
-    def _rotate_at(self, name: str, x: Tensor, coords: Tensor) -> Tensor:
+    def _tables(self, coords: Tensor) -> tuple[Tensor, ...]:
+        dtype = torch.promote_types(self.freqs.dtype, angle_dtype(coords.device))
+        angles = mixed_angles(coords[..., 1], coords[..., 0], self.freqs.to(dtype))
+        return realized(angles.cos(), angles.sin())  # each [B', h, n, d/2]
+
+    def _rotated(self, name: str, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if x.shape[1] != self.heads:
             raise ValueError(
                 f"RotaryMixed has frequencies for heads={self.heads} but {name} has "
@@ -380,10 +413,8 @@ class RotaryMixed(_GridRotary):
                 f"frequencies, so keys shared by several query heads cannot be rotated for "
                 f"each: use kv_heads=heads, or build RotaryMixed(head_dim, {x.shape[1]})"
             )
-        freqs = self.freqs.to(torch.promote_types(self.freqs.dtype, angle_dtype(x.device)))
-        angles = mixed_angles(coords[..., 1], coords[..., 0], freqs)  # [B', h, n, d/2]
         # a 4-D cos broadcasts over [b, h, n, d/2]: one angle per head
-        return apply_rotary(x, *realized(angles.cos(), angles.sin()), interleaved=True)
+        return apply_rotary(x, cos, sin, interleaved=True)
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention with other heads or another head dim."""
@@ -493,9 +524,11 @@ class RotaryND(_GridRotary):
         ]  # N x [B', n, axes[a]]
         return torch.cat(parts, -1)  # [B', n, d/2]
 
-    def _rotate_at(self, name: str, x: Tensor, coords: Tensor) -> Tensor:
+    def _tables(self, coords: Tensor) -> tuple[Tensor, ...]:
         angles = self.angles(coords)  # [B', n, d/2]
-        cos, sin = realized(angles.cos(), angles.sin())
+        return realized(angles.cos(), angles.sin())
+
+    def _rotated(self, name: str, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if self.style == "mrope":
             return apply_rotary(x, cos, sin)  # pairs (j, j + d/2)
         out, start = [], 0
