@@ -483,13 +483,8 @@ class Rotary2D(nn.Module):
         positions; prefix tokens pass unchanged."""
         (cos_rows, sin_rows, cos_cols, sin_cols), prefix = tables
         half = self.head_dim // 2
-        rotated = torch.cat(
-            (
-                apply_rotary(x[..., :half], cos_rows, sin_rows),
-                apply_rotary(x[..., half:], cos_cols, sin_cols),
-            ),
-            dim=-1,
-        )
+        rows = apply_rotary(x[..., :half], cos_rows, sin_rows)  # [..., d/2]
+        rotated = torch.cat((rows, apply_rotary(x[..., half:], cos_cols, sin_cols)), dim=-1)
         if prefix is None:
             return rotated
         return torch.where(prefix, x, rotated)  # prefix tokens exactly unchanged
@@ -524,11 +519,9 @@ class Rotary2D(nn.Module):
         if k_pos is not q_pos:
             self._check_positions("key", k_pos, size)
         tables = self._flat_tables(q_pos, size[1])
-        if k_pos is not q_pos:  # self-attention at the same positions: the same tables
-            return self._rotate_flat(q, tables), self._rotate_flat(
-                k, self._flat_tables(k_pos, size[1])
-            )
-        return self._rotate_flat(q, tables), self._rotate_flat(k, tables)
+        # self-attention at the same positions: the same tables
+        k_tables = tables if k_pos is q_pos else self._flat_tables(k_pos, size[1])
+        return self._rotate_flat(q, tables), self._rotate_flat(k, k_tables)
 
     def forward(
         self,

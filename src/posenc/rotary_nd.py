@@ -203,11 +203,9 @@ class _GridRotary(nn.Module):
         if k_pos is not q_pos:
             self._check_positions("key", k_pos, size)
         tables = self._flat_tables(q_pos, size)
-        if k_pos is not q_pos:  # self-attention at the same positions: the same tables
-            return self._rotate_flat("q", q, tables), self._rotate_flat(
-                "k", k, self._flat_tables(k_pos, size)
-            )
-        return self._rotate_flat("q", q, tables), self._rotate_flat("k", k, tables)
+        # self-attention at the same positions: the same tables
+        k_tables = tables if k_pos is q_pos else self._flat_tables(k_pos, size)
+        return self._rotate_flat("q", q, tables), self._rotate_flat("k", k, k_tables)
 
     def forward(
         self,
