@@ -203,3 +203,25 @@ def test_grid_bias_is_the_score_bias_by_offsets():
     assert scheme.grid_bias(pos[:, :6], pos) is None  # not the whole map
     assert scheme.grid_bias(pos.flip(-1), pos) is None  # not in order
     assert RelativePositionBias(12, 2).grid_bias(pos, pos) is None  # 1-D
+
+
+def test_grid_kernel_values_ask_for_the_span_only_when_a_head_spreads():
+    """The span reads every query and key: asked for only when some head's biases spread
+    over more than ``BIAS_SPAN``, and then the far ones are raised to it below the best."""
+    from posenc.engine.grid import _grid_kernel_values
+
+    asked = []
+
+    def span() -> float:
+        asked.append(1)
+        return tuning.BIAS_SPAN + 10.0
+
+    grid = torch.zeros(2, 3, 3)  # [h, 2H-1, 2W-1]: best at the centre, offset (0, 0)
+    grid[0, 0, 0] = -tuning.BIAS_SPAN
+    torch.testing.assert_close(_grid_kernel_values(grid, span), grid, rtol=0, atol=0)
+    assert not asked
+    grid[0, 0, 0] = -tuning.BIAS_SPAN - 20.0
+    raised = _grid_kernel_values(grid, span)
+    assert asked
+    assert raised is not None and float(raised[0, 0, 0]) == -tuning.BIAS_SPAN - 10.0
+    torch.testing.assert_close(raised[1], grid[1], rtol=0, atol=0)

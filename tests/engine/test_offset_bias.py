@@ -15,7 +15,7 @@ from engine_helpers import (
     spy_on,
 )
 
-from posenc.engine import Mask, common, offset_bias, tuning
+from posenc.engine import Mask, common, offset_bias, tuning, workspace
 from tolerances import logit_size
 
 
@@ -139,3 +139,95 @@ def test_skewed_bias_blocks_are_the_toeplitz_rows():
                 first = skewed.block(start, count, keys=3)  # the first 3 keys
                 torch.testing.assert_close(first, block[..., :3], rtol=0, atol=0)
         assert seen == groups
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(2, 3, 7, 4),  # contiguous
+        lambda: torch.randn(2, 7, 3, 4).transpose(1, 2),  # a projection's [b, n, h, d] view
+        lambda: torch.randn(2, 3, 7, 8)[..., :4],  # rows of d that are not adjacent
+        lambda: torch.randn(2, 1, 7, 4).expand(2, 3, 7, 4),  # heads broadcast
+        lambda: torch.randn(2, 3, 9, 4)[:, :, 2:],  # an offset into the storage
+        lambda: torch.randn(2, 3, 7, 5)[..., 1:],  # rows that start between multiples of d
+        lambda: torch.randn(2, 3, 4, 7).transpose(2, 3),  # the head dim strided
+        lambda: torch.randn(2, 3, 0, 4),  # no rows
+    ],
+)
+@pytest.mark.parametrize("contiguous_out", [True, False])
+def test_rows_reversed_equals_flip(make, contiguous_out):
+    """The keys (or queries) reversed into a given tensor, by whole rows or by ``flip``."""
+    x = make()
+    out = torch.empty(x.shape) if contiguous_out else torch.empty(x.shape[:-1] + (9,))[..., ::2]
+    got = offset_bias._rows_reversed(x, out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, x.flip(2), rtol=0, atol=0)
+
+
+def _in_kept_buffer(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values lie in one of the calling thread's kept buffers."""
+    start, size = t.data_ptr(), t.numel() * t.element_size()
+    return any(
+        flat.data_ptr() <= start <= start + size <= flat.data_ptr() + flat.nbytes
+        for flat in workspace._kept.buffers.values()
+    )
+
+
+def test_offset_bias_path_reverses_into_the_kept_buffer(monkeypatch):
+    """Without a mask the forward reads the keys and values reversed from the thread's kept
+    buffer and returns the kernel's own output; a frozen bias's backward is one fused
+    call over every query and head, on the queries, their output and its gradient reversed
+    in that buffer, the bias a view of the values."""
+    from posenc import ALiBi
+
+    workspace.release_workspace()
+    forward, backward = common._flash_cpu, common._flash_cpu_backward
+    seen: list[tuple[str, bool, tuple]] = []
+
+    def spy_forward(q, k, v, *a, attn_mask, **kw):
+        seen.append(("fwd", _in_kept_buffer(k) and _in_kept_buffer(v), attn_mask.stride()[-2:]))
+        return forward(q, k, v, *a, attn_mask=attn_mask, **kw)
+
+    def spy_backward(grad, q, k, v, out, *a, attn_mask, **kw):
+        kept = all(_in_kept_buffer(t) for t in (grad, q, out)) and q.shape[1] == 3
+        seen.append(("bwd", kept, attn_mask.stride()[-2:]))
+        return backward(grad, q, k, v, out, *a, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(common, "_flash_cpu", spy_forward)
+    monkeypatch.setattr(common, "_flash_cpu_backward", spy_backward)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 20, 8, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(20)[None]
+    scheme = ALiBi(3).double()
+    results = {}
+    for backend in ("math", "lean"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = run(backend, scheme, *leaves, pos, pos, Mask(20, 20))
+        out.square().sum().backward()
+        results[backend] = [out, *(t.grad for t in leaves)]
+    assert seen == [("fwd", True, (1, 1)), ("bwd", True, (1, 1))]
+    for got, expected in zip(results["lean"], results["math"], strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(("name", "n", "read"), [("t5", 40, False), ("alibi", 300, True)])
+def test_offset_bias_path_reads_q_and_k_for_the_span_only_when_a_head_spreads(
+    monkeypatch, name, n, read
+):
+    """The span (a pass over every query and key) is asked for only when some head's
+    values spread over more than ``BIAS_SPAN``: ALiBi at 300 tokens, not a T5 table."""
+    from posenc.engine import plans
+
+    spans = []
+    span = plans._bias_span
+    monkeypatch.setattr(plans, "_bias_span", lambda *a: spans.append(1) or span(*a))
+    calls = spy_on(monkeypatch, offset_bias._OffsetFusedAttention)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, n, 8) for _ in range(3))
+    pos = torch.arange(n)[None]
+    scheme = _offset_scheme(name, 8)
+    with torch.no_grad():
+        got = run("lean", scheme, q, k, v, pos, pos, Mask(n, n))
+        expected = run("math", scheme, q, k, v, pos, pos, Mask(n, n))
+    assert calls and bool(spans) == read
+    torch.testing.assert_close(got, expected)

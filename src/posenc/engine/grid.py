@@ -8,7 +8,7 @@ width), ``n = H * W`` tokens, ``d`` head dim.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,22 +20,24 @@ from .common import _add_leading_sum, _block_grads, _Buffers, _KeyGrads, _reused
 from .offset_term import _unskew
 
 
-def _grid_kernel_values(grid: Tensor, span: float) -> Tensor | None:
+def _grid_kernel_values(grid: Tensor, span: Callable[[], float]) -> Tensor | None:
     """A 2-D per-offset bias ``[h, 2H-1, 2W-1]`` ready for the fused kernel, detached.
 
-    As :func:`_offset_kernel_values`: far biases raised to ``span`` below a head's best
-    when every query meets that best, which on a whole map only the offset ``(0, 0)`` is;
-    None when a head spans more than ``span`` and its best is elsewhere.
+    As :func:`_offset_kernel_values`: far biases raised to ``span()`` below a head's best
+    (asked for only when a head spreads over more than ``tuning.BIAS_SPAN``) when every
+    query meets that best, which on a whole map only the offset ``(0, 0)`` is; None when
+    a head spans more than the span and its best is elsewhere.
     """
     grid = grid.detach()
     flat = grid.flatten(1)  # [h, (2H-1)(2W-1)]
     low, high = torch.aminmax(flat, dim=-1, keepdim=True)  # [h, 1]
-    if float((high - low).max()) <= span:
+    spread = float((high - low).max())
+    if spread <= tuning.BIAS_SPAN or spread <= (reach := span()):
         return grid
     centre = grid[:, grid.shape[1] // 2, grid.shape[2] // 2, None]  # [h, 1]: offset (0, 0)
     if not torch.equal(centre, high):
         return None
-    return torch.maximum(grid, high[..., None] - span)
+    return torch.maximum(grid, high[..., None] - reach)
 
 
 def _grid_step(height: int, width: int, rows: int, heads: int) -> int:

@@ -9,13 +9,14 @@ Shape legend: ``b`` batch, ``h`` heads, ``g`` a head group, ``rows`` a block's q
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import common
+from . import common, tuning
 from .common import (
     _add_leading_sum,
     _block_grads,
@@ -23,6 +24,7 @@ from .common import (
     _kernel_rows,
     _KeyGrads,
 )
+from .workspace import borrowed
 
 
 def _hankel(values_rev: Tensor, start: int, count: int, keys: slice) -> Tensor:
@@ -43,11 +45,13 @@ def _hankel(values_rev: Tensor, start: int, count: int, keys: slice) -> Tensor:
 
 
 def _offset_kernel_values(
-    values: Tensor, n_q: int, n_k: int, span: float, *, causal: bool = False
+    values: Tensor, n_q: int, n_k: int, span: Callable[[], float], *, causal: bool = False
 ) -> Tensor | None:
     """A per-offset bias ready for the fused kernel: ``[h|1, n_q + n_k - 1]``, detached.
 
-    Far biases are raised to ``span`` below the best (see :func:`_bias_span`). The
+    Far biases are raised to ``span()`` below the best (see :func:`_bias_span`), which is
+    asked for only when a head's values spread over more than ``tuning.BIAS_SPAN`` (the
+    least it returns: it reads every query and key). The
     general path does this row by row; per offset it is the same when every row meets the
     best offset (self-attention meets offset 0, ALiBi's best), so that the rows' bests are
     the overall best. None when a head spans more than ``tuning.BIAS_SPAN`` and some row misses
@@ -60,11 +64,12 @@ def _offset_kernel_values(
     values = values.detach()
     visible = values[..., :n_k] if causal else values
     low, high = torch.aminmax(visible, dim=-1, keepdim=True)  # [h|1, 1]
-    if float((high - low).max()) > span:
+    spread = float((high - low).max())
+    if spread > tuning.BIAS_SPAN and spread > (reach := span()):
         seen_by_all = values[..., n_q - 1 : n_k]  # offsets every row meets (none if n_q > n_k)
         if seen_by_all.shape[-1] == 0 or not torch.equal(seen_by_all.amax(-1, keepdim=True), high):
             return None
-        values = torch.maximum(values, high - span)
+        values = torch.maximum(values, high - reach)
     if causal:
         hidden = torch.arange(n_k, values.shape[-1], device=values.device)
         values = values.index_fill(-1, hidden, float("-inf"))  # a copy: values stay intact
@@ -153,15 +158,23 @@ class _OffsetFusedAttention(torch.autograd.Function):
         causal: bool,
     ) -> Tensor:
         n_q, n_k = q.shape[2], k.shape[2]
-        out = torch.empty_like(q)  # [b, h, n_q, d]
-        lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n_q]
         values_rev = kernel_values.flip(-1).contiguous()  # [h|1, W]
-        k_rev, v_rev = k.flip(2), v.flip(2)  # [b, h, n_k, d], keys reversed
-        for blk, keys in _kernel_blocks(n_q, n_k, causal):
-            out[:, :, blk], lse[:, :, blk] = common._flash_cpu(
-                q[:, :, blk], k_rev[:, :, keys], v_rev[:, :, keys], 0.0, False,
-                attn_mask=_hankel(values_rev, blk.start, blk.stop - blk.start, keys), scale=scale,
-            )  # fmt: skip
+        blocks = list(_kernel_blocks(n_q, n_k, causal))
+        with _reversed(k, v) as (k_rev, v_rev):  # [b, h, n_k, d] each, keys reversed
+            if len(blocks) == 1:  # every query in one call: the kernel's own output
+                out, lse = common._flash_cpu(
+                    q, k_rev, v_rev, 0.0, False,
+                    attn_mask=_hankel(values_rev, 0, n_q, blocks[0][1]), scale=scale,
+                )  # fmt: skip
+            else:
+                out = torch.empty_like(q)  # [b, h, n_q, d]
+                lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)  # [b, h, n_q]
+                for blk, keys in blocks:
+                    out[:, :, blk], lse[:, :, blk] = common._flash_cpu(
+                        q[:, :, blk], k_rev[:, :, keys], v_rev[:, :, keys], 0.0, False,
+                        attn_mask=_hankel(values_rev, blk.start, blk.stop - blk.start, keys),
+                        scale=scale,
+                    )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, kernel_values)
         ctx.scale, ctx.learn, ctx.causal = scale, values.requires_grad, causal
         return out
@@ -210,6 +223,44 @@ class _OffsetFusedAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_values, None, None, None
 
 
+@contextmanager
+def _reversed(k: Tensor, v: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+    """``(k_rev, v_rev)``: ``k`` and ``v [b, g, n_k, d]`` with their keys in reverse order,
+    written into the thread's kept buffer (:class:`~.workspace.borrowed`) and valid inside
+    the block only: a new tensor of this size in each call is page-faulted as it is
+    written whenever the C library has handed the last one back to the system."""
+    count = k.numel()
+    with borrowed(count + v.numel(), k.dtype, k.device) as flat:
+        k_rev = _rows_reversed(k, flat[:count].view(k.shape))
+        v_rev = _rows_reversed(v, flat[count : count + v.numel()].view(v.shape))
+        yield k_rev, v_rev
+
+
+def _rows_reversed(x: Tensor, out: Tensor) -> Tensor:
+    """``out [b, g, n, d]`` written with ``x [b, g, n, d]``'s rows ``n - 1 ..
+    0``: one ``index_select`` of whole rows of ``d`` values (a copy of each row, at about
+    the cost of a plain copy) where each row of ``x`` is dense and starts at a multiple of
+    ``d`` from the first and ``out`` is contiguous, else ``flip``, whose element-wise
+    strided copy costs about twice as much."""
+    b, g, n, d = x.shape
+    strides = x.stride()
+    rows_of_d = d and strides[3] == 1 and not any(s % d for s in strides[:3])
+    if not rows_of_d or x.numel() == 0 or not out.is_contiguous():
+        return torch.ops.aten.flip.out(x, [2], out=out)
+    sb, sg, sn = (s // d for s in strides[:3])
+    device = x.device
+    # [b, g, n]: the row of x (counted in rows of d from x's first value) of each output row
+    rows = (
+        (torch.arange(b, device=device) * sb)[:, None, None]
+        + (torch.arange(g, device=device) * sg)[None, :, None]
+        + (torch.arange(n - 1, -1, -1, device=device) * sn)[None, None, :]
+    )
+    last = (b - 1) * sb + (g - 1) * sg + (n - 1) * sn
+    source = x.as_strided((last + 1, d), (d, 1))  # [rows, d], every row of x
+    torch.index_select(source, 0, rows.view(-1), out=out.view(-1, d))
+    return out
+
+
 def _kernel_blocks(n_q: int, n_k: int, causal: bool) -> Iterator[tuple[slice, slice]]:
     """``(query rows, keys seen reversed)`` per fused-kernel call on the per-offset bias path
     (:func:`_kernel_rows` rows a call)."""
@@ -235,9 +286,11 @@ def _offset_fused_backward(
     keys and their gradients are the group's: peak memory stays the floor's); no gradient
     for the values."""
     b, h = q.shape[:2]
+    blocks = list(_kernel_blocks(q.shape[2], k.shape[2], causal))
+    if len(blocks) == 1:
+        return _queries_reversed_backward(grad_out, q, k, v, out, lse, kernel_values, scale)
     values_rev = kernel_values.flip(-1).contiguous()  # [h|1, W]
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    blocks = list(_kernel_blocks(q.shape[2], k.shape[2], causal))
     for hs in common._head_groups(b, h):
         k_rev, v_rev = k[:, hs].flip(2), v[:, hs].flip(2)  # [b, g, n_k, d], keys reversed
         rev = _heads_of(values_rev[None], hs)[0]  # [g|1, W]
@@ -259,6 +312,40 @@ def _offset_fused_backward(
         if grad_k_rev is not None and grad_v_rev is not None:
             grad_k[:, hs], grad_v[:, hs] = grad_k_rev.flip(2), grad_v_rev.flip(2)
     return grad_q, grad_k, grad_v
+
+
+def _queries_reversed_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    kernel_values: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of the per-offset bias path without a causal mask, by one fused
+    backward over every query and head on the queries reversed (query ``i' = n_q - 1 -
+    i``): the bias of ``(i', j)`` is ``values[i' + j]``, a view of the values with strides
+    ``(1, 1)``, the keys' gradients come out in their order, and only the queries' one is
+    reversed back. The reversed queries, their output and its gradient are written into the
+    thread's kept buffer (:class:`~.workspace.borrowed`)."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    values = kernel_values.contiguous()  # [h|1, W]
+    mask = values.as_strided(
+        (1, values.shape[0], n_q, n_k), (values.numel(), values.shape[-1], 1, 1)
+    )  # [1, h|1, n_q, n_k]: row i' from column i'
+    count = q.numel()
+    with borrowed(3 * count, q.dtype, q.device) as flat:
+        q_rev, out_rev, grad_rev = (
+            _rows_reversed(x, flat[i * count : (i + 1) * count].view(q.shape))
+            for i, x in enumerate((q, out, grad_out))
+        )  # [b, h, n_q, d] each, queries reversed
+        grad_q_rev, grad_k, grad_v = common._flash_cpu_backward(
+            grad_rev, q_rev, k, v, out_rev, lse.flip(2), 0.0, False, attn_mask=mask, scale=scale
+        )
+    grad_q = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [b, h, n_q, d]
+    return _rows_reversed(grad_q_rev, grad_q), grad_k, grad_v
 
 
 def _keys_seen(blk: slice, n_q: int, n_k: int, causal: bool) -> int:

@@ -238,7 +238,7 @@ def _plan_grid_bias(call: Call) -> Plan:
     if grid is None:
         return "queries and keys that are not one whole map in order"
     grid = grid.to(call.q.dtype)  # [h, 2H-1, 2W-1]
-    kernel_grid = _grid_kernel_values(grid, _bias_span(call.q, call.k, call.scale))
+    kernel_grid = _grid_kernel_values(grid, lambda: _bias_span(call.q, call.k, call.scale))
     if kernel_grid is None:
         return "a bias spanning more than its span whose best is not at offset (0, 0)"
     q, k, v = _dense_last(call.q, call.k, call.v)
@@ -257,8 +257,9 @@ def _plan_offset_bias(call: Call) -> Plan:
         return "positions that are not one consecutive run"
     values = values.to(call.q.dtype)  # [h|1, n_q + n_k - 1]
     n_q, n_k = call.q.shape[2], call.k.shape[2]
-    span = _bias_span(call.q, call.k, call.scale)
-    kernel_values = _offset_kernel_values(values, n_q, n_k, span, causal=call.mask.causal)
+    kernel_values = _offset_kernel_values(
+        values, n_q, n_k, lambda: _bias_span(call.q, call.k, call.scale), causal=call.mask.causal
+    )
     if kernel_values is None:
         return "a bias spanning more than its span where some query misses its best offset"
     q, k, v = _dense_last(call.q, call.k, call.v)
