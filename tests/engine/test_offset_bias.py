@@ -158,7 +158,7 @@ def test_skewed_bias_blocks_are_the_toeplitz_rows():
 def test_rows_reversed_equals_flip(make, contiguous_out):
     """The keys (or queries) reversed into a given tensor, by whole rows or by ``flip``."""
     x = make()
-    out = torch.empty(x.shape) if contiguous_out else torch.empty(x.shape[:-1] + (9,))[..., ::2]
+    out = torch.empty(x.shape) if contiguous_out else torch.empty((*x.shape[:-1], 9))[..., ::2]
     got = offset_bias._rows_reversed(x, out)
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(got, x.flip(2), rtol=0, atol=0)
@@ -174,27 +174,28 @@ def _in_kept_buffer(t: torch.Tensor) -> bool:
 
 
 def test_offset_bias_path_reverses_into_the_kept_buffer(monkeypatch):
-    """Without a mask the forward reads the keys and values reversed from the thread's kept
-    buffer and returns the kernel's own output; a frozen bias's backward is one fused
-    call over every query and head, on the queries, their output and its gradient reversed
-    in that buffer, the bias a view of the values."""
+    """The fused kernel reads the keys and values reversed from the thread's kept buffer,
+    forward and backward (a frozen bias, per head group), its mask a view of the values;
+    without a mask the forward returns the kernel's own output."""
     from posenc import ALiBi
 
     workspace.release_workspace()
     forward, backward = common._flash_cpu, common._flash_cpu_backward
-    seen: list[tuple[str, bool, tuple]] = []
+    seen: list[tuple[str, bool, tuple[int, ...]]] = []
+    outputs = []
 
     def spy_forward(q, k, v, *a, attn_mask, **kw):
         seen.append(("fwd", _in_kept_buffer(k) and _in_kept_buffer(v), attn_mask.stride()[-2:]))
-        return forward(q, k, v, *a, attn_mask=attn_mask, **kw)
+        outputs.append(forward(q, k, v, *a, attn_mask=attn_mask, **kw))
+        return outputs[-1]
 
-    def spy_backward(grad, q, k, v, out, *a, attn_mask, **kw):
-        kept = all(_in_kept_buffer(t) for t in (grad, q, out)) and q.shape[1] == 3
-        seen.append(("bwd", kept, attn_mask.stride()[-2:]))
-        return backward(grad, q, k, v, out, *a, attn_mask=attn_mask, **kw)
+    def spy_backward(grad, q, k, v, *a, attn_mask, **kw):
+        seen.append(("bwd", _in_kept_buffer(k) and _in_kept_buffer(v), attn_mask.stride()[-2:]))
+        return backward(grad, q, k, v, *a, attn_mask=attn_mask, **kw)
 
     monkeypatch.setattr(common, "_flash_cpu", spy_forward)
     monkeypatch.setattr(common, "_flash_cpu_backward", spy_backward)
+    monkeypatch.setattr(common, "_head_groups", lambda b, h: [slice(0, 2), slice(2, 3)])
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 20, 8, dtype=torch.float64) for _ in range(3))
     pos = torch.arange(20)[None]
@@ -205,7 +206,8 @@ def test_offset_bias_path_reverses_into_the_kept_buffer(monkeypatch):
         out = run(backend, scheme, *leaves, pos, pos, Mask(20, 20))
         out.square().sum().backward()
         results[backend] = [out, *(t.grad for t in leaves)]
-    assert seen == [("fwd", True, (1, 1)), ("bwd", True, (1, 1))]
+    assert seen == [("fwd", True, (1, 1))] + [("bwd", True, (1, 1))] * 2
+    assert results["lean"][0].data_ptr() == outputs[0][0].data_ptr()
     for got, expected in zip(results["lean"], results["math"], strict=True):
         torch.testing.assert_close(got, expected)
 

@@ -283,69 +283,34 @@ def _offset_fused_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of the per-offset bias path by the fused kernel's backward, on the keys
     reversed (:func:`_hankel` masks) as its forward, a head group at a time (the reversed
-    keys and their gradients are the group's: peak memory stays the floor's); no gradient
-    for the values."""
+    keys, in the thread's kept buffer, and their gradients are the group's: peak memory
+    stays the floor's); no gradient for the values."""
     b, h = q.shape[:2]
-    blocks = list(_kernel_blocks(q.shape[2], k.shape[2], causal))
-    if len(blocks) == 1:
-        return _queries_reversed_backward(grad_out, q, k, v, out, lse, kernel_values, scale)
     values_rev = kernel_values.flip(-1).contiguous()  # [h|1, W]
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    blocks = list(_kernel_blocks(q.shape[2], k.shape[2], causal))
     for hs in common._head_groups(b, h):
-        k_rev, v_rev = k[:, hs].flip(2), v[:, hs].flip(2)  # [b, g, n_k, d], keys reversed
         rev = _heads_of(values_rev[None], hs)[0]  # [g|1, W]
         grad_k_rev = grad_v_rev = None
-        for blk, keys in blocks:
-            gq, gk, gv = common._flash_cpu_backward(
-                grad_out[:, hs, blk], q[:, hs, blk], k_rev[:, :, keys], v_rev[:, :, keys],
-                out[:, hs, blk], lse[:, hs, blk], 0.0, False,
-                attn_mask=_hankel(rev, blk.start, blk.stop - blk.start, keys), scale=scale,
-            )  # fmt: skip
-            grad_q[:, hs, blk] = gq
-            if len(blocks) == 1:  # every key: the kernel's own gradients
-                grad_k_rev, grad_v_rev = gk, gv
-                continue
-            if grad_k_rev is None or grad_v_rev is None:
-                grad_k_rev, grad_v_rev = torch.zeros_like(k_rev), torch.zeros_like(v_rev)
-            grad_k_rev[:, :, keys] += gk
-            grad_v_rev[:, :, keys] += gv
+        with _reversed(k[:, hs], v[:, hs]) as (k_rev, v_rev):  # [b, g, n_k, d], keys reversed
+            for blk, keys in blocks:
+                gq, gk, gv = common._flash_cpu_backward(
+                    grad_out[:, hs, blk], q[:, hs, blk], k_rev[:, :, keys], v_rev[:, :, keys],
+                    out[:, hs, blk], lse[:, hs, blk], 0.0, False,
+                    attn_mask=_hankel(rev, blk.start, blk.stop - blk.start, keys), scale=scale,
+                )  # fmt: skip
+                grad_q[:, hs, blk] = gq
+                if len(blocks) == 1:  # every key: the kernel's own gradients
+                    grad_k_rev, grad_v_rev = gk, gv
+                    continue
+                if grad_k_rev is None or grad_v_rev is None:
+                    grad_k_rev, grad_v_rev = torch.zeros_like(k_rev), torch.zeros_like(v_rev)
+                grad_k_rev[:, :, keys] += gk
+                grad_v_rev[:, :, keys] += gv
         if grad_k_rev is not None and grad_v_rev is not None:
-            grad_k[:, hs], grad_v[:, hs] = grad_k_rev.flip(2), grad_v_rev.flip(2)
+            _rows_reversed(grad_k_rev, grad_k[:, hs])
+            _rows_reversed(grad_v_rev, grad_v[:, hs])
     return grad_q, grad_k, grad_v
-
-
-def _queries_reversed_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    kernel_values: Tensor,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` of the per-offset bias path without a causal mask, by one fused
-    backward over every query and head on the queries reversed (query ``i' = n_q - 1 -
-    i``): the bias of ``(i', j)`` is ``values[i' + j]``, a view of the values with strides
-    ``(1, 1)``, the keys' gradients come out in their order, and only the queries' one is
-    reversed back. The reversed queries, their output and its gradient are written into the
-    thread's kept buffer (:class:`~.workspace.borrowed`)."""
-    n_q, n_k = q.shape[2], k.shape[2]
-    values = kernel_values.contiguous()  # [h|1, W]
-    mask = values.as_strided(
-        (1, values.shape[0], n_q, n_k), (values.numel(), values.shape[-1], 1, 1)
-    )  # [1, h|1, n_q, n_k]: row i' from column i'
-    count = q.numel()
-    with borrowed(3 * count, q.dtype, q.device) as flat:
-        q_rev, out_rev, grad_rev = (
-            _rows_reversed(x, flat[i * count : (i + 1) * count].view(q.shape))
-            for i, x in enumerate((q, out, grad_out))
-        )  # [b, h, n_q, d] each, queries reversed
-        grad_q_rev, grad_k, grad_v = common._flash_cpu_backward(
-            grad_rev, q_rev, k, v, out_rev, lse.flip(2), 0.0, False, attn_mask=mask, scale=scale
-        )
-    grad_q = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [b, h, n_q, d]
-    return _rows_reversed(grad_q_rev, grad_q), grad_k, grad_v
 
 
 def _keys_seen(blk: slice, n_q: int, n_k: int, causal: bool) -> int:

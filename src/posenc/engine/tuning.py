@@ -98,9 +98,10 @@ OPS_IN_PLACE_SCORES = 3 << 21
 #: loses to that code
 OPS_IN_PLACE_BIAS_SCORES = 0
 #: values that a thread keeps, per device and dtype, for the in-place forward's scores
-#: (and its weights where its softmax is not in place) and for the queries and keys a call
-#: without gradients rotates, between calls (engine/workspace.py: 2^23 is 32 MiB in
-#: float32, above OPS_IN_PLACE_SCORES; a larger call borrows a fresh one)
+#: (and its weights where its softmax is not in place), for the queries and keys a call
+#: without gradients rotates and for the keys and values the per-offset bias path reverses,
+#: between calls (engine/workspace.py: 2^23 is 32 MiB in float32, above
+#: OPS_IN_PLACE_SCORES; a larger call borrows a fresh one)
 WORKSPACE_ELEMENTS = 1 << 23
 #: keys per row, a multiple of which the in-place forward's softmax writes into its input
 #: (AVX-512 holds 16 float32: a shorter last vector of a row, stored, stalls the next

@@ -3,15 +3,17 @@
 A forward that records no graph writes its ``[b, h, n_q, n_k]`` scores into one buffer
 (:func:`~.reference._forward_in_place`) and returns a new ``[b, h, n_q, d]`` output; the
 buffer is dead when the call returns (an attention call without gradients also rotates
-its queries and keys into it: :mod:`posenc._rotary_buffer`). Allocated afresh each call,
-a buffer of some hundred KiB or more comes from the system whenever the C library has
-handed the previous one back (above its mmap threshold, or after a trim of its heap), and
-each of its 4 KiB pages then costs a page fault when first written, depending on what the
-process allocated before. Each thread keeps its buffer instead, one per device, dtype and inference mode,
-grown to the largest call of at most :data:`~.tuning.WORKSPACE_ELEMENTS` elements, on the
-CPU; a larger call borrows a fresh one, as does a call made while the thread's buffer is
-lent (a hook that itself runs attention) or one whose graph may save the buffer.
-:func:`release_workspace` hands the kept buffers back.
+its queries and keys into it, :mod:`posenc._rotary_buffer`, and the per-offset bias path
+reverses its keys and values into it, forward and backward: :mod:`.offset_bias`).
+Allocated afresh each call, a buffer of some hundred KiB or more comes from the system
+whenever the C library has handed the previous one back (above its mmap threshold, or
+after a trim of its heap), and each of its 4 KiB pages then costs a page fault when
+first written, depending on what the process allocated before. Each thread keeps its
+buffer instead, one per device, dtype and inference mode, grown to the largest call of
+at most :data:`~.tuning.WORKSPACE_ELEMENTS` elements, on the CPU; a larger call borrows a
+fresh one, as does a call made while the thread's buffer is lent (a hook that itself runs
+attention) or one whose graph may save the buffer. :func:`release_workspace` hands the
+kept buffers back.
 """
 
 from __future__ import annotations
