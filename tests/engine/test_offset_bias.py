@@ -174,9 +174,11 @@ def _in_kept_buffer(t: torch.Tensor) -> bool:
 
 
 def test_offset_bias_path_reverses_into_the_kept_buffer(monkeypatch):
-    """The fused kernel reads the keys and values reversed from the thread's kept buffer,
-    forward and backward (a frozen bias, per head group), its mask a view of the values;
-    without a mask the forward returns the kernel's own output."""
+    """The fused kernel reads the keys and values reversed from the thread's kept buffer
+    in a forward without a backward to come and in a frozen bias's backward (per head
+    group), its mask a view of the values; a forward with a backward to come reverses them
+    into tensors of its own, so that the backward's peak does not hold the buffer. Without
+    a mask the forward returns the kernel's own output."""
     from posenc import ALiBi
 
     workspace.release_workspace()
@@ -204,12 +206,19 @@ def test_offset_bias_path_reverses_into_the_kept_buffer(monkeypatch):
     for backend in ("math", "lean"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = run(backend, scheme, *leaves, pos, pos, Mask(20, 20))
+        if backend == "lean":
+            assert workspace.kept_elements() == 0  # the forward kept nothing for the backward
         out.square().sum().backward()
         results[backend] = [out, *(t.grad for t in leaves)]
-    assert seen == [("fwd", True, (1, 1))] + [("bwd", True, (1, 1))] * 2
+    assert seen == [("fwd", False, (1, 1))] + [("bwd", True, (1, 1))] * 2
     assert results["lean"][0].data_ptr() == outputs[0][0].data_ptr()
     for got, expected in zip(results["lean"], results["math"], strict=True):
         torch.testing.assert_close(got, expected)
+    seen.clear()
+    with torch.no_grad():
+        got = run("lean", scheme, *(t.requires_grad_() for t in (q, k, v)), pos, pos, Mask(20, 20))
+    assert seen == [("fwd", True, (1, 1))]
+    torch.testing.assert_close(got, results["math"][0])
 
 
 @pytest.mark.parametrize(("name", "n", "read"), [("t5", 40, False), ("alibi", 300, True)])

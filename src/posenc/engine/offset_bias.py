@@ -156,11 +156,14 @@ class _OffsetFusedAttention(torch.autograd.Function):
         kernel_values: Tensor,
         scale: float,
         causal: bool,
+        keep: bool,
     ) -> Tensor:
         n_q, n_k = q.shape[2], k.shape[2]
         values_rev = kernel_values.flip(-1).contiguous()  # [h|1, W]
         blocks = list(_kernel_blocks(n_q, n_k, causal))
-        with _reversed(k, v) as (k_rev, v_rev):  # [b, h, n_k, d] each, keys reversed
+        # [b, h, n_k, d] each, keys reversed: in the kept buffer where ``keep`` (no backward
+        # to come: with one, its peak would hold the buffer too)
+        with _reversed(k, v, keep=keep) as (k_rev, v_rev):
             if len(blocks) == 1:  # every query in one call: the kernel's own output
                 out, lse = common._flash_cpu(
                     q, k_rev, v_rev, 0.0, False,
@@ -187,6 +190,7 @@ class _OffsetFusedAttention(torch.autograd.Function):
         if not ctx.learn:  # the fused backward, on the keys reversed as the forward
             return (
                 *_offset_fused_backward(grad_out, q, k, v, out, lse, kernel_values, scale, causal),
+                None,
                 None,
                 None,
                 None,
@@ -220,17 +224,18 @@ class _OffsetFusedAttention(torch.autograd.Function):
                     _add_leading_sum(view, grad_s, 2 if shared else 1)
             grad_values[0 if shared else hs] += grad_masks.sum(dim=1).squeeze(0)
         grad_k, grad_v = key_grads.result()
-        return grad_q, grad_k, grad_v, grad_values, None, None, None
+        return grad_q, grad_k, grad_v, grad_values, None, None, None, None
 
 
 @contextmanager
-def _reversed(k: Tensor, v: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+def _reversed(k: Tensor, v: Tensor, *, keep: bool = True) -> Iterator[tuple[Tensor, Tensor]]:
     """``(k_rev, v_rev)``: ``k`` and ``v [b, g, n_k, d]`` with their keys in reverse order,
-    written into the thread's kept buffer (:class:`~.workspace.borrowed`) and valid inside
-    the block only: a new tensor of this size in each call is page-faulted as it is
-    written whenever the C library has handed the last one back to the system."""
+    valid inside the block only, written into the thread's kept buffer where ``keep``
+    (:class:`~.workspace.borrowed`): a new tensor of this size in each call is
+    page-faulted as it is written whenever the C library has handed the last one back to
+    the system."""
     count = k.numel()
-    with borrowed(count + v.numel(), k.dtype, k.device) as flat:
+    with borrowed(count + v.numel(), k.dtype, k.device, keep=keep) as flat:
         k_rev = _rows_reversed(k, flat[:count].view(k.shape))
         v_rev = _rows_reversed(v, flat[count : count + v.numel()].view(v.shape))
         yield k_rev, v_rev

@@ -263,8 +263,9 @@ def _plan_offset_bias(call: Call) -> Plan:
     if kernel_values is None:
         return "a bias spanning more than its span where some query misses its best offset"
     q, k, v = _dense_last(call.q, call.k, call.v)
+    keep = not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, values)))
     return lambda: _OffsetFusedAttention.apply(
-        q, k, v, values, kernel_values, call.scale, call.mask.causal
+        q, k, v, values, kernel_values, call.scale, call.mask.causal, keep
     )
 
 
