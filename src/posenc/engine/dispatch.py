@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .._memo import plain_autograd
 from ..hooks import Hooks, _defined_by, checked_hooks, hooks_of
-from . import kept, sdpa
+from . import compiled, kept, sdpa
 from .blocks import _by_blocks, _mask_blocks
 from .flex import _flex
 from .inputs import default_scale, finite, repeat_heads, sees_any, zeroed_non_finite
@@ -37,6 +37,7 @@ from .plans import (
     _plan_materialised,
     _plan_offset_bias,
     _plan_offset_term,
+    materialised_size,
     routed,
 )
 from .reference import _math
@@ -298,8 +299,10 @@ def _plan_flex(call: Call) -> Plan:
 
 def _auto_sdpa(call: Call) -> Plan:
     """SDPA when nothing positional enters the scores (no scheme, rotary, a key shift), or
-    where the lean engine cannot run: attention dropout, ``torch.compile``. Not a contextual
-    term: the math path computes its logits once, SDPA twice (it takes it as a float mask)."""
+    where the lean engine cannot run: attention dropout, ``torch.compile`` (where a call
+    too large for the materialised path runs the lean engine as one operator instead:
+    :mod:`.compiled`). Not a contextual term: the math path computes its logits once, SDPA
+    twice (it takes it as a float mask)."""
     if call.hooks.contextual_term is not None:
         return (
             "a contextual term (CoPE) reads the masked logits: SDPA would take it as a "
@@ -309,7 +312,7 @@ def _auto_sdpa(call: Call) -> Plan:
         if call.dropout_p > 0:
             return _plan_sdpa(call)
         if torch.compiler.is_compiling():
-            return _plan_sdpa(call)
+            return compiled.lean_plan(call, materialised_size(call)) or _plan_sdpa(call)
         return (
             "the scheme adds a bias, term or value term: writing out [b, h, n_q, n_k] is "
             "weighed by the materialised path"
@@ -320,13 +323,16 @@ def _auto_sdpa(call: Call) -> Plan:
 def _auto_math(call: Call) -> Plan:
     """The reference for what no fused path runs: a contextual term (CoPE, on the ``lean``
     backend too), a value term with attention dropout or inside ``torch.compile`` (the lean
-    engine's backward calls ``torch.autograd.grad``, which Dynamo does not trace), and calls
-    with nothing to attend."""
+    engine's backward calls ``torch.autograd.grad``, which Dynamo does not trace; a call
+    too large for the materialised path runs it as one operator instead: :mod:`.compiled`),
+    and calls with nothing to attend."""
     if call.hooks.contextual_term is not None:
         return _plan_math(call)  # no lean, fused or flex path runs it
     if call.q.numel() == 0 or call.k.shape[-2] == 0:
         return _plan_math(call)  # empty: the lean engine's blocks assume a row and a key
-    if call.dropout_p > 0 or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return compiled.lean_plan(call, materialised_size(call)) or _plan_math(call)
+    if call.dropout_p > 0:
         return _plan_math(call)
     return "the lean engine can run it (no dropout, not compiling, something to attend)"
 

@@ -416,6 +416,27 @@ def _op_by_op(call: Call, scores: int) -> bool:
     return torch._C._are_functorch_transforms_active() or not call.constant_bias
 
 
+def materialised_size(call: Call) -> str | None:
+    """Why the call is too large for the materialised path whatever it computes: more than
+    :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) or
+    :data:`tuning.MATERIALISED_PAIRS` query-key pairs per head; None if it is not (shapes
+    alone: read while compiling too)."""
+    b, h, n_q, _ = call.q.shape
+    n_k = call.k.shape[2]
+    scores = b * h * n_q * n_k
+    if scores > tuning.MATERIALISED_SCORES:
+        return (
+            f"the [b, h, n_q, n_k] scores would be {_mib(scores, call.q.dtype)}, above the "
+            f"budget {_mib(tuning.MATERIALISED_SCORES, call.q.dtype)} (MATERIALISED_SCORES)"
+        )
+    if n_q * n_k > tuning.MATERIALISED_PAIRS:
+        return (
+            f"{n_q} x {n_k} query-key pairs per head, above MATERIALISED_PAIRS = "
+            f"{tuning.MATERIALISED_PAIRS}, from which the lean paths are faster at any batch"
+        )
+    return None
+
+
 def _plan_materialised(call: Call) -> Plan:
     """The bias, term and value term written out over the ``[b, h, n_q, n_k]`` scores, where
     they are few enough that the lean paths' fixed costs (blocks in Python, many small
@@ -465,19 +486,12 @@ def _plan_materialised(call: Call) -> Plan:
             f"{dtype}: SDPA would add the bias rounded to {dtype}; the lean engine adds it "
             "in float32"
         )
+    too_large = materialised_size(call)
+    if too_large is not None:
+        return too_large
     b, h, n_q, _ = call.q.shape
     n_k = call.k.shape[2]
     scores = b * h * n_q * n_k
-    if scores > tuning.MATERIALISED_SCORES:
-        return (
-            f"the [b, h, n_q, n_k] scores would be {_mib(scores, dtype)}, above the budget "
-            f"{_mib(tuning.MATERIALISED_SCORES, dtype)} (MATERIALISED_SCORES)"
-        )
-    if n_q * n_k > tuning.MATERIALISED_PAIRS:
-        return (
-            f"{n_q} x {n_k} query-key pairs per head, above MATERIALISED_PAIRS = "
-            f"{tuning.MATERIALISED_PAIRS}, from which the lean paths are faster at any batch"
-        )
     grad = call.grad
     value = hooks.value_term is not None
     term = value or hooks.score_term is not None

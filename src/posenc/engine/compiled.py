@@ -1,0 +1,240 @@
+"""The lean engine inside ``torch.compile``: one opaque operator per call.
+
+Dynamo cannot trace the lean paths: they read the positions, the masks and the bias on the
+host and choose their blocks by those values. Traced as it is, a call compiles to what the
+math or SDPA path computes, the ``[b, h, n_q, n_k]`` bias or term written out, as the
+code without posenc does. Where the scores are more than the materialised path writes out
+(:func:`~.plans.materialised_size`), :func:`lean_plan` runs the call instead through the
+operator ``<namespace>::lean_attention`` (a ``torch.library`` custom op): its kernel is the
+eager dispatcher, which takes the lean paths as an eager call does, and Inductor calls it
+as one opaque kernel. Its backward, the operator ``<namespace>::lean_attention_backward``,
+runs the call again with autograd and returns the gradients of ``q``, ``k``, ``v`` and of
+the scheme's parameters (a recomputation: an operator keeps nothing from its forward but
+its inputs); an operator's kernel runs below autograd, so it does so in a thread of its
+own, where autograd records as in eager code.
+
+The operator takes the scheme by a handle (:func:`_handle`, evaluated once when Dynamo
+traces the call, which then guards on the scheme's identity), and only a scheme whose hooks
+read its parameters and buffers alone (:func:`~.learned._reads_own_only`): the gradients
+it returns are those of the parameters the scheme holds. Not under ``torch.export``
+(whose programs must run where posenc is not imported), not for attention dropout, masks
+other than a causal one, a contextual term, a key shift folded into the keys, devices
+other than the CPU or dtypes other than float32 and float64: those compile as before.
+
+A constant bias (no parameter that requires grad: ALiBi, a frozen table) in a call with
+gradients compiles as before too: SDPA's fused route with the bias as its float mask
+keeps no ``[b, h, n_q, n_k]`` weights, and its backward needs no second forward.
+
+Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim,
+``d_v`` value head dim; positions ``[B', n]`` with ``B'`` 1 or ``b``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._tables import _NAMESPACE
+from .learned import _reads_own_only, scheme_parameters
+from .mask import Mask
+
+_handles: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_schemes: dict[int, weakref.ref[Any]] = {}
+_counter = itertools.count()
+
+
+@torch.compiler.assume_constant_result
+def _handle(scheme: Any) -> int:
+    """The scheme's handle for the operator, or -1 where the operator may not take it (its
+    hooks may read a tensor that is not its own parameter or buffer). Run once, on the
+    scheme itself, when Dynamo traces the call; the compiled graph holds the integer."""
+    if scheme is None or not _reads_own_only(scheme):
+        return -1
+    handle = _handles.get(scheme)
+    if handle is None:
+        handle = _handles[scheme] = next(_counter)
+        _schemes[handle] = weakref.ref(scheme, lambda _, h=handle: _schemes.pop(h, None))
+    return handle
+
+
+def _scheme(handle: int) -> Any:
+    """The scheme of ``handle``.
+
+    Raises:
+        RuntimeError: the scheme is gone (a compiled graph outlived it).
+    """
+    ref = _schemes.get(handle)
+    scheme = None if ref is None else ref()
+    if scheme is None:
+        raise RuntimeError(
+            f"posenc's compiled attention holds the handle {handle} of a scheme that no longer "
+            "exists; call torch.compiler.reset() after replacing a compiled model's scheme"
+        )
+    return scheme
+
+
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, handle: int, causal: bool,
+    scale: float,
+) -> Tensor:  # fmt: skip
+    """The eager dispatcher on the call: ``[b, h, n_q, d_v]``."""
+    from .dispatch import attend  # the dispatcher imports this module
+
+    mask = Mask(q.shape[2], k.shape[2], causal=causal)
+    scheme = _scheme(handle)
+    return attend(q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale)[0]
+
+
+def _lean_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    params: list[Tensor],
+    handle: int,
+    causal: bool,
+    scale: float,
+) -> Tensor:
+    with torch.no_grad():
+        return _attend(q, k, v, q_pos, k_pos, handle, causal, scale).contiguous()
+
+
+def _lean_attention_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    params: list[Tensor],
+    handle: int,
+    causal: bool,
+    scale: float,
+) -> Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))  # [b, h, n_q, d_v]
+
+
+def _lean_attention_backward(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    params: list[Tensor],
+    handle: int,
+    causal: bool,
+    scale: float,
+) -> list[Tensor]:
+    live = scheme_parameters(_scheme(handle))  # the tensors `params` stood for when traced
+    if len(live) != len(params):
+        raise RuntimeError(
+            f"the scheme has {len(live)} parameters that require grad, its compiled graph "
+            f"{len(params)}; call torch.compiler.reset() after changing requires_grad"
+        )
+    threads = torch.get_num_threads()
+    result: list[Any] = []
+
+    def recompute() -> None:
+        try:
+            torch.set_num_threads(threads)  # a thread's own setting, as the caller's
+            with torch.enable_grad():
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                out = _attend(*leaves, q_pos, k_pos, handle, causal, scale)
+                result.extend(torch.autograd.grad(out, leaves + live, grad, allow_unused=True))
+        except BaseException as error:  # raised again by the caller's thread
+            result[:] = [error]
+
+    worker = threading.Thread(target=recompute, name="posenc-compiled-backward")
+    worker.start()
+    worker.join()
+    if len(result) == 1 and isinstance(result[0], BaseException):
+        raise result[0]
+    wrt = [q, k, v, *params]
+    return [
+        torch.zeros_like(x) if g is None else g.to(x.dtype).contiguous()
+        for g, x in zip(result, wrt, strict=True)
+    ]
+
+
+def _lean_attention_backward_fake(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    params: list[Tensor],
+    handle: int,
+    causal: bool,
+    scale: float,
+) -> list[Tensor]:
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, *params)]
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    q, k, v, q_pos, k_pos, params, handle, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, q_pos, k_pos, *params)
+    ctx.call = (handle, causal, scale)
+
+
+def _backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+    q, k, v, q_pos, k_pos, *params = ctx.saved_tensors
+    grads = _backward_op(grad, q, k, v, q_pos, k_pos, params, *ctx.call)
+    return grads[0], grads[1], grads[2], None, None, list(grads[3:]), None, None, None
+
+
+def _define() -> tuple[Any, Any]:
+    """The two operators: defined here, or those an earlier import of this module defined
+    (a reload)."""
+    ops = getattr(torch.ops, _NAMESPACE)
+    forward = getattr(ops, "lean_attention", None)
+    backward = getattr(ops, "lean_attention_backward", None)
+    if forward is not None and backward is not None:
+        return forward, backward
+    name = f"{_NAMESPACE}::lean_attention"
+    backward = torch.library.custom_op(f"{name}_backward", mutates_args=())(
+        _lean_attention_backward
+    )
+    backward.register_fake(_lean_attention_backward_fake)
+    forward = torch.library.custom_op(name, mutates_args=())(_lean_attention)
+    forward.register_fake(_lean_attention_fake)
+    forward.register_autograd(_backward, setup_context=_setup_context)
+    return forward, backward
+
+
+_forward_op, _backward_op = _define()
+
+
+def lean_plan(call: Any, too_large: str | None) -> Callable[[], Tensor] | None:
+    """While compiling, the operator for a call the lean engine runs better than the
+    compiled math: ``too_large`` the reason the materialised path gives by the call's size
+    (None: it would write the call out, and so does the compiled graph), and nothing the
+    operator does not take (see the module docstring). None otherwise."""
+    if too_large is None or not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return None
+    q, k, v, hooks = call.q, call.k, call.v, call.hooks
+    if hooks.contextual_term is not None or call.dropout_p > 0 or call.read_by is not None:
+        return None
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64):
+        return None
+    if not (k.dtype == v.dtype == q.dtype) or not call.mask.causal_at_most:
+        return None
+    handle = _handle(call.scheme)
+    if handle < 0:
+        return None
+    params = scheme_parameters(call.scheme)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *params))
+    if grad and not params and hooks.score_term is None and hooks.value_term is None:
+        # a constant bias with gradients: SDPA's fused route with the bias as its mask
+        # keeps no weights, where the operator would compute the forward twice
+        return None
+    return lambda: _forward_op(
+        q, k, v, call.q_pos, call.k_pos, params, handle, call.mask.causal, call.scale
+    )
