@@ -79,15 +79,24 @@ def _scheme(handle: int) -> Any:
     return scheme
 
 
+#: the eager dispatcher, :func:`.dispatch.attend`, which hands itself to this module when
+#: it is imported (:func:`use_dispatcher`: the dispatcher imports this module)
+_dispatcher: list[Callable[..., tuple[Tensor, Tensor | None]]] = []
+
+
+def use_dispatcher(attend: Callable[..., tuple[Tensor, Tensor | None]]) -> None:
+    """Make ``attend`` the dispatcher the operators run."""
+    _dispatcher[:] = [attend]
+
+
 def _attend(
     q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, handle: int, causal: bool,
     scale: float,
 ) -> Tensor:  # fmt: skip
     """The eager dispatcher on the call: ``[b, h, n_q, d_v]``."""
-    from .dispatch import attend  # the dispatcher imports this module
-
     mask = Mask(q.shape[2], k.shape[2], causal=causal)
     scheme = _scheme(handle)
+    attend = _dispatcher[0]
     return attend(q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale)[0]
 
 

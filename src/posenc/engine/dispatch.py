@@ -128,6 +128,9 @@ def attend(
     return out, None if weights is None else weights.masked_fill(sees, float("nan"))
 
 
+compiled.use_dispatcher(attend)
+
+
 def _learned_mask(mask: Mask) -> bool:
     """A float ``attn_mask`` that asks for a gradient: the fast paths give it none, so the
     call takes the math path, which differentiates everything it adds."""
