@@ -242,11 +242,11 @@ def _reversed(k: Tensor, v: Tensor, *, keep: bool = True) -> Iterator[tuple[Tens
 
 
 def _rows_reversed(x: Tensor, out: Tensor) -> Tensor:
-    """``out [b, g, n, d]`` written with ``x [b, g, n, d]``'s rows ``n - 1 ..
-    0``: one ``index_select`` of whole rows of ``d`` values (a copy of each row, at about
-    the cost of a plain copy) where each row of ``x`` is dense and starts at a multiple of
-    ``d`` from the first and ``out`` is contiguous, else ``flip``, whose element-wise
-    strided copy costs about twice as much."""
+    """``out [b, g, n, d]``, written with the rows of ``x [b, g, n, d]`` in reverse order
+    (``out[:, :, i] = x[:, :, n - 1 - i]``): one ``index_select`` of whole rows of ``d``
+    values, a copy of each row at about the cost of a plain copy, where each row of ``x`` is
+    dense and starts a multiple of ``d`` values after its first and ``out`` is contiguous;
+    else ``flip``, whose element-wise strided copy costs about twice as much."""
     b, g, n, d = x.shape
     strides = x.stride()
     rows_of_d = d and strides[3] == 1 and not any(s % d for s in strides[:3])
