@@ -30,15 +30,16 @@ def small_threshold(monkeypatch):
     torch._dynamo.reset()
 
 
-def _ops(fn, *args) -> list[str]:
-    """The operators of the graph Dynamo traces for ``fn(*args)`` (in one graph)."""
+def _ops(fn, *args, fullgraph: bool = True) -> list[str]:
+    """The operators of the graphs Dynamo traces for ``fn(*args)`` (one graph, unless
+    ``fullgraph`` is False)."""
     seen: list[str] = []
 
     def backend(gm, example_inputs):
         seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
         return gm.forward
 
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    torch.compile(fn, backend=backend, fullgraph=fullgraph)(*args)
     return seen
 
 
@@ -155,10 +156,68 @@ def test_another_scheme_object_gets_its_own_graph():
         torch.testing.assert_close(got, want)
 
 
+def test_operator_reads_the_tensors_the_graph_passes():
+    """``torch.func.functional_call`` swaps parameters in while compiling: the operator's
+    forward and backward read those, not the module's own (the gradients of the table
+    passed, of the projections and of the input all equal eager's); with the module frozen
+    and its tensors passed trainable too. (Dynamo breaks the graph where posenc reads the
+    scheme's class after the swap: not ``fullgraph``.)"""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = posenc.MultiHeadAttention(16, HEADS, position=posenc.T5RelativeBias(HEADS)).double()
+    x = torch.randn(2, N, 16, dtype=torch.float64)
+    for frozen in (False, True):
+        model.requires_grad_(not frozen)
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        params["position.embedding.weight"] = params["position.embedding.weight"] * 5 + 1
+        results = []
+        for run in (lambda p, x: functional_call(model, p, (x,)),):
+            for fn in (run, torch.compile(run, backend="aot_eager")):
+                leaves = {n: p.clone().requires_grad_() for n, p in params.items()}
+                inputs = x.clone().requires_grad_()
+                out = fn(leaves, inputs)
+                wrt = [inputs, *leaves.values()]
+                results.append([out, *torch.autograd.grad(out.square().sum(), wrt)])
+        call = lambda p, x: functional_call(model, p, (x,))  # noqa: E731
+        assert _uses_operator(_ops(call, params, x, fullgraph=False))
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_graphs_do_not_specialise_on_lengths_or_scheme_objects():
+    """Dynamo's graphs: one for every length with dynamic shapes (the size reason names no
+    size), and one for several ALiBi modules compiled apart where the operator is not used
+    (a constant bias with gradients: the handle, which ties a graph to its scheme object,
+    is not asked for)."""
+    from torch._dynamo.utils import counters
+
+    alibi = posenc.ALiBi(HEADS)
+    call = torch.compile(
+        lambda q, k, v: posenc.attention(q, k, v, position=alibi), backend="eager", dynamic=True
+    )
+    counters.clear()
+    for n in (20, 21, 23, 26):
+        q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM) for _ in range(3))
+        with torch.no_grad():
+            torch.testing.assert_close(call(q, k, v), posenc.attention(q, k, v, position=alibi))
+    assert counters["stats"]["unique_graphs"] == 1
+
+    torch._dynamo.reset()
+    counters.clear()
+    layers = [posenc.MultiHeadAttention(16, HEADS, position=posenc.ALiBi(HEADS)) for _ in range(3)]
+    for layer in layers:
+        layer.compile(backend="eager")
+    y = torch.randn(1, N, 16, requires_grad=True)
+    for layer in layers:
+        y = layer(y)
+    y.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_operator_errors(monkeypatch):
-    """A handle whose scheme is gone, a scheme whose trainable parameters changed since the
-    graph was traced, and an error inside the backward's recomputation (raised in the
-    caller's thread)."""
+    """A handle whose scheme is gone, names that do not match the tensors, and an error
+    inside the backward's recomputation (raised in the caller's thread)."""
     import gc
 
     scheme = posenc.T5RelativeBias(HEADS)
@@ -173,13 +232,15 @@ def test_operator_errors(monkeypatch):
     handle = compiled._handle(scheme)
     q, k, v = (torch.randn(1, HEADS, N, HEAD_DIM) for _ in range(3))
     pos = torch.arange(N)[None]
-    with pytest.raises(RuntimeError, match="1 parameters that require grad, its compiled graph 0"):
-        compiled._backward_op(q, q, k, v, pos, pos, [], handle, False, 0.5)
+    weight = scheme.embedding.weight.detach()
+    with pytest.raises(RuntimeError, match="1 tensors for 0 names"):
+        compiled._forward_op(q, k, v, pos, pos, [weight], [], "", handle, False, 0.5)
 
     def broken(*args):
         raise ValueError("inside the recomputation")
 
     monkeypatch.setattr(compiled, "_attend", broken)
-    weight = scheme.embedding.weight
     with pytest.raises(ValueError, match="inside the recomputation"):
-        compiled._backward_op(q, q, k, v, pos, pos, [weight], handle, False, 0.5)
+        compiled._backward_op(
+            q, q, k, v, pos, pos, [weight], [], "embedding.weight", handle, False, 0.5
+        )

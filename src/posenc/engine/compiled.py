@@ -38,22 +38,35 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._tables import _NAMESPACE
-from .learned import _reads_own_only, scheme_parameters
+from .learned import _reads_own_only
 from .mask import Mask
 
-_handles: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-_schemes: dict[int, weakref.ref[Any]] = {}
-_counter = itertools.count()
+# kept across a reload of this module (whose operators are defined once per process: see
+# :func:`_define`): the schemes by handle, and the dispatcher the operators run
+_handles: weakref.WeakKeyDictionary[Any, int] = globals().get(
+    "_handles", weakref.WeakKeyDictionary()
+)
+_schemes: dict[int, weakref.ref[Any]] = globals().get("_schemes", {})
+_counter: itertools.count[int] = globals().get("_counter", itertools.count())
+#: the eager dispatcher, :func:`.dispatch.attend`, which hands itself to this module when
+#: it is imported (:func:`use_dispatcher`: the dispatcher imports this module)
+_dispatcher: list[Callable[..., tuple[Tensor, Tensor | None]]] = globals().get("_dispatcher", [])
+
+
+def use_dispatcher(attend: Callable[..., tuple[Tensor, Tensor | None]]) -> None:
+    """Make ``attend`` the dispatcher the operators run."""
+    _dispatcher[:] = [attend]
 
 
 @torch.compiler.assume_constant_result
 def _handle(scheme: Any) -> int:
     """The scheme's handle for the operator, or -1 where the operator may not take it (its
     hooks may read a tensor that is not its own parameter or buffer). Run once, on the
-    scheme itself, when Dynamo traces the call; the compiled graph holds the integer."""
+    scheme itself, when Dynamo traces the call; the compiled graph holds the integer (and
+    Dynamo guards on the scheme's identity)."""
     if scheme is None or not _reads_own_only(scheme):
         return -1
     handle = _handles.get(scheme)
@@ -79,25 +92,64 @@ def _scheme(handle: int) -> Any:
     return scheme
 
 
-#: the eager dispatcher, :func:`.dispatch.attend`, which hands itself to this module when
-#: it is imported (:func:`use_dispatcher`: the dispatcher imports this module)
-_dispatcher: list[Callable[..., tuple[Tensor, Tensor | None]]] = []
+class _Bound(nn.Module):
+    """The scheme as a submodule, so that :func:`torch.func.functional_call` runs the
+    dispatcher with the tensors the graph passed in place of the scheme's own (they are
+    the same tensors unless the caller swapped them in: ``functional_call``, FSDP), the
+    backward included: the lean engine's backward may run the hooks again."""
 
+    def __init__(self, scheme: nn.Module) -> None:
+        super().__init__()
+        self.scheme = scheme
 
-def use_dispatcher(attend: Callable[..., tuple[Tensor, Tensor | None]]) -> None:
-    """Make ``attend`` the dispatcher the operators run."""
-    _dispatcher[:] = [attend]
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, causal: bool,
+        scale: float, grad: Tensor | None, wrt: list[Tensor],
+    ) -> Tensor | tuple[Tensor | None, ...]:  # fmt: skip
+        """The output ``[b, h, n_q, d_v]``; with ``grad``, the gradients of ``wrt`` instead."""
+        mask = Mask(q.shape[2], k.shape[2], causal=causal)
+        attend = _dispatcher[0]
+        out = attend(q, k, v, scheme=self.scheme, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale)[
+            0
+        ]
+        if grad is None:
+            return out
+        return torch.autograd.grad(out, wrt, grad, allow_unused=True)
 
 
 def _attend(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, handle: int, causal: bool,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    tensors: list[Tensor],
+    names: str,
+    handle: int,
+    causal: bool,
     scale: float,
-) -> Tensor:  # fmt: skip
-    """The eager dispatcher on the call: ``[b, h, n_q, d_v]``."""
-    mask = Mask(q.shape[2], k.shape[2], causal=causal)
-    scheme = _scheme(handle)
-    attend = _dispatcher[0]
-    return attend(q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos, mask=mask, scale=scale)[0]
+    grad: Tensor | None = None,
+    wrt: list[Tensor] | None = None,
+) -> Any:
+    """The eager dispatcher on the call, the scheme reading ``tensors`` (its parameters and
+    buffers ``names``, one a line): ``[b, h, n_q, d_v]``, or with ``grad`` the gradients of
+    ``wrt`` (None for one the output does not reach)."""
+    bound = _Bound(_scheme(handle))
+    swapped = dict(zip(_names(names, len(tensors)), tensors, strict=True))
+    args = (q, k, v, q_pos, k_pos, causal, scale, grad, wrt or [])
+    return torch.func.functional_call(bound, swapped, args)
+
+
+def _names(names: str, count: int) -> list[str]:
+    """The names of ``names`` (one a line) as the bound scheme's: ``scheme.<name>``.
+
+    Raises:
+        RuntimeError: not ``count`` of them.
+    """
+    found = [f"scheme.{name}" for name in names.split("\n")] if names else []
+    if len(found) != count:
+        raise RuntimeError(f"{count} tensors for {len(found)} names: {names!r}")
+    return found
 
 
 def _lean_attention(
@@ -106,13 +158,16 @@ def _lean_attention(
     v: Tensor,
     q_pos: Tensor,
     k_pos: Tensor,
-    params: list[Tensor],
+    learned: list[Tensor],
+    fixed: list[Tensor],
+    names: str,
     handle: int,
     causal: bool,
     scale: float,
 ) -> Tensor:
     with torch.no_grad():
-        return _attend(q, k, v, q_pos, k_pos, handle, causal, scale).contiguous()
+        out = _attend(q, k, v, q_pos, k_pos, [*learned, *fixed], names, handle, causal, scale)
+    return out.contiguous()
 
 
 def _lean_attention_fake(
@@ -121,7 +176,9 @@ def _lean_attention_fake(
     v: Tensor,
     q_pos: Tensor,
     k_pos: Tensor,
-    params: list[Tensor],
+    learned: list[Tensor],
+    fixed: list[Tensor],
+    names: str,
     handle: int,
     causal: bool,
     scale: float,
@@ -136,17 +193,13 @@ def _lean_attention_backward(
     v: Tensor,
     q_pos: Tensor,
     k_pos: Tensor,
-    params: list[Tensor],
+    learned: list[Tensor],
+    fixed: list[Tensor],
+    names: str,
     handle: int,
     causal: bool,
     scale: float,
 ) -> list[Tensor]:
-    live = scheme_parameters(_scheme(handle))  # the tensors `params` stood for when traced
-    if len(live) != len(params):
-        raise RuntimeError(
-            f"the scheme has {len(live)} parameters that require grad, its compiled graph "
-            f"{len(params)}; call torch.compiler.reset() after changing requires_grad"
-        )
     threads = torch.get_num_threads()
     result: list[Any] = []
 
@@ -154,9 +207,14 @@ def _lean_attention_backward(
         try:
             torch.set_num_threads(threads)  # a thread's own setting, as the caller's
             with torch.enable_grad():
-                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-                out = _attend(*leaves, q_pos, k_pos, handle, causal, scale)
-                result.extend(torch.autograd.grad(out, leaves + live, grad, allow_unused=True))
+                leaves = [x.detach().requires_grad_() for x in (q, k, v, *learned)]
+                tensors = [*leaves[3:], *fixed]
+                result.extend(
+                    _attend(
+                        *leaves[:3], q_pos, k_pos, tensors, names, handle, causal, scale,
+                        grad, leaves,
+                    )
+                )  # fmt: skip
         except BaseException as error:  # raised again by the caller's thread
             result[:] = [error]
 
@@ -165,9 +223,9 @@ def _lean_attention_backward(
     worker.join()
     if len(result) == 1 and isinstance(result[0], BaseException):
         raise result[0]
-    wrt = [q, k, v, *params]
+    wrt = [q, k, v, *learned]
     return [
-        torch.zeros_like(x) if g is None else g.to(x.dtype).contiguous()
+        torch.zeros(x.shape, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
         for g, x in zip(result, wrt, strict=True)
     ]
 
@@ -179,24 +237,29 @@ def _lean_attention_backward_fake(
     v: Tensor,
     q_pos: Tensor,
     k_pos: Tensor,
-    params: list[Tensor],
+    learned: list[Tensor],
+    fixed: list[Tensor],
+    names: str,
     handle: int,
     causal: bool,
     scale: float,
 ) -> list[Tensor]:
-    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, *params)]
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, *learned)]
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    q, k, v, q_pos, k_pos, params, handle, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, q_pos, k_pos, *params)
-    ctx.call = (handle, causal, scale)
+    q, k, v, q_pos, k_pos, learned, fixed, names, handle, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, q_pos, k_pos, *learned, *fixed)
+    ctx.call = (len(learned), names, handle, causal, scale)
 
 
 def _backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-    q, k, v, q_pos, k_pos, *params = ctx.saved_tensors
-    grads = _backward_op(grad, q, k, v, q_pos, k_pos, params, *ctx.call)
-    return grads[0], grads[1], grads[2], None, None, list(grads[3:]), None, None, None
+    q, k, v, q_pos, k_pos, *tensors = ctx.saved_tensors
+    count, names, handle, causal, scale = ctx.call
+    learned, fixed = tensors[:count], tensors[count:]
+    grads = _backward_op(grad, q, k, v, q_pos, k_pos, learned, fixed, names, handle, causal, scale)
+    fixed_grads = [None] * len(fixed)  # the buffers and frozen parameters: none
+    return (*grads[:3], None, None, list(grads[3:]), fixed_grads, None, None, None, None)
 
 
 def _define() -> tuple[Any, Any]:
@@ -235,15 +298,24 @@ def lean_plan(call: Any, too_large: str | None) -> Callable[[], Tensor] | None:
         return None
     if not (k.dtype == v.dtype == q.dtype) or not call.mask.causal_at_most:
         return None
-    handle = _handle(call.scheme)
-    if handle < 0:
+    scheme = call.scheme
+    if not isinstance(scheme, nn.Module):
         return None
-    params = scheme_parameters(call.scheme)
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *params))
-    if grad and not params and hooks.score_term is None and hooks.value_term is None:
+    learned = [(n, p) for n, p in scheme.named_parameters() if p.requires_grad]
+    fixed = [(n, p) for n, p in scheme.named_parameters() if not p.requires_grad]
+    fixed += list(scheme.named_buffers())
+    grad = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (q, k, v, *(p for _, p in learned))
+    )
+    if grad and not learned and hooks.score_term is None and hooks.value_term is None:
         # a constant bias with gradients: SDPA's fused route with the bias as its mask
         # keeps no weights, where the operator would compute the forward twice
         return None
+    handle = _handle(scheme)  # last: Dynamo guards the graph on the scheme's identity
+    if handle < 0:
+        return None
+    names = "\n".join(n for n, _ in learned + fixed)
+    tensors = [p for _, p in learned], [t for _, t in fixed]
     return lambda: _forward_op(
-        q, k, v, call.q_pos, call.k_pos, params, handle, call.mask.causal, call.scale
+        q, k, v, call.q_pos, call.k_pos, *tensors, names, handle, call.mask.causal, call.scale
     )

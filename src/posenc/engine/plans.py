@@ -420,16 +420,23 @@ def materialised_size(call: Call) -> str | None:
     """Why the call is too large for the materialised path whatever it computes: more than
     :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) or
     :data:`tuning.MATERIALISED_PAIRS` query-key pairs per head; None if it is not (shapes
-    alone: read while compiling too)."""
+    alone: read while compiling too, where the reason names no size, so that Dynamo does
+    not specialise the graph on the shapes it would print)."""
     b, h, n_q, _ = call.q.shape
     n_k = call.k.shape[2]
     scores = b * h * n_q * n_k
-    if scores > tuning.MATERIALISED_SCORES:
+    over_budget = scores > tuning.MATERIALISED_SCORES
+    too_many = n_q * n_k > tuning.MATERIALISED_PAIRS
+    if torch.compiler.is_compiling():
+        if over_budget or too_many:
+            return "above MATERIALISED_SCORES scores or MATERIALISED_PAIRS pairs per head"
+        return None
+    if over_budget:
         return (
             f"the [b, h, n_q, n_k] scores would be {_mib(scores, call.q.dtype)}, above the "
             f"budget {_mib(tuning.MATERIALISED_SCORES, call.q.dtype)} (MATERIALISED_SCORES)"
         )
-    if n_q * n_k > tuning.MATERIALISED_PAIRS:
+    if too_many:
         return (
             f"{n_q} x {n_k} query-key pairs per head, above MATERIALISED_PAIRS = "
             f"{tuning.MATERIALISED_PAIRS}, from which the lean paths are faster at any batch"
