@@ -42,7 +42,9 @@ GRID_BUFFER_ELEMENTS = 1 << 22
 MASK_BLOCK_PAIRS = 1 << 15
 #: query rows per call, at least, of a causal sliding window run in blocks
 WINDOW_BLOCK_ROWS = 128
-#: scores [b, h, n_q, n_k] at most that the materialised path writes out (memory budget)
+#: scores [b, h, n_q, n_k] at most that the materialised path writes out (memory budget;
+#: under torch.compile, past it or MATERIALISED_PAIRS a call runs the lean engine as one
+#: operator: engine/compiled.py)
 MATERIALISED_SCORES = 1 << 23
 #: query-key pairs per head at most on the materialised path (past it the lean paths win)
 MATERIALISED_PAIRS = 1 << 16
