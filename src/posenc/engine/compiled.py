@@ -153,53 +153,23 @@ def _names(names: str, count: int) -> list[str]:
 
 
 def _lean_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    learned: list[Tensor],
-    fixed: list[Tensor],
-    names: str,
-    handle: int,
-    causal: bool,
-    scale: float,
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, learned: list[Tensor],
+    fixed: list[Tensor], names: str, handle: int, causal: bool, scale: float,
+) -> Tensor:  # fmt: skip
     with torch.no_grad():
         out = _attend(q, k, v, q_pos, k_pos, [*learned, *fixed], names, handle, causal, scale)
     return out.contiguous()
 
 
-def _lean_attention_fake(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    learned: list[Tensor],
-    fixed: list[Tensor],
-    names: str,
-    handle: int,
-    causal: bool,
-    scale: float,
-) -> Tensor:
+def _lean_attention_fake(q: Tensor, k: Tensor, v: Tensor, *rest: Any) -> Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))  # [b, h, n_q, d_v]
 
 
 def _lean_attention_backward(
-    grad: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    learned: list[Tensor],
-    fixed: list[Tensor],
-    names: str,
-    handle: int,
-    causal: bool,
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
+    learned: list[Tensor], fixed: list[Tensor], names: str, handle: int, causal: bool,
     scale: float,
-) -> list[Tensor]:
+) -> list[Tensor]:  # fmt: skip
     threads = torch.get_num_threads()
     result: list[Any] = []
 
@@ -231,19 +201,9 @@ def _lean_attention_backward(
 
 
 def _lean_attention_backward_fake(
-    grad: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    learned: list[Tensor],
-    fixed: list[Tensor],
-    names: str,
-    handle: int,
-    causal: bool,
-    scale: float,
-) -> list[Tensor]:
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor,
+    learned: list[Tensor], *rest: Any,
+) -> list[Tensor]:  # fmt: skip
     return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, *learned)]
 
 
