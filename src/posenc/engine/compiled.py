@@ -14,9 +14,12 @@ its inputs); an operator's kernel runs below autograd, so it does so in a thread
 own, where autograd records as in eager code.
 
 The operator takes the scheme by a handle (:func:`_handle`, evaluated once when Dynamo
-traces the call, which then guards on the scheme's identity), and only a scheme whose hooks
-read its parameters and buffers alone (:func:`~.learned._reads_own_only`): the gradients
-it returns are those of the parameters the scheme holds. Not under ``torch.export``
+traces the call, which then guards on the scheme's identity: one graph per scheme object),
+and only a scheme whose hooks read its parameters and buffers alone
+(:func:`~.learned._reads_own_only`). Those the graph passes to the operator, which swaps
+them into the scheme for its kernels (:class:`_Bound`): the scheme's own tensors, or those
+a caller swapped in while tracing (``torch.func.functional_call``), whose gradients the
+backward returns. Not under ``torch.export``
 (whose programs must run where posenc is not imported), not for attention dropout, masks
 other than a causal one, a contextual term, a key shift folded into the keys, devices
 other than the CPU or dtypes other than float32 and float64: those compile as before.
