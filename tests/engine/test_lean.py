@@ -195,3 +195,43 @@ def test_a_term_that_reads_the_queries_only_as_an_index_has_no_query_gradient_to
         grads[backend] = torch.autograd.grad(out.square().sum(), (leaf, table))
     for found, expected in zip(grads["lean"], grads["math"], strict=True):
         torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_lean_paths_differentiate_the_tensors_functional_call_swaps_in(monkeypatch, create_graph):
+    """``torch.func.functional_call`` puts the module's own tensors back before the backward,
+    which on the lean paths runs the hooks again: the backward reads the tensors swapped in
+    for the forward (the table's gradient, and q's, k's and v's from that table), as the
+    math path's graph does; with ``create_graph=True`` (the reference's gradients) too."""
+    from torch.func import functional_call
+
+    from schemes import SCHEMES
+
+    monkeypatch.setattr(tuning, "MATERIALISED_PAIRS", 64)  # 12 tokens: the lean-fused path
+    torch.manual_seed(0)
+    scheme = SCHEMES["swin-2d"].build(2, 8, 12, (3, 4)).double()
+
+    class Bound(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scheme = scheme
+
+        def forward(self, q, k, v, backend):
+            return posenc.attention(q, k, v, position=self.scheme, backend=backend)
+
+    bound = Bound()
+    q, k, v = (torch.randn(2, 2, 12, 8, dtype=torch.float64) for _ in range(3))
+    assert posenc.explain(q, k, v, position=scheme).path == "lean-fused"
+    swapped = {n: p.detach() * 3 + 1 for n, p in bound.named_parameters()}
+    results = {}
+    for backend in ("auto", "math"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        tables = {n: p.clone().requires_grad_() for n, p in swapped.items()}
+        out = functional_call(bound, tables, (*leaves, backend))
+        wrt = [*leaves, *tables.values()]
+        grads = torch.autograd.grad(out.square().sum(), wrt, create_graph=create_graph)
+        if create_graph:  # a second derivative through the first
+            grads = torch.autograd.grad(sum(g.square().sum() for g in grads), wrt)
+        results[backend] = grads
+    for got, want in zip(results["auto"], results["math"], strict=True):
+        torch.testing.assert_close(got, want)

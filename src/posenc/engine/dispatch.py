@@ -187,7 +187,7 @@ def _attend(
     )  # fmt: skip
     tensors = (q, k, v, *histories, *call.params)
     return _TwiceDifferentiable.apply(
-        fast, reference, dropout_p, 3 + len(histories), *tensors
+        fast, reference, dropout_p, 3 + len(histories), scheme, *tensors
     ), None
 
 

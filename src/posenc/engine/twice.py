@@ -8,11 +8,12 @@ Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` hea
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..hooks import Hooks
 from .learned import substituted
@@ -60,6 +61,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
         reference: Callable[..., Tensor],
         dropout_p: float,
         slots: int,
+        scheme: Any,
         *tensors: Tensor,
     ) -> Tensor:
         with torch.enable_grad():
@@ -67,6 +69,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
             out = fast(*leaves)
         ctx.graph = (out, leaves, tensors[slots:])
         ctx.reference, ctx.dropout_p = reference, dropout_p
+        ctx.scheme, ctx.owned = scheme, _trainable(scheme)
         ctx.save_for_backward(*tensors[:slots])
         return out.detach()
 
@@ -80,7 +83,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
             )
         out, leaves, params = ctx.graph
         if not out.requires_grad:  # nothing the output depends on asks for a gradient
-            return (None,) * (4 + len(leaves) + len(params))
+            return (None,) * (5 + len(leaves) + len(params))
         if torch.is_grad_enabled():  # create_graph=True: the gradient needs a graph
             if ctx.dropout_p > 0:
                 raise RuntimeError(
@@ -88,20 +91,53 @@ class _TwiceDifferentiable(torch.autograd.Function):
                     "same dropout mask twice; use backend='math' (its dropout is part of the "
                     "graph) or set dropout=0"
                 )
-            return (
-                None,
-                None,
-                None,
-                None,
-                *_reference_gradients(ctx.reference, ctx.saved_tensors, params, grad_out),
-            )
+            with _as_in_forward(ctx.scheme, ctx.owned):
+                grads = _reference_gradients(ctx.reference, ctx.saved_tensors, params, grad_out)
+            return None, None, None, None, None, *grads
         inputs = [*leaves, *params]
         wrt = [x for x in inputs if x.requires_grad]
+        scheme, owned = ctx.scheme, ctx.owned
         if not _keeps_graph():  # the last backward through this node: let its graph go
             del ctx.graph  # when this backward returns (freeing it now could free history
             # that the graph shares with the rest of the model: a parametrised table)
-        grads = iter(torch.autograd.grad(out, wrt, grad_out, retain_graph=True, allow_unused=True))
-        return None, None, None, None, *(next(grads) if x.requires_grad else None for x in inputs)
+        with _as_in_forward(scheme, owned):  # a path's backward may run the hooks again
+            grads = iter(
+                torch.autograd.grad(out, wrt, grad_out, retain_graph=True, allow_unused=True)
+            )
+        none = (None,) * 5
+        return *none, *(next(grads) if x.requires_grad else None for x in inputs)
+
+
+def _trainable(scheme: Any) -> list[tuple[str, Tensor]]:
+    """The scheme's parameters that require grad, by name (none for a scheme that is not an
+    ``nn.Module``)."""
+    if not isinstance(scheme, nn.Module):
+        return []
+    return [(name, p) for name, p in scheme.named_parameters() if p.requires_grad]
+
+
+@contextmanager
+def _as_in_forward(scheme: Any, owned: list[tuple[str, Tensor]]) -> Iterator[None]:
+    """Inside the block, the scheme holds the trainable tensors it held in the forward,
+    ``owned``, where it holds others now: ``torch.func.functional_call`` swaps tensors in
+    for the forward and puts the module's own back before the backward, which may run the
+    hooks again (the lean engine's paths do). Nothing changes where the names differ (a
+    parameter frozen or added in between)."""
+    now = _trainable(scheme)
+    if [name for name, _ in now] != [name for name, _ in owned]:
+        return (yield)
+    swaps = [(name, then) for (name, p), (_, then) in zip(now, owned, strict=True) if p is not then]
+    restore = []
+    for name, then in swaps:
+        module_name, _, leaf = name.rpartition(".")
+        module = scheme.get_submodule(module_name)
+        restore.append((module, leaf, module._parameters[leaf]))
+        module._parameters[leaf] = then  # as functional_call swaps it: the dict's entry
+    try:
+        yield
+    finally:
+        for module, leaf, tensor in reversed(restore):
+            module._parameters[leaf] = tensor
 
 
 def _keeps_graph() -> bool:
