@@ -51,7 +51,8 @@ class _TwiceDifferentiable(torch.autograd.Function):
     output with the math reference on the saved inputs and differentiates it with a graph,
     so that the second derivative is the definition's: exact, with the reference's
     ``[b, h, n_q, n_k]`` memory. The tensors after the slots are leaves the hooks read (the
-    scheme's parameters), differentiated as they are.
+    scheme's parameters), differentiated as they are; either backward runs with the
+    scheme holding the trainable parameters it held in the forward (:func:`_as_in_forward`).
     """
 
     @staticmethod
