@@ -23,8 +23,10 @@ N = GRID[0] * GRID[1]
 
 @pytest.fixture(autouse=True)
 def small_threshold(monkeypatch):
-    """Calls of more than 64 query-key pairs per head are too large to write out."""
+    """Calls of more than 64 query-key pairs per head or 256 scores are too large to write
+    out."""
     monkeypatch.setattr(tuning, "MATERIALISED_PAIRS", 64)
+    monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 256)
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -39,6 +41,7 @@ def _ops(fn, *args, fullgraph: bool = True) -> list[str]:
         seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
         return gm.forward
 
+    torch._dynamo.reset()  # each call traced anew (one code object serves many cases)
     torch.compile(fn, backend=backend, fullgraph=fullgraph)(*args)
     return seen
 
@@ -124,6 +127,12 @@ def test_calls_the_operator_does_not_take():
     assert not _uses_operator(_ops(with_(position=alibi), *leaves))
     with torch.no_grad():
         assert _uses_operator(_ops(with_(position=alibi), *leaves))
+    # with gradients, above the pairs per head but within the scores' budget: written out
+    t5 = posenc.T5RelativeBias(HEADS)
+    assert _uses_operator(_ops(with_(position=t5), *leaves))  # 288 scores
+    assert not _uses_operator(_ops(with_(position=t5), *(x[:, :, :11] for x in leaves)))
+    with torch.no_grad():  # 242 scores, 121 pairs: no second forward, the operator
+        assert _uses_operator(_ops(with_(position=t5), *(x[:, :, :11] for x in leaves)))
 
     class Mine(posenc.ALiBi):  # a method outside posenc: it may read any tensor
         def note(self) -> None:

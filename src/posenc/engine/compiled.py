@@ -24,9 +24,12 @@ backward returns. Not under ``torch.export``
 other than a causal one, a contextual term, a key shift folded into the keys, devices
 other than the CPU or dtypes other than float32 and float64: those compile as before.
 
-A constant bias (no parameter that requires grad: ALiBi, a frozen table) in a call with
-gradients compiles as before too: SDPA's fused route with the bias as its float mask
-keeps no ``[b, h, n_q, n_k]`` weights, and its backward needs no second forward.
+A call with gradients takes the operator only above the memory budget
+(:data:`~.tuning.MATERIALISED_SCORES` scores; not for the pairs per head alone): its
+backward computes the forward a second time. A constant bias (no parameter that requires
+grad: ALiBi, a frozen table) with gradients compiles as before at any size: SDPA's fused
+route with the bias as its float mask keeps no ``[b, h, n_q, n_k]`` weights, and its
+backward needs no second forward.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim,
 ``d_v`` value head dim; positions ``[B', n]`` with ``B'`` 1 or ``b``.
@@ -44,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from .._tables import _NAMESPACE
+from . import tuning
 from .learned import _reads_own_only
 from .mask import Mask
 
@@ -273,6 +277,10 @@ def lean_plan(call: Any, too_large: str | None) -> Callable[[], Tensor] | None:
     if grad and not learned and hooks.score_term is None and hooks.value_term is None:
         # a constant bias with gradients: SDPA's fused route with the bias as its mask
         # keeps no weights, where the operator would compute the forward twice
+        return None
+    if grad and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= tuning.MATERIALISED_SCORES:
+        # with gradients the operator computes the forward twice: it pays from the memory
+        # budget on, not from the pairs per head
         return None
     handle = _handle(scheme)  # last: Dynamo guards the graph on the scheme's identity
     if handle < 0:
