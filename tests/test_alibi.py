@@ -96,7 +96,7 @@ def test_kept_score_bias_is_the_dense_bias_kept_between_calls():
 
 def test_kept_score_bias_declines_what_it_does_not_keep():
     """None for learned slopes, a subclass's or the instance's own ``slopes``, ``bias`` or
-    ``offset_bias``, positions that are not one run, and a bias above 2^20 elements; the
+    ``offset_bias``, positions that are not one run, and a bias above 2^22 elements; the
     engine then computes ``score_bias`` (which those define), and its result is the
     caller's."""
 
@@ -127,9 +127,9 @@ def test_kept_score_bias_declines_what_it_does_not_keep():
         assert scheme.kept_score_bias(pos, pos) is None
     assert ALiBi(2).kept_score_bias(torch.tensor([[0, 2, 3]]), pos) is None
     assert ALiBi(2).kept_score_bias(torch.arange(6).expand(2, 6), pos) is None  # per batch
-    q_pos, k_pos = torch.arange(256)[None], torch.arange(257)[None]  # 16 x 256 x 257 > 2^20
+    q_pos, k_pos = torch.arange(512)[None], torch.arange(513)[None]  # 16 x 512 x 513 > 2^22
     assert ALiBi(16).kept_score_bias(q_pos, k_pos) is None
-    assert ALiBi(16).kept_score_bias(q_pos, k_pos[:, :256]) is not None  # 2^20
+    assert ALiBi(16).kept_score_bias(q_pos, k_pos[:, :512]) is not None  # 2^22
     import posenc.alibi as alibi_module
 
     alibi_module._paper_run_bias.cache_clear()

@@ -602,6 +602,7 @@ def test_explain_names_the_path_and_why_not_the_others(monkeypatch):
     assert plain.path == "sdpa" and plain.reasons == {}
     assert explain(q, k, v, position=ALiBi(2)).path == "materialised"  # 512 scores: SDPA's
     monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 0)  # as for a long sequence
+    monkeypatch.setattr(tuning, "KEPT_BIAS_PAIRS", 0)
     alibi = explain(q, k, v, position=ALiBi(2))
     assert alibi.path == "offset-bias"
     assert alibi.reasons["sdpa"].startswith("the scheme adds a bias")

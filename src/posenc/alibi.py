@@ -63,8 +63,10 @@ def _paper_run_bias(heads: int, first: int, count: int, device: torch.device) ->
     return -_paper_slopes(heads, device)[:, None] * offsets.abs().float()  # [heads, count]
 
 
-#: the most elements ``h * n_q * n_k`` of a dense bias kept between calls (4 MiB)
-_KEPT_DENSE = 1 << 20
+#: the most elements ``h * n_q * n_k`` of a dense bias kept between calls (16 MiB: 16 heads
+#: at 512 tokens, where the engine runs SDPA's fused kernel with it up to
+#: ``tuning.KEPT_BIAS_PAIRS`` pairs per head)
+_KEPT_DENSE = 1 << 22
 
 
 @memo(maxsize=4)
@@ -153,8 +155,9 @@ class ALiBi(OffsetBias):
     def kept_score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         """:meth:`score_bias` kept between calls, for the engine to read (see
         :class:`~posenc.hooks.KeptScoreBias`): with the paper's slopes, for consecutive
-        positions on the CPU and at most 2^20 elements ``h * n_q * n_k``, ``[1, h, n_q,
-        n_k]`` shared by every ALiBi of ``h`` heads in the process (never write into it);
+        positions on the CPU and at most 2^22 elements ``h * n_q * n_k``, ``[1, h, n_q,
+        n_k]`` shared by every ALiBi of ``h`` heads in the process (never write into it; the
+        last four kept, at most 64 MiB in all);
         None otherwise (learned slopes, a :meth:`slopes`, :meth:`bias`,
         :meth:`offset_bias` or ``score_bias`` of a subclass's, a mixin's or set on the
         instance, other positions, a larger bias).

@@ -157,8 +157,9 @@ def test_whatever_the_choice_reads_takes_the_dispatcher_again(change, walked, wa
         _call(scheme, q, k, v)
     assert len(walks) == 1
     kwargs, mask, steepness = {}, None, 1.0
-    if change == "tuning":  # the materialised path's budget: the lean engine now
+    if change == "tuning":  # the materialised path's budgets: the lean engine now
         monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 1)
+        monkeypatch.setattr(tuning, "KEPT_BIAS_PAIRS", 0)
     elif change == "threads":
         threads = torch.get_num_threads()
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)

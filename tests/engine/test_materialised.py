@@ -106,14 +106,15 @@ def test_explain_picks_materialised_when_small_and_a_lean_path_when_large(monkey
 def test_a_bias_without_gradients_is_written_out_up_to_the_budget(monkeypatch):
     """A bias's crossover holds where the call asks for gradients (a learned table, or
     ``q, k, v`` that require grad); without, the budget alone (its forward is cheap), and
-    under a causal mask MATERIALISED_CAUSAL_PAIRS pairs per head."""
+    under a causal mask MATERIALISED_CAUSAL_PAIRS pairs per head. (ALiBi's bias, which it
+    keeps between calls, has a rule of its own: the next test.)"""
     monkeypatch.setattr(tuning, "MATERIALISED_BIAS_SCORES", 2**12)
     q = torch.randn(2, 2, 32, 8)  # 2^12 scores: at the crossover, then past it
-    alibi, t5 = posenc.ALiBi(2), posenc.T5RelativeBias(2)
-    assert posenc.explain(q, q, q, position=alibi).path == "materialised"
+    frozen, t5 = posenc.T5RelativeBias(2).requires_grad_(False), posenc.T5RelativeBias(2)
+    assert posenc.explain(q, q, q, position=frozen).path == "materialised"
     monkeypatch.setattr(tuning, "MATERIALISED_BIAS_SCORES", 2**11)
-    assert posenc.explain(q, q, q, position=alibi).path == "materialised"
-    trained = posenc.explain(q.requires_grad_(), q, q, position=alibi)
+    assert posenc.explain(q, q, q, position=frozen).path == "materialised"
+    trained = posenc.explain(q.requires_grad_(), q, q, position=frozen)
     assert trained.path == "offset-bias"
     assert trained.reasons["materialised"] == (
         "4096 scores [b, h, n_q, n_k], above the crossover 2048 (MATERIALISED_BIAS_SCORES) "
@@ -134,6 +135,56 @@ def test_a_bias_without_gradients_is_written_out_up_to_the_budget(monkeypatch):
         )
         step = posenc.explain(long[:, :, -1:], long, long, position=t5, causal=True)
         assert step.path == "materialised"
+
+
+def test_alibis_kept_bias_runs_sdpas_fused_kernel_past_the_scores_budget(monkeypatch):
+    """ALiBi's bias, which it keeps between calls, goes to SDPA's fused kernel as its float
+    mask past MATERIALISED_SCORES, MATERIALISED_PAIRS and MATERIALISED_BIAS_SCORES (the
+    kernel writes no scores; the kept bias costs the call nothing), with or without
+    gradients, equal to math in float64; up to KEPT_BIAS_PAIRS pairs per head, for no mask,
+    values of the queries' head dim and a bias kept (paper slopes, consecutive positions).
+    Otherwise the budgets hold, with their reasons."""
+    calls = _spy_kernels(monkeypatch)
+    monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 2**10)  # 2 x 2 x 24 x 24 is above
+    monkeypatch.setattr(tuning, "MATERIALISED_PAIRS", 2**8)
+    monkeypatch.setattr(tuning, "MATERIALISED_BIAS_SCORES", 2**8)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 24, 8, dtype=torch.float64) for _ in range(3))
+    alibi = posenc.ALiBi(2)
+    assert posenc.explain(q, k, v, position=alibi).path == "materialised"
+    weights = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    results = {}
+    for backend in ("math", "auto", "auto"):  # the second auto call replays the route
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = posenc.attention(*leaves, position=alibi, backend=backend)
+        (out * weights).sum().backward()
+        results[backend] = [out, *(t.grad for t in leaves)]
+        with torch.no_grad():
+            results[backend].append(posenc.attention(q, k, v, position=alibi, backend=backend))
+    assert calls == ["sdpa", "sdpa"]  # the first auto call with gradients, then without
+    for a, c in zip(results["math"], results["auto"], strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-12, atol=1e-12)
+    # past KEPT_BIAS_PAIRS, the scores' budget
+    monkeypatch.setattr(tuning, "KEPT_BIAS_PAIRS", 24 * 24 - 1)
+    _refused(
+        posenc.explain(q, k, v, position=alibi),
+        "offset-bias",
+        "the [b, h, n_q, n_k] scores would be 0.0 MiB, above the budget 0.0 MiB "
+        "(MATERIALISED_SCORES)",
+    )
+    monkeypatch.setattr(tuning, "KEPT_BIAS_PAIRS", 24 * 24)
+    # no kept bias (learned slopes, positions not one run), a mask, other value channels
+    others = {
+        "learned": posenc.explain(q, k, v, position=posenc.ALiBi(2, learned=True)),
+        "positions": posenc.explain(
+            q, k, v, position=alibi, positions=torch.arange(24).flip(0)[None]
+        ),
+        "causal": posenc.explain(q, k, v, position=alibi, causal=True),
+        "d_v": posenc.explain(q, k, torch.randn(2, 2, 24, 4, dtype=torch.float64), position=alibi),
+    }
+    for why, told in others.items():
+        assert told.path != "materialised", why
+        assert "MATERIALISED_SCORES" in told.reasons["materialised"], (why, told)
 
 
 def test_a_value_term_has_its_own_crossover(monkeypatch):

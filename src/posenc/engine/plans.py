@@ -88,7 +88,19 @@ class Call:
 
     @functools.cached_property
     def _bias(self) -> tuple[Tensor, bool]:
-        return _read_bias(self.hooks, self.q_pos, self.k_pos)
+        if "kept_bias" not in self.__dict__:
+            return _read_bias(self.hooks, self.q_pos, self.k_pos)
+        kept = self.kept_bias  # read already
+        if kept is not None:
+            return kept, True
+        return self.hooks.score_bias(self.q_pos, self.k_pos), False
+
+    @functools.cached_property
+    def kept_bias(self) -> Tensor | None:
+        """The bias the scheme keeps between calls for these positions (its
+        ``kept_score_bias``), or None: none kept, or no such hook (read once per call)."""
+        kept = self.hooks.kept_score_bias
+        return None if kept is None else kept(self.q_pos, self.k_pos)
 
     @property
     def dense_bias(self) -> Tensor:
@@ -493,7 +505,8 @@ def _plan_materialised(call: Call) -> Plan:
             f"{dtype}: SDPA would add the bias rounded to {dtype}; the lean engine adds it "
             "in float32"
         )
-    too_large = materialised_size(call)
+    kept = _kept_bias_fused(call)
+    too_large = None if kept else materialised_size(call)
     if too_large is not None:
         return too_large
     b, h, n_q, _ = call.q.shape
@@ -511,7 +524,7 @@ def _plan_materialised(call: Call) -> Plan:
     else:
         name = "MATERIALISED_BIAS_SCORES" if grad else "MATERIALISED_SCORES"
     crossover = getattr(tuning, name)
-    if scores > crossover:
+    if scores > crossover and not kept:
         what = (
             ("a causal value term" if call.mask.causal else "a value term") if value
             else ("a causal score term" if call.mask.causal else "a score term") if term
@@ -544,6 +557,30 @@ def _plan_materialised(call: Call) -> Plan:
     if hooks.score_term is not None or hooks.score_bias is None:
         return run
     return routed(run, _BIAS_ROUTE if hooks.kept_score_bias is None else _KEPT_BIAS_ROUTE)
+
+
+def _kept_bias_fused(call: Call) -> bool:
+    """Whether the materialised path runs the call, whatever its size, as SDPA's fused kernel
+    with the bias the scheme keeps between calls (ALiBi's: ``kept_score_bias``) as its
+    float mask: a bias alone that asks for no gradient, no mask, values of the queries'
+    head dim (where SDPA's fused CPU kernel takes a float mask, and its backward keeps no
+    ``[b, h, n_q, n_k]`` weights), at most :data:`tuning.KEPT_BIAS_PAIRS` query-key pairs
+    per head, eager on the CPU, and not op by op (:func:`_op_by_op`). That kernel writes
+    no scores and the kept bias costs the call no memory, so the scores' budget does not
+    apply; past that many pairs the per-offset bias path is as fast (the crossover)."""
+    hooks = call.hooks
+    if hooks.kept_score_bias is None or hooks.score_term is not None:
+        return False
+    if hooks.value_term is not None or not call.mask.empty or call.dropout_p:
+        return False
+    q, k, v = call.q, call.k, call.v
+    if q.device.type != "cpu" or v.shape[-1] != q.shape[-1]:
+        return False
+    if q.shape[2] * k.shape[2] > tuning.KEPT_BIAS_PAIRS or torch.compiler.is_compiling():
+        return False
+    if call.kept_bias is None or call.scheme_params or call.kept_bias.requires_grad:
+        return False
+    return not call.op_by_op
 
 
 #: the routes of the materialised path's SDPA call with a bias alone (:mod:`.kept`): the

@@ -48,6 +48,12 @@ WINDOW_BLOCK_ROWS = 128
 MATERIALISED_SCORES = 1 << 23
 #: query-key pairs per head at most on the materialised path (past it the lean paths win)
 MATERIALISED_PAIRS = 1 << 16
+#: query-key pairs per head at most for which a bias the scheme keeps between calls
+#: (ALiBi's) runs SDPA's fused kernel with it as the float mask, past MATERIALISED_SCORES,
+#: MATERIALISED_PAIRS and MATERIALISED_BIAS_SCORES: that kernel writes no scores and the
+#: kept bias costs the call no memory (no mask but the bias; d_v = d); the crossover
+#: against the per-offset bias path, measured at b=2-16 h=8 d=64
+KEPT_BIAS_PAIRS = 1 << 18
 #: scores at most on the materialised path for a bias with gradients (the crossover)
 MATERIALISED_BIAS_SCORES = 3 << 21
 #: scores at most on the materialised path for a score term (the crossover)
