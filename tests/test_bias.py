@@ -179,6 +179,39 @@ def test_swin_1d_dense_bias_needs_no_index_and_equals_swins():
     assert torch.equal(table_grad, expected_grad)
 
 
+def test_swin_1d_rows_of_a_run_of_offsets_are_a_reversed_slice(monkeypatch):
+    """Offsets that run_offsets built (known as a run without reading them) inside the
+    window take the table's rows as a reversed slice (no gather), a tensor of their own,
+    with the values and the table's gradient of the gather; the same offsets built
+    elsewhere, a run written into, and traced offsets are gathered."""
+    from posenc import bias as bias_module
+    from posenc.indices import run_offsets
+
+    torch.manual_seed(0)
+    scheme = RelativePositionBias(6, 3).double()  # offsets -5 .. 5, row W - 1 - offset
+    table = scheme.table
+    offsets = run_offsets(torch.arange(2, 5)[None], torch.arange(6)[None])  # -4 .. 3
+    selected = []
+    original = bias_module.select_rows
+    monkeypatch.setattr(bias_module, "select_rows", lambda *a: selected.append(1) or original(*a))
+    rows = scheme.bias(offsets)  # [8, h]
+    assert selected == []
+    assert torch.equal(rows, torch.stack([table[5 - o] for o in range(-4, 4)]))
+    assert rows.untyped_storage().data_ptr() != table.untyped_storage().data_ptr()
+    gathered = scheme.bias(torch.arange(-4, 4))  # not known as a run
+    assert selected == [1] and torch.equal(rows, gathered)
+    grad = torch.randn_like(rows)
+    (slice_grad,) = torch.autograd.grad(rows, table, grad)
+    (gather_grad,) = torch.autograd.grad(gathered, table, grad)
+    assert torch.equal(slice_grad, gather_grad)
+    scheme.requires_grad_(False)  # (a trace takes the table as a constant)
+    traced = torch.jit.trace(lambda o: scheme.bias(o), (offsets,), check_trace=False)
+    assert selected == [1, 1]  # a gather, recorded for any offsets
+    assert torch.equal(traced(torch.arange(-5, 3)), scheme.bias(torch.arange(-5, 3)))
+    offsets[0] = 3  # written into: gathered again
+    assert torch.equal(scheme.bias(offsets)[0], table[2])
+
+
 def test_swin_gradient_reaches_table():
     bias = RelativePositionBias((2, 2), 2).double()
     tokens = torch.arange(4)[None]

@@ -35,6 +35,7 @@ from .alibi import ALiBi, alibi_slopes
 from .families import GridBias, OffsetBias
 from .families.biases import _KEPT_RUN, _own_bias, _run_of
 from .indices import (
+    _known_run,
     position_extremes,
     select_rows,
     t5_bucket,
@@ -249,9 +250,15 @@ class RelativePositionBias1D(RelativePositionBias, OffsetBias):
             offsets: integer ``[*S]`` in ``[-(W-1), W-1]`` (clamped into it).
 
         Returns:
-            ``[*S, heads]``.
+            ``[*S, heads]``, a new tensor: for a run of offsets within the window that
+            :func:`~posenc.indices.run_offsets` built, its rows' slice in reverse order
+            (one copy; no clamp nor gather).
         """
         width = self.window[0]
+        run = _known_run(offsets) if offsets.ndim == 1 else None
+        if run is not None and 1 - width <= run[0] and run[1] <= width - 1:
+            # rows W - 1 - first down to W - 1 - last: a slice of the table, reversed
+            return self.table[width - 1 - run[1] : width - run[0]].flip(0)  # [W', h]
         return select_rows(self.table, (width - 1 - offsets).clamp(0, 2 * width - 2))  # [*S, h]
 
     def check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
