@@ -26,6 +26,25 @@ def test_the_state_is_every_constant_as_it_is(monkeypatch):
     assert tuning.state == before  # the same values: the same key
 
 
+def test_the_key_numbers_the_state(monkeypatch):
+    """``key`` is an int per distinct state: equal states, equal keys; another state,
+    another key, across a reload of the module too."""
+    before, first = tuning.state, tuning.key
+    assert isinstance(first, int)
+    monkeypatch.setattr(tuning, "KEPT_ROUTES", tuning.KEPT_ROUTES + 1)
+    changed = tuning.key
+    assert changed != first
+    monkeypatch.undo()
+    assert tuning.state == before and tuning.key == first
+    module = importlib.reload(tuning)  # (its lock is new: the state is another)
+    assert module is tuning and (tuning.key == first) == (tuning.state == before)
+    reloaded = tuning.key
+    monkeypatch.setattr(tuning, "KEPT_ROUTES", tuning.KEPT_ROUTES + 1)
+    assert tuning.key not in (first, reloaded)
+    monkeypatch.undo()
+    assert tuning.key == reloaded
+
+
 def test_a_constant_added_or_deleted_changes_the_state(monkeypatch):
     before = tuning.state
     monkeypatch.setattr(tuning, "AN_EXPERIMENT", 7, raising=False)

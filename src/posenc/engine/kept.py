@@ -112,7 +112,7 @@ def signature(call: Request) -> tuple[Any, ...] | None:
             return None
     return (
         hooks, backend, q.shape, k.shape, v.shape, q_pos.shape, k_pos.shape, q.dtype, k.dtype,
-        v.dtype, q.device, grad, plans._threads(), tuning.state,
+        v.dtype, q.device, grad, plans._threads(), tuning.key,
     )  # fmt: skip
 
 

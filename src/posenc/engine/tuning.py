@@ -4,8 +4,8 @@ What each was measured at, and with which command, is the "tuning constants" tab
 docs/performance.md. Code reads them as ``tuning.NAME`` at call time, so that a test or
 an experiment can change one by assigning it (``tuning.NAME = value``, or pytest's
 ``monkeypatch.setattr``, ``mock.patch.object``): each assignment or deletion sets
-:data:`state`, the constants' names and values in one tuple, which the kept routes' key
-holds (:mod:`.kept`). A write into the module's dict itself (``vars(tuning)[NAME] = ...``,
+:data:`state`, the constants' names and values in one tuple, and :data:`key`, its number,
+which the kept routes' key holds (:mod:`.kept`). A write into the module's dict itself (``vars(tuning)[NAME] = ...``,
 ``mock.patch.dict(tuning.__dict__, ...)``) bypasses it: call
 :func:`posenc.engine.kept.clear` after one, or a kept route may be replayed for a
 constant since changed (a path exact either way, but maybe not the one the constant
@@ -152,12 +152,19 @@ class _Constants(types.ModuleType):
     def __setattr__(self, name: str, value: object) -> None:
         with _ASSIGNING:
             types.ModuleType.__setattr__(self, name, value)
-            types.ModuleType.__setattr__(self, "state", _state(vars(self)))
+            _set_state(self)
 
     def __delattr__(self, name: str) -> None:
         with _ASSIGNING:
             types.ModuleType.__delattr__(self, name)
-            types.ModuleType.__setattr__(self, "state", _state(vars(self)))
+            _set_state(self)
+
+
+def _set_state(module: types.ModuleType) -> None:
+    """:data:`state` and :data:`key` anew, from the module's constants as they are now."""
+    now = _state(vars(module))
+    types.ModuleType.__setattr__(module, "state", now)
+    types.ModuleType.__setattr__(module, "key", _numbered.setdefault(now, len(_numbered)))
 
 
 _ASSIGNING = threading.RLock()
@@ -180,4 +187,10 @@ def _state(names: dict[str, object]) -> tuple[tuple[str, object], ...]:
 #: every constant's name and value as they are now (kept up to date by each assignment): a
 #: key that holds it matches while the constants have these values
 state = _state(vars())
+#: each state met, numbered in the order met (kept across a reload of this module, so that
+#: a number never stands for two states)
+_numbered: dict[tuple[tuple[str, object], ...], int] = globals().get("_numbered", {})
+#: the number of :data:`state` in :data:`_numbered`: equal states, equal numbers; what a key
+#: holds in its place (an int hashes at no cost, the tuple of every constant does not)
+key = _numbered.setdefault(state, len(_numbered))
 sys.modules[__name__].__class__ = _Constants
