@@ -141,50 +141,93 @@ def test_alibis_kept_bias_runs_sdpas_fused_kernel_past_the_scores_budget(monkeyp
     """ALiBi's bias, which it keeps between calls, goes to SDPA's fused kernel as its float
     mask past MATERIALISED_SCORES, MATERIALISED_PAIRS and MATERIALISED_BIAS_SCORES (the
     kernel writes no scores; the kept bias costs the call nothing), with or without
-    gradients, equal to math in float64; up to KEPT_BIAS_PAIRS pairs per head, for no mask,
-    values of the queries' head dim and a bias kept (paper slopes, consecutive positions).
-    Otherwise the budgets hold, with their reasons."""
+    gradients, equal to the definition in float64 to float32's rounding; up to
+    KEPT_BIAS_PAIRS pairs per head, for no mask, a bias kept in the queries' dtype (paper
+    slopes, consecutive positions) and inputs SDPA's fused kernel takes. Otherwise the
+    budgets hold, with their reasons."""
+    from posenc.engine import sdpa
+
     calls = _spy_kernels(monkeypatch)
     monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 2**10)  # 2 x 2 x 24 x 24 is above
     monkeypatch.setattr(tuning, "MATERIALISED_PAIRS", 2**8)
     monkeypatch.setattr(tuning, "MATERIALISED_BIAS_SCORES", 2**8)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 24, 8, dtype=torch.float64) for _ in range(3))
+    n, d = 24, 8
+    q, k, v = (torch.randn(2, 2, n, d) for _ in range(3))
     alibi = posenc.ALiBi(2)
     assert posenc.explain(q, k, v, position=alibi).path == "materialised"
-    weights = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    weights = torch.linspace(-1, 1, d)
     results = {}
     for backend in ("math", "auto", "auto"):  # the second auto call replays the route
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        dtype = torch.float64 if backend == "math" else torch.float32
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
         out = posenc.attention(*leaves, position=alibi, backend=backend)
-        (out * weights).sum().backward()
+        (out * weights.to(dtype)).sum().backward()
         results[backend] = [out, *(t.grad for t in leaves)]
         with torch.no_grad():
-            results[backend].append(posenc.attention(q, k, v, position=alibi, backend=backend))
+            results[backend].append(posenc.attention(*leaves, position=alibi, backend=backend))
     assert calls == ["sdpa", "sdpa"]  # the first auto call with gradients, then without
-    for a, c in zip(results["math"], results["auto"], strict=True):
-        torch.testing.assert_close(c, a, rtol=1e-12, atol=1e-12)
+    # float32 rounding of logits of at most scale * d * max|q| max|k| + max|bias| (the
+    # bias's largest is the flattest slope, 1/16 for two heads, times n - 1), carried to
+    # outputs of at most max|v| and to gradients summed over n keys
+    eps = torch.finfo(torch.float32).eps
+    logits = d**-0.5 * d * q.abs().max() * k.abs().max() + (n - 1) / 16
+    tol = float(8 * eps * logits * v.abs().max())
+    for a, c, scale in zip(results["math"], results["auto"], (1, n, n, n, 1), strict=True):
+        torch.testing.assert_close(c.double(), a, rtol=0, atol=tol * scale)
     # past KEPT_BIAS_PAIRS, the scores' budget
-    monkeypatch.setattr(tuning, "KEPT_BIAS_PAIRS", 24 * 24 - 1)
+    monkeypatch.setattr(tuning, "KEPT_BIAS_PAIRS", n * n - 1)
     _refused(
         posenc.explain(q, k, v, position=alibi),
         "offset-bias",
         "the [b, h, n_q, n_k] scores would be 0.0 MiB, above the budget 0.0 MiB "
         "(MATERIALISED_SCORES)",
     )
-    monkeypatch.setattr(tuning, "KEPT_BIAS_PAIRS", 24 * 24)
-    # no kept bias (learned slopes, positions not one run), a mask, other value channels
+    monkeypatch.setattr(tuning, "KEPT_BIAS_PAIRS", n * n)
+    # no kept bias (learned slopes, positions not one run), a mask, other value channels,
+    # float64 (the bias is kept in float32: a copy per call), inputs SDPA's fused kernel
+    # does not take (its math kernel would write the scores)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        math_only = posenc.explain(q, k, v, position=alibi)
     others = {
         "learned": posenc.explain(q, k, v, position=posenc.ALiBi(2, learned=True)),
-        "positions": posenc.explain(
-            q, k, v, position=alibi, positions=torch.arange(24).flip(0)[None]
-        ),
+        "positions": posenc.explain(q, k, v, position=alibi, positions=torch.arange(n).flip(0)),
         "causal": posenc.explain(q, k, v, position=alibi, causal=True),
-        "d_v": posenc.explain(q, k, torch.randn(2, 2, 24, 4, dtype=torch.float64), position=alibi),
+        "d_v": posenc.explain(q, k, torch.randn(2, 2, n, 4), position=alibi),
+        "float64": posenc.explain(q.double(), k.double(), v.double(), position=alibi),
+        "flash off": math_only,
+        "strided": posenc.explain(torch.randn(2, 2, n, 2 * d)[..., ::2], k, v, position=alibi),
     }
     for why, told in others.items():
         assert told.path != "materialised", why
         assert "MATERIALISED_SCORES" in told.reasons["materialised"], (why, told)
+    # a route kept for the run goes back to the dispatcher where the scheme keeps no bias,
+    # or SDPA's fused kernel would not run
+    masks = []
+    kernel = sdpa._kernel
+    monkeypatch.setattr(sdpa, "_kernel", lambda *a: masks.append(a[3] is not None) or kernel(*a))
+    with torch.no_grad():
+        posenc.attention(q, k, v, position=alibi)  # kept (grad mode off: a signature of its own)
+        assert masks == [True] and calls[-1] == "sdpa"
+        masks.clear()
+        posenc.attention(q, k, v, position=alibi)  # replayed
+        assert masks == [True] and calls[-1] == "sdpa" and len(calls) == 3
+        masks.clear()
+        far = posenc.attention(q, k, v, position=alibi, positions=2 * torch.arange(n))
+        with sdpa_kernel(SDPBackend.MATH):
+            posenc.attention(q, k, v, position=alibi)
+        assert masks == [] and len(calls) == 3  # the lean paths both times
+    spread = 2 * torch.arange(n)
+    bias = (
+        -(spread[None, :] - spread[:, None]).abs().double()
+        / torch.tensor([16.0, 256.0])[:, None, None]
+    )  # [h, n, n], the paper's slopes for two heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=bias
+    )
+    torch.testing.assert_close(far.double(), expected, rtol=0, atol=tol)
 
 
 def test_a_value_term_has_its_own_crossover(monkeypatch):

@@ -20,7 +20,10 @@ one of
   rotation applied before the call), or
 - SDPA's kernel with the scheme's ``score_bias`` (the tensor it keeps between calls where
   its ``kept_score_bias`` gives one) as the float mask (the materialised path's route for
-  a bias alone),
+  a bias alone; past the scores' budget, where the path chose it because the scheme keeps
+  that bias, its route reads ``kept_score_bias`` alone, and a call for which the scheme
+  keeps none, or whose inputs SDPA's fused CPU kernel does not take, takes the
+  dispatcher: :func:`~.plans._kept_bias_fused`),
 
 run by the dispatcher with no wrapper (with gradients: where the path's own graph is
 differentiable twice), the route is kept per scheme and signature (:func:`record`), and a
@@ -193,6 +196,10 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
             return None
         if bias.requires_grad and torch.is_grad_enabled():
             return None  # not constant: the materialised path runs it op by op
+        if route == plans._KEPT_FUSED_ROUTE and not (
+            bias.dtype == q.dtype and sdpa.fused_cpu_runs(q, k, v)
+        ):
+            return None  # past the scores' budget only through SDPA's fused kernel
         attn_mask = bias if bias.dtype == q.dtype else bias.to(q.dtype)  # [B', h or 1, n_q, n_k]
     scale = default_scale(q.shape[-1]) if scale is None else scale
     return sdpa._kernel(q, k, v, attn_mask, 0.0, False, scale)  # the path's call

@@ -28,7 +28,7 @@ from .mask import Mask
 from .offset_bias import _offset_kernel_values, _OffsetFusedAttention
 from .offset_term import _expand_rows, _offset_rows, _OffsetTermAttention, _same_index
 from .reference import _forward_in_place, _math, _read_bias
-from .sdpa import _sdpa
+from .sdpa import _sdpa, fused_cpu_runs
 
 
 @dataclass(frozen=True)
@@ -429,7 +429,8 @@ def _op_by_op(call: Call, scores: int) -> bool:
 
 
 def materialised_size(call: Call) -> str | None:
-    """Why the call is too large for the materialised path whatever it computes: more than
+    """Why the call is too large for the materialised path whatever it computes (but a bias
+    the scheme keeps, through SDPA's fused kernel: :func:`_kept_bias_fused`): more than
     :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) or
     :data:`tuning.MATERIALISED_PAIRS` query-key pairs per head; None if it is not (shapes
     alone: read while compiling too, where the reason names no size, so that Dynamo does
@@ -492,7 +493,8 @@ def _plan_materialised(call: Call) -> Plan:
     :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients;
     for a bias without, the budget alone, and under a causal mask
     :data:`tuning.MATERIALISED_CAUSAL_PAIRS` pairs per head (the lean forward skips the
-    hidden pairs and is cheap; a decoding step stays below it).
+    hidden pairs and is cheap; a decoding step stays below it). Past all of these, a bias
+    the scheme keeps between calls, through SDPA's fused kernel (:func:`_kept_bias_fused`).
     """
     hooks = call.hooks
     if hooks.contextual_term is not None:
@@ -505,9 +507,9 @@ def _plan_materialised(call: Call) -> Plan:
             f"{dtype}: SDPA would add the bias rounded to {dtype}; the lean engine adds it "
             "in float32"
         )
-    kept = _kept_bias_fused(call)
-    too_large = None if kept else materialised_size(call)
-    if too_large is not None:
+    too_large = materialised_size(call)
+    kept = too_large is not None and _kept_bias_fused(call)  # (only past a bound)
+    if too_large is not None and not kept:
         return too_large
     b, h, n_q, _ = call.q.shape
     n_k = call.k.shape[2]
@@ -524,6 +526,8 @@ def _plan_materialised(call: Call) -> Plan:
     else:
         name = "MATERIALISED_BIAS_SCORES" if grad else "MATERIALISED_SCORES"
     crossover = getattr(tuning, name)
+    if scores > crossover and not kept:
+        kept = _kept_bias_fused(call)
     if scores > crossover and not kept:
         what = (
             ("a causal value term" if call.mask.causal else "a value term") if value
@@ -556,29 +560,33 @@ def _plan_materialised(call: Call) -> Plan:
     )  # fmt: skip
     if hooks.score_term is not None or hooks.score_bias is None:
         return run
+    if kept:
+        return routed(run, _KEPT_FUSED_ROUTE)
     return routed(run, _BIAS_ROUTE if hooks.kept_score_bias is None else _KEPT_BIAS_ROUTE)
 
 
 def _kept_bias_fused(call: Call) -> bool:
     """Whether the materialised path runs the call, whatever its size, as SDPA's fused kernel
     with the bias the scheme keeps between calls (ALiBi's: ``kept_score_bias``) as its
-    float mask: a bias alone that asks for no gradient, no mask, values of the queries'
-    head dim (where SDPA's fused CPU kernel takes a float mask, and its backward keeps no
-    ``[b, h, n_q, n_k]`` weights), at most :data:`tuning.KEPT_BIAS_PAIRS` query-key pairs
-    per head, eager on the CPU, and not op by op (:func:`_op_by_op`). That kernel writes
+    float mask: a bias alone that asks for no gradient, kept in the queries' dtype, no
+    mask, at most :data:`tuning.KEPT_BIAS_PAIRS` query-key pairs per head, eager, where
+    SDPA takes its fused CPU kernel (:func:`~.sdpa.fused_cpu_runs`: its backward keeps no
+    ``[b, h, n_q, n_k]`` weights), and not op by op (:func:`_op_by_op`). That kernel writes
     no scores and the kept bias costs the call no memory, so the scores' budget does not
-    apply; past that many pairs the per-offset bias path is as fast (the crossover)."""
+    apply; past that many pairs the per-offset bias path is as fast (the crossover). The
+    route kept for it reads ``kept_score_bias`` alone (:data:`_KEPT_FUSED_ROUTE`)."""
     hooks = call.hooks
     if hooks.kept_score_bias is None or hooks.score_term is not None:
         return False
     if hooks.value_term is not None or not call.mask.empty or call.dropout_p:
         return False
-    q, k, v = call.q, call.k, call.v
-    if q.device.type != "cpu" or v.shape[-1] != q.shape[-1]:
-        return False
+    q, k = call.q, call.k
     if q.shape[2] * k.shape[2] > tuning.KEPT_BIAS_PAIRS or torch.compiler.is_compiling():
         return False
-    if call.kept_bias is None or call.scheme_params or call.kept_bias.requires_grad:
+    if not fused_cpu_runs(q, k, call.v):
+        return False
+    kept = call.kept_bias
+    if kept is None or kept.dtype != q.dtype or kept.requires_grad or call.scheme_params:
         return False
     return not call.op_by_op
 
@@ -587,6 +595,10 @@ def _kept_bias_fused(call: Call) -> bool:
 #: bias hooks read in turn, as :func:`~.reference._read_bias` reads them
 _BIAS_ROUTE = ("score_bias",)
 _KEPT_BIAS_ROUTE = ("kept_score_bias", "score_bias")
+#: the route of :func:`_kept_bias_fused`'s call: the kept bias alone (a call for which the
+#: scheme keeps none, or whose inputs SDPA's fused kernel does not take, goes back to the
+#: dispatcher, which weighs the scores' budget)
+_KEPT_FUSED_ROUTE = ("kept_score_bias",)
 
 
 def routed(run: Callable[[], Tensor], route: tuple[str, ...]) -> Callable[[], Tensor]:

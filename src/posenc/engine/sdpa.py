@@ -128,6 +128,22 @@ def _kernel(
     return out
 
 
+def fused_cpu_runs(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether SDPA takes its fused CPU kernel for these ``q, k, v`` with a float mask of
+    their dtype and no dropout, so that it writes no ``[b, h, n_q, n_k]`` scores: on the
+    CPU, flash enabled (``torch.backends.cuda.enable_flash_sdp``, or ``sdpa_kernel``,
+    which governs the CPU too), values of the queries' head dim and each last dimension
+    dense (otherwise SDPA runs its math kernel)."""
+    return (
+        q.device.type == "cpu"
+        and torch.backends.cuda.flash_sdp_enabled()
+        and v.shape[-1] == q.shape[-1]
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+    )
+
+
 def differentiable_twice() -> bool:
     """Whether :func:`_kernel`'s graph of the fused CPU kernel is differentiable twice by
     itself, so that the dispatcher needs no wrapper around the route: this torch tells a

@@ -51,8 +51,9 @@ MATERIALISED_PAIRS = 1 << 16
 #: query-key pairs per head at most for which a bias the scheme keeps between calls
 #: (ALiBi's) runs SDPA's fused kernel with it as the float mask, past MATERIALISED_SCORES,
 #: MATERIALISED_PAIRS and MATERIALISED_BIAS_SCORES: that kernel writes no scores and the
-#: kept bias costs the call no memory (no mask but the bias; d_v = d); the crossover
-#: against the per-offset bias path, measured at b=2-16 h=8 d=64
+#: kept bias costs the call no memory (no mask but the bias, the bias in the queries'
+#: dtype, inputs SDPA's fused kernel takes); the crossover against the per-offset bias
+#: path, measured at b=2-16 h=8 d=64
 KEPT_BIAS_PAIRS = 1 << 18
 #: scores at most on the materialised path for a bias with gradients (the crossover)
 MATERIALISED_BIAS_SCORES = 3 << 21
@@ -171,11 +172,11 @@ _ASSIGNING = threading.RLock()
 
 
 def _state(names: dict[str, object]) -> tuple[tuple[str, object], ...]:
-    """Every constant (a name in capitals) and its value, in their order in the module; a
-    value that cannot be hashed stands as a token of its own, equal to no other."""
+    """Every constant (a public name in capitals) and its value, in their order in the
+    module; a value that cannot be hashed stands as a token of its own, equal to no other."""
     state = []
     for name, value in names.items():
-        if name.isupper():
+        if name.isupper() and not name.startswith("_"):
             try:
                 hash(value)
             except TypeError:
