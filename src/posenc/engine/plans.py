@@ -27,7 +27,7 @@ from .learned import learned_inputs, scheme_parameters
 from .mask import Mask
 from .offset_bias import _offset_kernel_values, _OffsetFusedAttention
 from .offset_term import _expand_rows, _offset_rows, _OffsetTermAttention, _same_index
-from .reference import _forward_in_place, _math, _read_bias
+from .reference import _forward_in_place, _math
 from .sdpa import _sdpa, fused_cpu_runs
 
 
@@ -88,9 +88,7 @@ class Call:
 
     @functools.cached_property
     def _bias(self) -> tuple[Tensor, bool]:
-        if "kept_bias" not in self.__dict__:
-            return _read_bias(self.hooks, self.q_pos, self.k_pos)
-        kept = self.kept_bias  # read already
+        kept = self.kept_bias  # as reference._read_bias reads it
         if kept is not None:
             return kept, True
         return self.hooks.score_bias(self.q_pos, self.k_pos), False
@@ -527,17 +525,17 @@ def _plan_materialised(call: Call) -> Plan:
         name = "MATERIALISED_BIAS_SCORES" if grad else "MATERIALISED_SCORES"
     crossover = getattr(tuning, name)
     if scores > crossover and not kept:
-        kept = _kept_bias_fused(call)
-    if scores > crossover and not kept:
-        what = (
-            ("a causal value term" if call.mask.causal else "a value term") if value
-            else ("a causal score term" if call.mask.causal else "a score term") if term
-            else "a bias with gradients"
-        )  # fmt: skip
-        return (
-            f"{scores} scores [b, h, n_q, n_k], above the crossover {crossover} ({name}) "
-            f"from which the lean paths run {what} faster"
-        )
+        kept = _kept_bias_fused(call)  # (past the crossover alone)
+        if not kept:
+            what = (
+                ("a causal value term" if call.mask.causal else "a value term") if value
+                else ("a causal score term" if call.mask.causal else "a score term") if term
+                else "a bias with gradients"
+            )  # fmt: skip
+            return (
+                f"{scores} scores [b, h, n_q, n_k], above the crossover {crossover} ({name}) "
+                f"from which the lean paths run {what} faster"
+            )
     if not (term or grad) and call.mask.causal and n_q * n_k > tuning.MATERIALISED_CAUSAL_PAIRS:
         return (
             f"a causal bias without gradients over {n_q} x {n_k} pairs per head, above "

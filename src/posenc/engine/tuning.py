@@ -4,11 +4,11 @@ What each was measured at, and with which command, is the "tuning constants" tab
 docs/performance.md. Code reads them as ``tuning.NAME`` at call time, so that a test or
 an experiment can change one by assigning it (``tuning.NAME = value``, or pytest's
 ``monkeypatch.setattr``, ``mock.patch.object``): each assignment or deletion sets
-:data:`state`, the constants' names and values in one tuple, and :data:`key`, its number,
-which the kept routes' key holds (:mod:`.kept`). A write into the module's dict itself (``vars(tuning)[NAME] = ...``,
-``mock.patch.dict(tuning.__dict__, ...)``) bypasses it: call
-:func:`posenc.engine.kept.clear` after one, or a kept route may be replayed for a
-constant since changed (a path exact either way, but maybe not the one the constant
+:data:`state`, the constants' names and values in one tuple, and :data:`key`, its
+number, which the kept routes' key holds (:mod:`.kept`). A write into the module's dict
+itself (``vars(tuning)[NAME] = ...``, ``mock.patch.dict(tuning.__dict__, ...)``) bypasses
+it: call :func:`posenc.engine.kept.clear` after one, or a kept route may be replayed for
+a constant since changed (a path exact either way, but maybe not the one the constant
 now chooses).
 """
 
