@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from posenc import hooks as posenc_hooks
 from posenc.engine import Mask, attend
 from posenc.hooks import DERIVED_HOOKS, HOOK_NAMES, Hooks, hooks_of
 
@@ -484,3 +485,50 @@ def test_bias_fits_answers_as_the_hooks_check_of_a_score_bias():
             assert bias_fits(bias, b, h, q_pos, k_pos) == _fits(bias.shape, allowed), shape
         for shape in ((h, 5, 7), (1, 1, 1, 5, 7)):
             assert not bias_fits(torch.zeros(shape), b, h, q_pos, k_pos)
+
+
+def test_attribute_answers_as_getattr_without_the_modules_exception(monkeypatch):
+    """``attribute(x, name)`` is ``getattr(x, name, None)`` for names on the class, a base,
+    the instance, a parameter, a buffer, a submodule, a descriptor that needs an instance,
+    a class with its own ``__getattr__`` and non-modules (None for no scheme, None); for a
+    name a module lacks
+    it answers None without calling ``nn.Module.__getattr__`` (which raises, for getattr
+    to catch)."""
+    from posenc import ALiBi, Rotary
+    from posenc.hooks import attribute
+
+    class FromInstance:
+        def __get__(self, obj, owner=None):
+            return obj.implementation
+
+    class Scheme(ALiBi):
+        score_term = FromInstance()
+
+        def __init__(self):
+            super().__init__(2)
+            self.implementation = "term"
+            self.set_here = "here"
+            self.table = nn.Parameter(torch.zeros(1))
+            self.register_buffer("kept", torch.zeros(1))
+            self.inner = nn.Linear(1, 1)
+
+    class Dynamic(nn.Module):
+        def __getattr__(self, name):
+            return "dynamic" if name == "rotate" else super().__getattr__(name)
+
+    scheme = Scheme()
+    names = ["score_term", "set_here", "table", "kept", "inner", "score_bias", "rotate", "no"]
+    assert all(attribute(None, name) is None for name in [*names, "__class__"])
+    for obj in (scheme, Rotary(8), Dynamic(), object(), 3):
+        for name in [*names, "__class__"]:
+            expected = getattr(obj, name, None)
+            assert attribute(obj, name) is expected or attribute(obj, name) == expected
+    assert attribute(Dynamic(), "rotate") == "dynamic"
+
+    def raising(self, name):
+        raise AssertionError(f"nn.Module.__getattr__ called for {name}")
+
+    monkeypatch.setattr(nn.Module, "__getattr__", raising)
+    monkeypatch.setattr(posenc_hooks, "_MODULE_GETATTR", raising)
+    assert attribute(scheme, "rotate") is None and attribute(scheme, "no") is None
+    assert attribute(scheme, "table") is scheme._parameters["table"]

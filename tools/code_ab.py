@@ -9,15 +9,16 @@ repeat runs every variant once, in an order drawn anew):
 
 - ``floor``: SDPA without positions;
 - ``base`` and ``new``: posenc's attention core as ``posenc bench`` calls it (the
-  rotation, then the engine's ``attend`` on default positions), of each version, on the
-  same scheme configuration and inputs.
+  rotation, then the engine's ``attend`` on default positions), or with ``--entry
+  attention`` the public :func:`posenc.attention` (its checks and defaults too), of each
+  version, on the same scheme configuration and inputs.
 
 It prints per scheme, shape and mode (``fwd``: forward without gradients; ``fwd+bwd``:
 forward, then backward of the output's sum) the medians of ``base / floor``, ``new /
 floor`` and of ``new / base`` per repeat.
 
 Run: ``.venv/bin/python tools/code_ab.py --base HEAD [--schemes alibi,none] [--shapes
-2x8x64x64,2x8x256x64] [--repeats 300] [--backward]``.
+2x8x64x64,2x8x256x64] [--repeats 300] [--backward] [--entry core|attention]``.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n`` tokens, ``d`` head dim.
 """
@@ -67,10 +68,16 @@ def load_base(commit: str, where: Path) -> ModuleType:
         sys.path.remove(str(where))
 
 
-def _core(package: str, scheme_name: str, b: int, h: int, n: int, d: int) -> Callable:
-    """The bench's posenc core of ``package`` for ``scheme_name`` (``none``: no scheme)."""
+def _core(
+    package: str, scheme_name: str, b: int, h: int, n: int, d: int, entry: str = "core"
+) -> Callable:
+    """The bench's posenc core of ``package`` for ``scheme_name`` (``none``: no scheme), or
+    with ``entry="attention"`` the package's :func:`~posenc.attention` with that scheme."""
     variants = importlib.import_module(f"{package}.cli._bench_variants")
     scheme = None if scheme_name == "none" else variants.build_scheme(scheme_name, h, d, n)
+    if entry == "attention":
+        attention = importlib.import_module(package).attention
+        return lambda q, k, v: attention(q, k, v, position=scheme)
     return variants._core(scheme, "auto")
 
 
@@ -79,7 +86,11 @@ def _floor(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 def measure(
-    scheme_name: str, shape: tuple[int, int, int, int], repeats: int, backward: bool
+    scheme_name: str,
+    shape: tuple[int, int, int, int],
+    repeats: int,
+    backward: bool,
+    entry: str = "core",
 ) -> dict[str, Any]:
     """The medians of ``base / floor``, ``new / floor`` and ``new / base`` per repeat."""
     b, h, n, d = shape
@@ -87,8 +98,8 @@ def measure(
     q, k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_(backward) for _ in range(3))
     calls = {
         "floor": _floor,
-        "base": _core("posenc_base", scheme_name, b, h, n, d),
-        "new": _core("posenc", scheme_name, b, h, n, d),
+        "base": _core("posenc_base", scheme_name, b, h, n, d, entry),
+        "new": _core("posenc", scheme_name, b, h, n, d, entry),
     }
 
     def run(fn: Callable) -> float:
@@ -142,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--backward", action="store_true", help="time fwd+bwd, not forward")
+    parser.add_argument(
+        "--entry",
+        choices=("core", "attention"),
+        default="core",
+        help="the bench's core (rotation + attend), or the public posenc.attention",
+    )
     return parser
 
 
@@ -153,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---:|---:|---:|---:|")
         for shape in args.shapes:
             for scheme in args.schemes.split(","):
-                row = measure(scheme, shape, args.repeats, args.backward)
+                row = measure(scheme, shape, args.repeats, args.backward, args.entry)
                 print(
                     f"| {scheme} | {' '.join(map(str, shape))} | {row['mode']} | "
                     f"{row['floor_us']:.0f} | {row['base/floor']:.3f} | {row['new/floor']:.3f} | "

@@ -30,7 +30,7 @@ from ._rotary_runs import rotate_runs_into
 from ._rotary_runs import runs_into as _runs_into
 from .engine import tuning
 from .engine.workspace import borrowed
-from .hooks import _HOOK_SET
+from .hooks import _HOOK_SET, attribute
 from .rotary import Rotary
 
 #: what :func:`runs_into` must find on the class, not set on the instance
@@ -54,7 +54,7 @@ def rotated(
     contiguous, float32 or float64, their channels in the order the rotation gives
     (:func:`rotate_into`).
     """
-    rotate = getattr(position, "rotate", None)
+    rotate = attribute(position, "rotate")
     if rotate is None:
         return q, k, None
     if (

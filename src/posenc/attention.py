@@ -41,7 +41,8 @@ from . import _validate as check
 from ._rotary_buffer import rotated
 from .cache import KVCache
 from .engine import BACKENDS, Explanation, Mask, attend, explain_call
-from .hooks import HOOK_NAMES
+from .engine.kept import replay_unmasked
+from .hooks import HOOK_NAMES, attribute
 from .indices import positions_from_documents, run_positions
 
 __all__ = ["MultiHeadAttention", "attention", "explain"]
@@ -60,9 +61,7 @@ def check_scheme(position: Any) -> None:
             f"instance, e.g. position={position.__name__}(...) with the arguments its "
             f"constructor takes"
         )
-    if position is not None and not any(
-        callable(getattr(position, name, None)) for name in HOOK_NAMES
-    ):
+    if position is not None and not any(callable(attribute(position, name)) for name in HOOK_NAMES):
         raise TypeError(
             f"position={type(position).__name__} defines none of the attention hooks "
             f"{HOOK_NAMES}; an input encoding (place 1, e.g. SinusoidalEncoding) is "
@@ -182,7 +181,7 @@ def _prepare(
     if v.shape[2] != n_k:
         raise ValueError(f"k and v must have the same length, got {n_k} and {v.shape[2]}")
     check_scheme(position)
-    validate = getattr(position, "validate_attention", None)
+    validate = attribute(position, "validate_attention")
     if callable(validate):
         validate(heads=h, head_dim=d)
     causal = check.causal_flag(causal)
@@ -306,6 +305,22 @@ def attention(
         TypeError: non-float inputs or inputs of different dtypes, a scheme class instead
             of an instance, a non-bool mask, float positions.
     """
+    if (
+        positions is None
+        and key_positions is None
+        and causal is False
+        and key_padding_mask is None
+        and valid_lens is None
+        and document_ids is None
+        and attn_mask is None
+        and window is None
+        and _plain_number(dropout_p) == 0
+        and (scale is None or 0 < _plain_number(scale) < float("inf"))
+        and backend in BACKENDS
+    ):  # q, k, v alone: the route kept for them, if any, before any check or default
+        out = replay_unmasked(q, k, v, position, backend, scale)
+        if out is not None:
+            return out
     kwargs = _prepare(
         q, k, v, position=position, positions=positions, key_positions=key_positions,
         causal=causal, key_padding_mask=key_padding_mask, valid_lens=valid_lens,
@@ -313,6 +328,12 @@ def attention(
         attn_mask=attn_mask, window=window,
     )  # fmt: skip
     return _core(q, k, v, need_weights=False, **kwargs)[0]
+
+
+def _plain_number(value: object) -> float:
+    """``value`` where it is a Python float or int (not a bool), else NaN (which compares
+    false: the full call then checks it)."""
+    return value if value.__class__ is float or value.__class__ is int else float("nan")  # type: ignore[return-value]
 
 
 def explain(
@@ -487,6 +508,20 @@ class MultiHeadAttention(nn.Module):
         query, key, value = self._check_inputs(query, key, value)
         causal = check.causal_flag(causal)
         b, n_q, _ = query.shape
+        # query, key, value alone: the route kept for them, if any, before any default
+        alone = (
+            cache is None
+            and positions is None
+            and key_positions is None
+            and document_ids is None
+            and not causal
+            and key_padding_mask is None
+            and valid_lens is None
+            and attn_mask is None
+            and window is None
+            and not need_weights
+            and not (self.training and self.dropout)
+        )
         self_attention = key is query
         if cache is not None or document_ids is not None:
             self._check_cache_and_documents(cache, document_ids, self_attention, b, n_q)
@@ -495,12 +530,20 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and positions is None and len(cache):
             positions = cache.next_position + torch.arange(n_q, device=query.device)
         n_k = key.shape[1]
-        q_pos, k_pos = self._positions(positions, key_positions, b, n_q, n_k, causal, query, key)
+        if not alone:
+            q_pos, k_pos = self._positions(
+                positions, key_positions, b, n_q, n_k, causal, query, key
+            )
         key_padding = check.key_padding_mask(key_padding_mask, b, n_k)
         q = self.q_proj(query).view(b, n_q, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key).view(b, n_k, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(value).view(b, n_k, self.kv_heads, self.head_dim).transpose(1, 2)
         # [b, n, dim | h_kv * d] -> [b, n, h | h_kv, d] -> [b, h | h_kv, n, d]
+        if alone:
+            out = replay_unmasked(q, k, v, self.position, self.backend, None)
+            if out is not None:  # [b, h, n_q, d] -> [b, n_q, h, d] -> [b, n_q, dim]
+                return self.out_proj(out.transpose(1, 2).reshape(b, n_q, self.dim))
+            q_pos, k_pos = self._positions(None, None, b, n_q, n_k, False, query, key)
         out, weights, entries = _core(
             q, k, v, position=self.position, q_pos=q_pos, k_pos=k_pos, key_padding=key_padding,
             lengths=check.valid_lens(valid_lens, b, n_q), causal=causal, documents=document_ids,

@@ -233,6 +233,40 @@ DERIVED_HOOKS = {
 }
 
 
+#: ``nn.Module``'s own ``__getattr__`` (parameters, buffers, submodules)
+_MODULE_GETATTR = nn.Module.__getattr__
+
+
+def attribute(scheme: Any, name: str) -> Any:
+    """``getattr(scheme, name, None)``; None for no scheme (None). For an ``nn.Module``
+    whose class keeps Python's and ``nn.Module``'s attribute lookup, a name that no class
+    of its MRO, nor the instance, nor its parameters, buffers or submodules hold is
+    answered None at once:
+    ``getattr`` would reach ``nn.Module.__getattr__``, which formats and raises an
+    ``AttributeError`` for ``getattr`` to catch (a scheme's missing hooks, in every
+    call). Any other case, and any call traced by ``torch.compile``, is ``getattr``'s own."""
+    if scheme is None:
+        return None
+    cls = type(scheme)
+    if (
+        torch.compiler.is_compiling()
+        or getattr(cls, "__getattr__", None) is not _MODULE_GETATTR
+        or cls.__getattribute__ is not object.__getattribute__
+    ):
+        return getattr(scheme, name, None)
+    own = scheme.__dict__
+    if name in own:
+        return getattr(scheme, name, None)
+    for c in cls.__mro__:
+        if name in c.__dict__:  # as object.__getattribute__ finds it (a descriptor too)
+            return getattr(scheme, name, None)
+    for store in ("_parameters", "_buffers", "_modules"):  # as nn.Module.__getattr__
+        held = own.get(store)
+        if held is not None and name in held:
+            return held[name]
+    return None
+
+
 def _defined_by(scheme: Any, name: str) -> type | None:
     """The class in ``scheme``'s MRO that defines ``name`` (None: the instance itself; a
     value that a class's ``functools.cached_property`` wrote into the instance is that

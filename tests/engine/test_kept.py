@@ -738,3 +738,185 @@ def test_explain_says_whether_the_route_is_replayed(walks):
             for _ in range(2):
                 posenc.attention(x, k, v, position=scheme, **kwargs)
         assert len(walks) - walked == (1 if replayed else 2), (scheme, kwargs, grad)
+
+
+# ----- the calls of q, k, v alone (replay_unmasked) ----------------------------------------
+
+
+@pytest.fixture
+def full_calls(monkeypatch):
+    """A list that grows by one each time ``posenc.attention`` or the module makes a call in
+    full (checks, default positions, mask): the calls ``replay_unmasked`` answered do not."""
+    calls = []
+    attention_module = __import__("posenc.attention", fromlist=["_core"])
+    core = attention_module._core
+    monkeypatch.setattr(
+        attention_module, "_core", lambda *a, **kw: calls.append(1) or core(*a, **kw)
+    )
+    return calls
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_attention_of_q_k_v_alone_replays_before_its_checks(name, full_calls, walks):
+    """The second call of ``posenc.attention(q, k, v, position=...)`` runs the kept route
+    without the checks, the default positions nor the mask of the full call, and gives
+    its values to the bit; the first equals the definition (math path, float64)."""
+    scheme = _learned(name)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        outs = [posenc.attention(q, k, v, position=scheme) for _ in range(3)]
+    assert len(full_calls) == 1 and len(walks) == 1
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    ref = _math(None if scheme is None else scheme.double(), *(x.double() for x in (q, k, v)))
+    torch.testing.assert_close(outs[2].double(), ref, atol=1e-5, rtol=0)
+
+
+def test_the_module_of_query_alone_replays_before_its_positions(full_calls, walks):
+    """``MultiHeadAttention`` in evaluation, self- and cross-attention (other lengths): the
+    second call replays, with the full call's values to the bit."""
+    torch.manual_seed(0)
+    mha = posenc.MultiHeadAttention(H * D, H, position=ALiBi(H)).eval()
+    x, y = torch.randn(B, N, H * D), torch.randn(B, N + 3, H * D)
+    with torch.no_grad():
+        selfs = [mha(x) for _ in range(2)]
+        crosses = [mha(x, y) for _ in range(2)]
+    assert len(full_calls) == 2 and len(walks) == 2
+    assert torch.equal(selfs[0], selfs[1]) and torch.equal(crosses[0], crosses[1])
+    with torch.no_grad():  # explicit positions: the full call, arange as the default
+        explicit = mha(x, y, key_positions=torch.arange(N + 3), positions=torch.arange(N))
+    assert torch.equal(crosses[1], explicit)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(causal=True),
+        dict(positions=torch.arange(N)),
+        dict(key_padding_mask=torch.zeros(B, N, dtype=torch.bool)),
+        dict(valid_lens=torch.full((B,), N)),
+        dict(document_ids=torch.zeros(B, N, dtype=torch.long)),
+        dict(attn_mask=torch.ones(N, N, dtype=torch.bool)),
+        dict(window=4),
+        dict(dropout_p=0.1),
+    ],
+    ids=lambda extra: next(iter(extra)),
+)
+def test_any_other_argument_takes_the_full_call(extra, full_calls):
+    """A call with anything besides q, k, v (a mask, positions, dropout) makes the call in
+    full."""
+    scheme = ALiBi(H)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        for _ in range(2):
+            posenc.attention(q, k, v, position=scheme)
+            posenc.attention(q, k, v, position=scheme, **extra)
+    assert len(full_calls) == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        (dict(dropout_p=False), "dropout_p must be a float in"),
+        (dict(dropout_p=-0.0 - 1), "dropout_p must be in"),
+        (dict(scale=True), "scale must be a number"),
+        (dict(scale=-1.0), "scale must be a finite number > 0"),
+        (dict(scale=float("inf")), "scale must be a finite number > 0"),
+        (dict(backend="nope"), "backend must be one of"),
+        (dict(causal=0), "causal must be True or False"),
+    ],
+    ids=lambda x: repr(x) if not isinstance(x, dict) else "=".join(map(repr, *x.items())),
+)
+def test_arguments_the_checks_reject_raise_after_a_kept_route(extra, error):
+    """Arguments the full call's checks reject raise as they do, a route kept or not."""
+    scheme = ALiBi(H)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        posenc.attention(q, k, v, position=scheme)
+        with pytest.raises((TypeError, ValueError), match=error):
+            posenc.attention(q, k, v, position=scheme, **extra)
+
+
+@pytest.mark.parametrize(
+    ("case", "error"),
+    [
+        ("batch", "must share the batch"),
+        ("dtype", "has dtype torch.float64 but q has torch.float32"),
+        ("heads", "built for heads=8 but the attention has heads=4"),
+    ],
+)
+def test_what_the_key_does_not_hold_is_checked_as_the_full_call_checks_it(case, error):
+    """A route kept by the engine for shapes ``posenc.attention`` rejects (``k`` and ``v``
+    of batch 1 against ``q`` of 2, which SDPA broadcasts), a dtype mixed in, or a scheme
+    whose heads changed since: the call raises as the full call does, never replays."""
+    scheme = ALiBi(H)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        if case == "batch":
+            k, v = k[:1], v[:1]
+            pos = run_positions(0, N)
+            attend(q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=Mask(N, N))  # kept
+        elif case == "dtype":
+            posenc.attention(q, k, v, position=scheme)
+            v = v.double()
+        else:
+            posenc.attention(q, k, v, position=scheme)
+            scheme.heads = 2 * H  # rebuilt for other heads, the slopes' count with it
+        with pytest.raises((ValueError, TypeError), match=error):
+            posenc.attention(q, k, v, position=scheme)
+
+
+def test_a_rotating_or_hookless_scheme_takes_the_full_call(full_calls):
+    """A rotation reads the positions (the full call rotates, then replays its route); an
+    object with no hook of attention's is rejected by the full call's check even where
+    the engine kept a route for it."""
+
+    class NoHook(nn.Module):
+        def kept_score_bias(self, q_pos, k_pos):
+            return None
+
+    q, k, v = _qkv()
+    with torch.no_grad():
+        for _ in range(2):
+            posenc.attention(q, k, v, position=Rotary(D))
+        assert len(full_calls) == 2
+        odd = NoHook()
+        pos = run_positions(0, N)
+        attend(q, k, v, scheme=odd, q_pos=pos, k_pos=pos, mask=Mask(N, N))
+        assert kept._routes(odd)  # the engine kept a route for it
+        with pytest.raises(TypeError, match="defines none of the attention hooks"):
+            posenc.attention(q, k, v, position=odd)
+
+
+def test_kept_default_positions_written_into_are_built_anew():
+    """The default positions kept for the replayed calls reach the scheme's hooks alone;
+    positions written into in place all the same (their version counter moved) are not
+    handed out again, and positions built in inference mode are usable outside it."""
+    with torch.inference_mode():
+        first = kept._default_positions(N, N, torch.device("cpu"))
+    assert first[0] is first[1] and not first[0].is_inference()
+    assert kept._default_positions(N, N, torch.device("cpu"))[0] is first[0]
+    first[0].add_(1)
+    again = kept._default_positions(N, N, torch.device("cpu"))
+    assert again[0] is not first[0] and torch.equal(again[0], torch.arange(N)[None])
+    cross = kept._default_positions(N, N + 2, torch.device("cpu"))
+    assert torch.equal(cross[0], torch.arange(N)[None])
+    assert torch.equal(cross[1], torch.arange(N + 2)[None])
+
+
+def test_a_hook_that_writes_into_its_positions_spoils_no_later_call(full_calls):
+    """A scheme whose hook writes into the positions it is handed (the hooks' contract
+    forbids it) moves their version counter: the next call gets positions built anew, and
+    equals the full call's."""
+
+    class Writer(ALiBi):
+        def kept_score_bias(self, q_pos, k_pos):
+            bias = super().kept_score_bias(q_pos, k_pos)
+            q_pos.add_(0)  # a write: the version counter moves, the values stay
+            return bias
+
+    scheme = Writer(H)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        outs = [posenc.attention(q, k, v, position=scheme) for _ in range(3)]
+        explicit = posenc.attention(q, k, v, position=scheme, positions=torch.arange(N))
+    assert torch.equal(outs[2], explicit) and torch.equal(outs[1], explicit)

@@ -32,6 +32,7 @@ from .._rotary_buffer import rotated
 from ..dense import as_attn_mask
 from ..engine import Mask, attend
 from ..engine.flex import _block_mask, _compiled_flex
+from ..engine.kept import replay_unmasked
 from ..hooks import hooks_of
 from ..indices import run_positions
 from ..registry import Shape
@@ -124,11 +125,18 @@ def _core(
     documents: int = 1,
     window: int | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """posenc's attention core: the scheme's rotation, then :func:`attend` (causal or not,
-    with the key padding of :func:`_key_padding`, over the packed documents of
-    :func:`_documents`, positions restarting in each, in a sliding ``window``)."""
+    """posenc's attention core as :func:`posenc.attention` runs it past its checks: the
+    scheme's rotation, then :func:`attend` (causal or not, with the key padding of
+    :func:`_key_padding`, over the packed documents of :func:`_documents`, positions
+    restarting in each, in a sliding ``window``); with none of them, the route kept for
+    ``q, k, v`` alone first (:func:`~posenc.engine.kept.replay_unmasked`)."""
+    alone = not causal and not padding and documents == 1 and window is None
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if alone:
+            out = replay_unmasked(q, k, v, scheme, backend, None)
+            if out is not None:
+                return out
         mask, pos = _masked(q, causal, padding, documents, window)
         q, k, lent = rotated(scheme, q, k, pos, pos, True)  # as posenc.attention rotates
         try:

@@ -54,7 +54,8 @@ import torch
 from torch import Tensor
 
 from .._memo import eager
-from ..hooks import bias_fits, hooks_signature
+from ..hooks import HOOK_NAMES, attribute, bias_fits, hooks_signature
+from ..indices import run_positions
 from . import plans, sdpa, tuning
 from .inputs import default_scale
 from .learned import _reads_own_only, scheme_parameters
@@ -100,11 +101,25 @@ def signature(call: Request) -> tuple[Any, ...] | None:
     q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights = call
     if need_weights or dropout_p or not mask.empty:
         return None
+    return _key(q, k, v, scheme, q_pos.shape, k_pos.shape, backend)
+
+
+def _key(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scheme: Any,
+    q_pos_shape: tuple[int, ...],
+    k_pos_shape: tuple[int, ...],
+    backend: str,
+) -> tuple[Any, ...] | None:
+    """:func:`signature` of an unmasked call without dropout nor weights, with positions of
+    these shapes (their values are not read)."""
     if tuning.KEPT_ROUTES <= 0 or not eager():
         return None
     grad = None
     if torch.is_grad_enabled():
-        grad = _grad_flags(call)
+        grad = _grad_flags(q, k, v, scheme)
         if grad is None:
             return None
     if scheme is None:
@@ -114,12 +129,12 @@ def signature(call: Request) -> tuple[Any, ...] | None:
         if hooks is None:
             return None
     return (
-        hooks, backend, q.shape, k.shape, v.shape, q_pos.shape, k_pos.shape, q.dtype, k.dtype,
+        hooks, backend, q.shape, k.shape, v.shape, q_pos_shape, k_pos_shape, q.dtype, k.dtype,
         v.dtype, q.device, grad, plans._threads(), tuning.key,
     )  # fmt: skip
 
 
-def _grad_flags(call: Request) -> tuple[bool, bool, bool] | None:
+def _grad_flags(q: Tensor, k: Tensor, v: Tensor, scheme: Any) -> tuple[bool, bool, bool] | None:
     """In grad mode, the grad flags of ``q, k, v`` that the choice reads besides what
     :func:`signature` holds (whether the call computes gradients, and whether the path's
     own graph is differentiable twice, so that the dispatcher runs it with no wrapper);
@@ -132,7 +147,6 @@ def _grad_flags(call: Request) -> tuple[bool, bool, bool] | None:
     :func:`~.sdpa.differentiable_twice`, which the dispatcher reads), and a constant bias
     that the limit of :data:`.tuning.OPS_GRAD_BIAS_SCORES` may run op by op (that choice
     weighs the bias the scheme keeps against SDPA's)."""
-    q, k, v, scheme = call[:4]
     if not _reads_own_only(scheme) or scheme_parameters(scheme):
         return None
     if not sdpa.differentiable_twice():  # saved-tensor hooks: the dispatcher wraps the route
@@ -186,6 +200,22 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
     if route is None:
         return None
     q, k, v, scheme, q_pos, k_pos = call[:6]
+    return _run(route, q, k, v, scheme, q_pos, k_pos, scale)
+
+
+def _run(
+    route: Route,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scheme: Any,
+    q_pos: Tensor | None,
+    k_pos: Tensor | None,
+    scale: float | None,
+) -> Tensor | None:
+    """``route`` run on this call (see :func:`replay`; positions None for a route that
+    reads no hook): ``[b, h, n_q, d_v]``, or None where the scheme's bias does not fit
+    it."""
     attn_mask = None
     if route:
         for name in route:
@@ -205,7 +235,88 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
     return sdpa._kernel(q, k, v, attn_mask, 0.0, False, scale)  # the path's call
 
 
+def replay_unmasked(
+    q: Tensor, k: Tensor, v: Tensor, scheme: Any, backend: str, scale: float | None
+) -> Tensor | None:
+    """The route kept for a call of ``q, k, v`` alone, run on it before the caller builds
+    anything: the call :func:`posenc.attention` or a module makes with default positions
+    (``arange(n_q)`` and ``arange(n_k)``), nothing masked, no dropout, no weights and no
+    cache, whose checks it stands in for. ``[b, h, n_q, d_v]``; None (the caller then
+    makes the call in full, and checks it) where no route is kept for it (:func:`_key`,
+    with positions ``[1, n_q]`` and ``[1, n_k]``), or where the full call would check
+    more than the key holds: ``q, k, v`` not 4-D tensors of one floating dtype, of one
+    batch and head count (grouped heads are repeated in the full call), ``k`` of another
+    head dim, ``v`` of another length, a scheme that rotates (its rotation reads the
+    positions) or defines none of the hooks of :data:`~posenc.hooks.HOOK_NAMES`, a scheme
+    whose ``validate_attention`` rejects these heads (the full call raises), or a bias
+    that does not fit the route (:func:`replay`). A route that calls the scheme's hooks
+    gets, on the CPU, positions kept per sizes (:func:`_default_positions`); elsewhere
+    positions built for the call."""
+    if torch.compiler.is_compiling():
+        return None
+    routes = _routes(scheme)
+    if not routes:
+        return None
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return None
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or not q.is_floating_point():
+        return None
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    if k.shape[0] != b or k.shape[1] != h or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+        return None
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return None
+    key = _key(q, k, v, scheme, (1, n_q), (1, n_k), backend)
+    route = None if key is None else routes.get(key)
+    if route is None:
+        return None
+    if scheme is not None:
+        names = dict(key[0][1])  # the hook names the scheme defines: their classes
+        if "rotate" in names or _MAIN_HOOKS.isdisjoint(names):
+            return None
+        validate = attribute(scheme, "validate_attention")
+        if callable(validate):
+            validate(heads=h, head_dim=d)
+    if not route:
+        return _run(route, q, k, v, scheme, None, None, scale)
+    if q.device.type == "cpu":
+        q_pos, k_pos = _default_positions(n_q, n_k, q.device)
+    else:
+        q_pos = run_positions(0, n_q, q.device)  # [1, n_q]
+        k_pos = q_pos if n_k == n_q else run_positions(0, n_k, q.device)  # [1, n_k]
+    return _run(route, q, k, v, scheme, q_pos, k_pos, scale)
+
+
+#: the hooks a scheme passed to an attention defines one of at least
+_MAIN_HOOKS = frozenset(HOOK_NAMES)
+
+#: default positions for :func:`replay_unmasked`, per ``(n_q, n_k, device)``
+_POSITIONS: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def _default_positions(n_q: int, n_k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``arange(n_q)`` and ``arange(n_k)`` as ``[1, n]`` runs (:func:`run_positions`; one
+    tensor when ``n_q == n_k``, as the full call's), kept between the calls of
+    :func:`replay_unmasked` (at most :data:`.tuning.KEPT_ROUTES` pairs). They reach the
+    scheme's hooks alone, which read positions and never write into them; a pair that was
+    written into all the same (its version counter moved) is built anew."""
+    kept = _POSITIONS.get((n_q, n_k, device))
+    if kept is not None:
+        q_pos, k_pos = kept
+        if q_pos._version == q_pos._posenc_run[0] and k_pos._version == k_pos._posenc_run[0]:
+            return kept
+    with torch.inference_mode(False):  # usable outside inference mode too, with a version
+        q_pos = run_positions(0, n_q, device)  # [1, n_q]
+        k_pos = q_pos if n_k == n_q else run_positions(0, n_k, device)  # [1, n_k]
+    if len(_POSITIONS) >= max(tuning.KEPT_ROUTES, 1):
+        _POSITIONS.clear()
+    _POSITIONS[n_q, n_k, device] = q_pos, k_pos
+    return q_pos, k_pos
+
+
 def clear() -> None:
-    """Forget every kept route."""
+    """Forget every kept route (and the default positions kept for them)."""
     _ROUTES.clear()
     _UNSCHEMED.clear()
+    _POSITIONS.clear()
