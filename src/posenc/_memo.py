@@ -46,8 +46,15 @@ def plain_autograd() -> bool:
 
 def eager() -> bool:
     """:func:`_plain` and :func:`plain_autograd` both: plain eager tensors, and autograd
-    recording as in eager code."""
-    return _plain() and plain_autograd()
+    recording as in eager code (their checks, each once)."""
+    return not (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._are_functorch_transforms_active()
+        or torch.jit.is_tracing()
+        or forward_ad._current_level >= 0
+    )
 
 
 def memo(maxsize: int) -> Callable[[Callable[P, Tensor]], Callable[P, Tensor]]:

@@ -368,16 +368,34 @@ def hooks_signature(scheme: Any) -> tuple[Any, ...] | None:
     property, a staticmethod or another descriptor, which may answer otherwise for
     another instance or call; a class attribute set to None); a hook set on the instance
     or named by a submodule. No descriptor is run."""
-    owners = _hook_owners(scheme)
-    if owners is None:
+    cls = type(scheme)  # (as _hook_owners, in one pass that keeps each owner's entry)
+    if (
+        getattr(cls, "__getattr__", _MODULE_GETATTR) is not _MODULE_GETATTR
+        or cls.__getattribute__ is not object.__getattribute__
+    ):
         return None
-    own = getattr(scheme, "__dict__", {})
-    if _HOOK_SET & own.keys() or _HOOK_SET & own.get("_modules", {}).keys():
+    own = getattr(scheme, "__dict__", _NO_HOOKS_HERE)
+    if not _HOOK_SET.isdisjoint(own) or not _HOOK_SET.isdisjoint(
+        own.get("_modules") or _NO_HOOKS_HERE
+    ):
         return None  # set on the instance: hooks_of reads it there
-    entries = tuple([vars(cls)[name] for name, cls in owners.items()])  # type: ignore[index]
+    owners: dict[str, type] = {}
+    entries = []
+    for c in cls.__mro__:
+        if c is object:  # immutable, and defines no hook
+            continue
+        held = c.__dict__
+        for name in _HOOK_SET & held.keys():  # a set against a dict's keys: in C
+            if name not in owners:
+                owners[name] = c
+                entries.append(held[name])
     if entries and set(map(type, entries)) != _FUNCTIONS:
         return None
-    return (type(scheme), tuple(owners.items()), entries)
+    return (cls, tuple(owners.items()), tuple(entries))
+
+
+#: an empty mapping, for a scheme without an instance dict or submodules
+_NO_HOOKS_HERE: dict[str, Any] = {}
 
 
 #: the type of a plain function, alone

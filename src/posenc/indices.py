@@ -214,7 +214,7 @@ def _known_run(pos: Tensor) -> tuple[int, int] | None:
     """``(first, last)`` of positions (``[..., n]``) that :func:`run_positions` or offsets
     that :func:`run_offsets` built and nothing has written into since (their version
     counter unchanged), else None: known without reading them."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if torch.compiler.is_compiling() or torch._C._is_tracing():  # (torch.jit.is_tracing)
         return None  # traced: the graph must not depend on a mark
     mark = getattr(pos, "_posenc_run", None)
     if mark is None or pos.is_inference() or mark[0] != pos._version:
@@ -240,14 +240,14 @@ def offset_run(q_pos: Tensor, k_pos: Tensor) -> int | None:
         ``k_pos_0 - q_pos_(n_q-1)``, or None when the pattern does not hold or cannot be
         checked cheaply.
     """
-    firsts, lasts = [], []
-    for pos in (q_pos, k_pos) if k_pos is not q_pos else (q_pos,):
-        first = run_start(pos)
-        if first is None:
-            return None
-        firsts.append(first)
-        lasts.append(first + pos.shape[1] - 1)
-    return firsts[-1] - lasts[0]  # k_pos_0 - q_pos_(n_q-1)
+    q_first = run_start(q_pos)
+    if q_first is None:
+        return None
+    q_last = q_first + q_pos.shape[1] - 1
+    if k_pos is q_pos:
+        return q_first - q_last
+    k_first = run_start(k_pos)
+    return None if k_first is None else k_first - q_last  # k_pos_0 - q_pos_(n_q-1)
 
 
 def run_start(pos: Tensor) -> int | None:
@@ -261,9 +261,11 @@ def run_start(pos: Tensor) -> int | None:
     Returns:
         ``pos[0, 0]``, or None when ``pos`` is not one such run or cannot be read cheaply.
     """
-    if pos.ndim != 2 or pos.shape[0] != 1 or pos.device.type != "cpu":
+    if torch.compiler.is_compiling():
         return None
-    if not check._can_inspect(pos) or pos.is_floating_point() or pos.dtype == torch.bool:
+    if pos.ndim != 2 or pos.shape[0] != 1 or pos.shape[1] == 0 or not pos.is_cpu:
+        return None  # (a CPU tensor with elements, not compiling: check._can_inspect)
+    if pos.is_floating_point() or pos.dtype == torch.bool:
         return None
     if torch._C._are_functorch_transforms_active():  # vmap: positions per batch entry
         return None

@@ -259,11 +259,14 @@ def replay_unmasked(
         return None
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         return None
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or not q.is_floating_point():
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
         return None
-    b, h, n_q, d = q.shape
-    n_k = k.shape[2]
-    if k.shape[0] != b or k.shape[1] != h or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+    b, h, n_q, d = q_shape
+    n_k = k_shape[2]
+    if k_shape[0] != b or k_shape[1] != h or k_shape[3] != d:
+        return None
+    if v_shape[0] != b or v_shape[1] != h or v_shape[2] != n_k or not q.is_floating_point():
         return None
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return None
@@ -280,7 +283,7 @@ def replay_unmasked(
             validate(heads=h, head_dim=d)
     if not route:
         return _run(route, q, k, v, scheme, None, None, scale)
-    if q.device.type == "cpu":
+    if q.is_cpu:
         q_pos, k_pos = _default_positions(n_q, n_k, q.device)
     else:
         q_pos = run_positions(0, n_q, q.device)  # [1, n_q]
