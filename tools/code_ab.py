@@ -8,10 +8,12 @@ alone) beside the working tree's ``posenc``, and times, interleaved in one proce
 repeat runs every variant once, in an order drawn anew):
 
 - ``floor``: SDPA without positions;
-- ``base`` and ``new``: posenc's attention core as ``posenc bench`` calls it (the
-  rotation, then the engine's ``attend`` on default positions), or with ``--entry
-  attention`` the public :func:`posenc.attention` (its checks and defaults too), of each
-  version, on the same scheme configuration and inputs.
+- ``base`` and ``new``: posenc's attention core as ``posenc bench`` calls it (that
+  version's ``_core`` in ``posenc.cli._bench_variants``: the rotation, then the engine's
+  ``attend`` on default positions, or the route kept for the inputs alone where that
+  version has one), or with ``--entry attention`` the public :func:`posenc.attention`
+  (its checks and defaults too), of each version, on the same scheme configuration and
+  inputs.
 
 It prints per scheme, shape and mode (``fwd``: forward without gradients; ``fwd+bwd``:
 forward, then backward of the output's sum) the medians of ``base / floor``, ``new /

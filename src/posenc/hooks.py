@@ -44,15 +44,16 @@ them):
   queries and keys that are a whole ``H x W`` map in order;
 - ``key_shift(q, q_pos, k_pos)``: a score term of the key alone, ``q_i . e_j``, as the
   vector ``e [B', 1, n_k, d]`` added to the keys;
-- ``validate_attention(heads, head_dim)``: called once at construction, to reject a
-  scheme built for another shape.
+- ``validate_attention(heads, head_dim)``: called when a module is built and by each
+  call of :func:`posenc.attention`, to reject a scheme built for another shape.
 
 An extra counts only where the hook it stands for is defined in the same class or after it
 in the method resolution order (:data:`DERIVED_HOOKS`): a subclass that overrides
 ``score_bias`` alone, or a mixin listed before the scheme that does, runs on its
 ``score_bias``, not on the parent's ``offset_bias``. Hooks must accept any positions (a
-block of queries against all keys, shifted, per-batch), never assume ``n_q == n_k``.
-Masks are the attention's job, never a hook's.
+block of queries against all keys, shifted, per-batch), never assume ``n_q == n_k``, and
+read positions, never write into them (the default positions of one call may be handed
+to the next). Masks are the attention's job, never a hook's.
 """
 
 from __future__ import annotations

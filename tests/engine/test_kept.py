@@ -888,19 +888,82 @@ def test_a_rotating_or_hookless_scheme_takes_the_full_call(full_calls):
 
 
 def test_kept_default_positions_written_into_are_built_anew():
-    """The default positions kept for the replayed calls reach the scheme's hooks alone;
+    """The default positions kept for a scheme's replayed calls reach its hooks alone;
     positions written into in place all the same (their version counter moved) are not
     handed out again, and positions built in inference mode are usable outside it."""
+    routes, cpu = kept._Routes(), torch.device("cpu")
     with torch.inference_mode():
-        first = kept._default_positions(N, N, torch.device("cpu"))
+        first = kept._default_positions(routes, N, N, cpu)
     assert first[0] is first[1] and not first[0].is_inference()
-    assert kept._default_positions(N, N, torch.device("cpu"))[0] is first[0]
+    assert kept._default_positions(routes, N, N, cpu)[0] is first[0]
+    assert kept._default_positions(kept._Routes(), N, N, cpu)[0] is not first[0]  # per scheme
     first[0].add_(1)
-    again = kept._default_positions(N, N, torch.device("cpu"))
+    again = kept._default_positions(routes, N, N, cpu)
     assert again[0] is not first[0] and torch.equal(again[0], torch.arange(N)[None])
-    cross = kept._default_positions(N, N + 2, torch.device("cpu"))
+    cross = kept._default_positions(routes, N, N + 2, cpu)
     assert torch.equal(cross[0], torch.arange(N)[None])
     assert torch.equal(cross[1], torch.arange(N + 2)[None])
+
+
+def test_a_write_past_the_version_counter_reaches_no_other_scheme():
+    """A hook that writes into its positions through ``.data`` (which the hooks' contract
+    forbids, and the version counter does not see) spoils no other scheme's calls: each
+    scheme keeps its own default positions."""
+
+    class Sloppy(nn.Module):
+        def score_bias(self, q_pos, k_pos):
+            q_pos.data.mul_(0)
+            return torch.zeros(1, 1, q_pos.shape[-1], k_pos.shape[-1])
+
+    scheme, sloppy = _learned("swin-1d"), Sloppy()
+    q, k, v = _qkv()
+    with torch.no_grad():
+        ref = posenc.attention(q, k, v, position=scheme, positions=torch.arange(N))
+        for _ in range(3):
+            posenc.attention(q, k, v, position=sloppy)
+            out = posenc.attention(q, k, v, position=scheme)
+            assert torch.equal(out, ref)
+
+
+def test_a_rotating_scheme_computes_no_key_before_its_full_call(monkeypatch):
+    """A scheme that rotates takes the full call (its rotation reads the positions) before
+    the route's key is computed: its calls pay no lookup."""
+    scheme = Rotary(D)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        for _ in range(2):
+            posenc.attention(q, k, v, position=scheme)
+        assert kept._routes(scheme)  # kept: the full call replays it after the rotation
+        keys = []
+        key = kept._key
+        monkeypatch.setattr(kept, "_key", lambda *a: keys.append(a) or key(*a))
+        assert kept.replay_unmasked(q, k, v, scheme, "auto", None) is None
+    assert not keys
+
+
+def test_the_module_validates_its_scheme_when_built_not_per_call(full_calls):
+    """A module's scheme is validated when the module is built; its calls, replayed or not,
+    do not call ``validate_attention`` (``posenc.attention`` does, in each call)."""
+
+    class Checked(ALiBi):
+        calls = 0
+
+        def validate_attention(self, heads, head_dim):
+            Checked.calls += 1
+            super().validate_attention(heads, head_dim)
+
+    torch.manual_seed(0)
+    mha = posenc.MultiHeadAttention(H * D, H, position=Checked(H)).eval()
+    built = Checked.calls
+    x = torch.randn(B, N, H * D)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        outs = [mha(x) for _ in range(3)]
+        assert Checked.calls == built and len(full_calls) == 1
+        for _ in range(3):
+            posenc.attention(q, k, v, position=mha.position)
+    assert torch.equal(outs[0], outs[2])
+    assert Checked.calls == built + 3
 
 
 def test_a_hook_that_writes_into_its_positions_spoils_no_later_call(full_calls):

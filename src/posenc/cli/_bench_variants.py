@@ -125,16 +125,17 @@ def _core(
     documents: int = 1,
     window: int | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """posenc's attention core as :func:`posenc.attention` runs it past its checks: the
+    """posenc's attention core as a module runs it, without the checks of its inputs: the
     scheme's rotation, then :func:`attend` (causal or not, with the key padding of
     :func:`_key_padding`, over the packed documents of :func:`_documents`, positions
     restarting in each, in a sliding ``window``); with none of them, the route kept for
-    ``q, k, v`` alone first (:func:`~posenc.engine.kept.replay_unmasked`)."""
+    ``q, k, v`` alone first (:func:`~posenc.engine.kept.replay_unmasked`, with its checks
+    of the tensors, without the scheme's ``validate_attention``)."""
     alone = not causal and not padding and documents == 1 and window is None
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if alone:
-            out = replay_unmasked(q, k, v, scheme, backend, None)
+            out = replay_unmasked(q, k, v, scheme, backend, None, validate=False)
             if out is not None:
                 return out
         mask, pos = _masked(q, causal, padding, documents, window)

@@ -28,7 +28,7 @@ one of
 run by the dispatcher with no wrapper (with gradients: where the path's own graph is
 differentiable twice), the route is kept per scheme and signature (:func:`record`), and a
 later call of the same signature runs it at once (:func:`replay`): the hooks are called
-on the call's own positions as the path calls them, and the bias's shape is checked as
+on the call's positions as the path calls them, and the bias's shape is checked as
 :func:`~posenc.hooks.checked_hooks` checks it (a bias of another shape, or none, or in
 grad mode one that asks for a gradient, takes the dispatcher, which calls the hooks again
 and raises where it must). A replay computes what the path computes, with the same
@@ -36,6 +36,14 @@ kernel call, so it gives the same values: only the walk's Python is saved. Route
 kept in a weak dictionary keyed by the scheme (a scheme that is garbage collected takes
 its routes along), at most :data:`.tuning.KEPT_ROUTES` per scheme; they hold no tensor
 and no bound method.
+
+:func:`posenc.attention` and :class:`~posenc.MultiHeadAttention`, called with ``q, k, v``
+alone (default positions, nothing masked, no dropout, cache nor weights), look the route
+up before anything else (:func:`replay_unmasked`): the call's checks that the key does
+not hold are made on the tensors, and the hooks of a route that calls them get default
+positions kept with the scheme's routes (at most :data:`.tuning.KEPT_ROUTES` pairs of
+``[1, n]`` int64 tensors per scheme, built anew once written into), not positions built
+for the call.
 
 The signature does not hold the engine's own functions: code that replaces one of them
 (a test's spy, a patched path) calls :func:`clear` first, or its calls may replay a route
@@ -83,10 +91,21 @@ class Request(NamedTuple):
     need_weights: bool
 
 
+class _Routes(dict[tuple[Any, ...], Route]):
+    """A scheme's routes by signature, and the default positions kept for its calls of
+    :func:`replay_unmasked` (``positions``, per sizes and device)."""
+
+    __slots__ = ("positions",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+
+
 #: each scheme's routes by signature
-_ROUTES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Route]] = weakref.WeakKeyDictionary()
+_ROUTES: weakref.WeakKeyDictionary[Any, _Routes] = weakref.WeakKeyDictionary()
 #: the routes of calls without a scheme
-_UNSCHEMED: dict[tuple[Any, ...], Route] = {}
+_UNSCHEMED = _Routes()
 
 
 def signature(call: Request) -> tuple[Any, ...] | None:
@@ -157,7 +176,7 @@ def _grad_flags(q: Tensor, k: Tensor, v: Tensor, scheme: Any) -> tuple[bool, boo
     return q.requires_grad, k.requires_grad, v.requires_grad
 
 
-def _routes(scheme: Any) -> dict[tuple[Any, ...], Route] | None:
+def _routes(scheme: Any) -> _Routes | None:
     """The scheme's routes (None: none kept, or a scheme that cannot key a weak dictionary)."""
     if scheme is None:
         return _UNSCHEMED
@@ -178,7 +197,7 @@ def record(route: Route, call: Request) -> None:
     routes = _routes(call.scheme)
     if routes is None:
         try:
-            routes = _ROUTES.setdefault(call.scheme, {})
+            routes = _ROUTES.setdefault(call.scheme, _Routes())
         except Exception:  # as _routes
             return
     if key not in routes and len(routes) >= tuning.KEPT_ROUTES:
@@ -236,7 +255,13 @@ def _run(
 
 
 def replay_unmasked(
-    q: Tensor, k: Tensor, v: Tensor, scheme: Any, backend: str, scale: float | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scheme: Any,
+    backend: str,
+    scale: float | None,
+    validate: bool = True,
 ) -> Tensor | None:
     """The route kept for a call of ``q, k, v`` alone, run on it before the caller builds
     anything: the call :func:`posenc.attention` or a module makes with default positions
@@ -247,16 +272,22 @@ def replay_unmasked(
     more than the key holds: ``q, k, v`` not 4-D tensors of one floating dtype, of one
     batch and head count (grouped heads are repeated in the full call), ``k`` of another
     head dim, ``v`` of another length, a scheme that rotates (its rotation reads the
-    positions) or defines none of the hooks of :data:`~posenc.hooks.HOOK_NAMES`, a scheme
-    whose ``validate_attention`` rejects these heads (the full call raises), or a bias
-    that does not fit the route (:func:`replay`). A route that calls the scheme's hooks
-    gets, on the CPU, positions kept per sizes (:func:`_default_positions`); elsewhere
-    positions built for the call."""
+    positions) or defines none of the hooks of :data:`~posenc.hooks.HOOK_NAMES`, or a bias
+    that does not fit the route (:func:`replay`). With ``validate`` (the checks of
+    :func:`posenc.attention`, not a module's, which validates its scheme when built) the
+    scheme's ``validate_attention`` is called on the heads and head dim, and raises as in
+    the full call. A route that calls the scheme's hooks gets, on the CPU, positions kept
+    for the scheme per sizes (:func:`_default_positions`); elsewhere positions built for
+    the call.
+
+    Raises:
+        ValueError: with ``validate``, heads or a head dim the scheme was not built for.
+    """
     if torch.compiler.is_compiling():
         return None
     routes = _routes(scheme)
-    if not routes:
-        return None
+    if not routes or attribute(scheme, "rotate") is not None:
+        return None  # (a rotation reads the positions: before the key)
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         return None
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
@@ -278,13 +309,14 @@ def replay_unmasked(
         names = dict(key[0][1])  # the hook names the scheme defines: their classes
         if "rotate" in names or _MAIN_HOOKS.isdisjoint(names):
             return None
-        validate = attribute(scheme, "validate_attention")
-        if callable(validate):
-            validate(heads=h, head_dim=d)
+        if validate:
+            check = attribute(scheme, "validate_attention")
+            if callable(check):
+                check(heads=h, head_dim=d)
     if not route:
         return _run(route, q, k, v, scheme, None, None, scale)
     if q.is_cpu:
-        q_pos, k_pos = _default_positions(n_q, n_k, q.device)
+        q_pos, k_pos = _default_positions(routes, n_q, n_k, q.device)
     else:
         q_pos = run_positions(0, n_q, q.device)  # [1, n_q]
         k_pos = q_pos if n_k == n_q else run_positions(0, n_k, q.device)  # [1, n_k]
@@ -294,17 +326,18 @@ def replay_unmasked(
 #: the hooks a scheme passed to an attention defines one of at least
 _MAIN_HOOKS = frozenset(HOOK_NAMES)
 
-#: default positions for :func:`replay_unmasked`, per ``(n_q, n_k, device)``
-_POSITIONS: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
 
-
-def _default_positions(n_q: int, n_k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def _default_positions(
+    routes: _Routes, n_q: int, n_k: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """``arange(n_q)`` and ``arange(n_k)`` as ``[1, n]`` runs (:func:`run_positions`; one
-    tensor when ``n_q == n_k``, as the full call's), kept between the calls of
-    :func:`replay_unmasked` (at most :data:`.tuning.KEPT_ROUTES` pairs). They reach the
-    scheme's hooks alone, which read positions and never write into them; a pair that was
-    written into all the same (its version counter moved) is built anew."""
-    kept = _POSITIONS.get((n_q, n_k, device))
+    tensor when ``n_q == n_k``), kept in ``routes`` (a scheme's) between its calls of
+    :func:`replay_unmasked`, at most :data:`.tuning.KEPT_ROUTES` pairs. They reach that
+    scheme's hooks alone, which read positions and never write into them; a pair written
+    into all the same through an in-place op (its version counter moved) is built anew.
+    A write that bypasses the version counter (``.data``, a NumPy view) would reach the
+    scheme's later calls, as it reaches positions the caller keeps."""
+    kept = routes.positions.get((n_q, n_k, device))
     if kept is not None:
         q_pos, k_pos = kept
         if q_pos._version == q_pos._posenc_run[0] and k_pos._version == k_pos._posenc_run[0]:
@@ -312,14 +345,14 @@ def _default_positions(n_q: int, n_k: int, device: torch.device) -> tuple[Tensor
     with torch.inference_mode(False):  # usable outside inference mode too, with a version
         q_pos = run_positions(0, n_q, device)  # [1, n_q]
         k_pos = q_pos if n_k == n_q else run_positions(0, n_k, device)  # [1, n_k]
-    if len(_POSITIONS) >= max(tuning.KEPT_ROUTES, 1):
-        _POSITIONS.clear()
-    _POSITIONS[n_q, n_k, device] = q_pos, k_pos
-    return q_pos, k_pos
+    if len(routes.positions) >= max(tuning.KEPT_ROUTES, 1):
+        routes.positions.clear()
+    kept = routes.positions[n_q, n_k, device] = q_pos, k_pos
+    return kept
 
 
 def clear() -> None:
-    """Forget every kept route (and the default positions kept for them)."""
+    """Forget every kept route (and the default positions kept with them)."""
     _ROUTES.clear()
     _UNSCHEMED.clear()
-    _POSITIONS.clear()
+    _UNSCHEMED.positions.clear()
