@@ -10,7 +10,13 @@ from torch.nn.utils import parametrize
 
 import posenc
 from posenc.engine import Mask, attend, explain_call
-from posenc.engine.learned import _reads_own_only, learned_inputs, substituted
+from posenc.engine.learned import (
+    _reads_own_only,
+    frozen_own,
+    learned_inputs,
+    scheme_parameters,
+    substituted,
+)
 from posenc.hooks import hooks_of
 from schemes import SCHEMES
 from tolerances import assert_close, logit_size
@@ -392,3 +398,43 @@ def test_posenc_s_own_modules_are_those_of_its_package_as_imported():
     assert own_module("posenc") and own_module("posenc.alibi") and own_module("posenc.engine.kept")
     assert not own_module("posenc_base.alibi") and not own_module("posencx")
     assert not own_module("myproject.schemes") and not own_module("torch.nn")
+
+
+def test_frozen_own_is_reads_own_only_without_a_parameter_that_requires_grad():
+    """``frozen_own`` (one walk) answers as ``_reads_own_only`` and an empty
+    ``scheme_parameters`` do, for posenc's schemes learned and frozen, a submodule's
+    parameter, a parametrised table, a user's class, a function or a learned tensor set
+    on the instance, None and a non-module."""
+    from posenc import ALiBi, T5RelativeBias
+
+    class Mine(T5RelativeBias):
+        def bias(self, buckets):
+            return super().bias(buckets)
+
+    class Holder(ALiBi):  # posenc's class, with a frozen table in a submodule
+        def __init__(self):
+            super().__init__(2)
+            self.inner = nn.Linear(1, 1)
+
+    cases = [None, object(), HeldBias(torch.zeros(1)), Mine(2)]
+    for entry in SCHEMES.values():
+        learned = entry.build(2, 8, 16, (4, 4))
+        frozen = entry.build(2, 8, 16, (4, 4))
+        if isinstance(frozen, nn.Module):
+            frozen.requires_grad_(False)
+        cases += [learned, frozen]
+    holder, thawed = Holder(), Holder()
+    holder.requires_grad_(False)
+    with_function, with_tensor = ALiBi(2), ALiBi(2)
+    with_function.slopes = lambda: torch.ones(2)
+    with_tensor.extra = torch.zeros(2, requires_grad=True)
+    parametrised = Table()
+    parametrize.register_parametrization(parametrised, "table", Scale())
+    parametrised.requires_grad_(False)
+    cases += [holder, thawed, with_function, with_tensor, parametrised]
+    seen = set()
+    for scheme in cases:
+        expected = _reads_own_only(scheme) and not scheme_parameters(scheme)
+        assert frozen_own(scheme) == expected, scheme
+        seen.add(expected)
+    assert seen == {True, False}

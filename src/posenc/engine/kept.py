@@ -66,7 +66,7 @@ from ..hooks import HOOK_NAMES, attribute, bias_fits, hooks_signature
 from ..indices import run_positions
 from . import plans, sdpa, tuning
 from .inputs import default_scale
-from .learned import _reads_own_only, scheme_parameters
+from .learned import frozen_own
 from .mask import Mask
 
 #: a route: the bias hooks to read in turn, ``()`` for none (SDPA's kernel on q, k, v),
@@ -166,7 +166,7 @@ def _grad_flags(q: Tensor, k: Tensor, v: Tensor, scheme: Any) -> tuple[bool, boo
     :func:`~.sdpa.differentiable_twice`, which the dispatcher reads), and a constant bias
     that the limit of :data:`.tuning.OPS_GRAD_BIAS_SCORES` may run op by op (that choice
     weighs the bias the scheme keeps against SDPA's)."""
-    if not _reads_own_only(scheme) or scheme_parameters(scheme):
+    if not frozen_own(scheme):  # (_reads_own_only, and scheme_parameters empty)
         return None
     if not sdpa.differentiable_twice():  # saved-tensor hooks: the dispatcher wraps the route
         return None

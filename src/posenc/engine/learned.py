@@ -120,6 +120,32 @@ def _reads_own_only(scheme: Any) -> bool:
     return True
 
 
+def frozen_own(scheme: Any) -> bool:
+    """:func:`_reads_own_only` with no parameter that requires grad (:func:`scheme_parameters`
+    empty), in one walk over the modules: what a call with gradients reads to key its
+    route (:func:`~.kept._grad_flags`)."""
+    if scheme is None:
+        return True
+    if not isinstance(scheme, nn.Module):
+        return False
+    stack = [scheme]
+    while stack:
+        module = stack.pop()
+        modules = module._modules
+        if not _own_class(type(module)) or "parametrizations" in modules:
+            return False
+        for p in module._parameters.values():
+            if p is not None and p.requires_grad:
+                return False
+        state = module.__dict__
+        for name in state.keys() - _MODULE_STATE:  # what was set on the instance
+            value = state[name]
+            if callable(value) or (isinstance(value, Tensor) and value.requires_grad):
+                return False
+        stack.extend(m for m in modules.values() if m is not None)
+    return True
+
+
 #: the attributes every ``nn.Module`` instance has
 _MODULE_STATE = frozenset(vars(nn.Module()))
 

@@ -118,7 +118,7 @@ def _kernel(
     if (
         dropout_p == 0
         and out.requires_grad
-        and out.device.type == "cpu"
+        and out.is_cpu
         and plain_autograd()  # (nor under torch.compile, which cannot read a grad_fn)
         and differentiable_twice()
     ):
