@@ -102,28 +102,18 @@ def _reads_own_only(scheme: Any) -> bool:
     posenc's class in ``__init__`` counts as posenc's), and that has no function or tensor
     requiring grad set on the instance (a hook or method replaced there, a learned tensor
     kept as a plain attribute). Called once per call in grad mode: a few microseconds."""
-    if scheme is None:
-        return True
-    if not isinstance(scheme, nn.Module):
-        return False
-    stack = [scheme]
-    while stack:
-        module = stack.pop()
-        if not _own_class(type(module)) or "parametrizations" in module._modules:
-            return False
-        state = module.__dict__
-        for name in state.keys() - _MODULE_STATE:  # what was set on the instance
-            value = state[name]
-            if callable(value) or (isinstance(value, Tensor) and value.requires_grad):
-                return False
-        stack.extend(m for m in module._modules.values() if m is not None)
-    return True
+    return _own(scheme, frozen=False)
 
 
 def frozen_own(scheme: Any) -> bool:
     """:func:`_reads_own_only` with no parameter that requires grad (:func:`scheme_parameters`
     empty), in one walk over the modules: what a call with gradients reads to key its
     route (:func:`~.kept._grad_flags`)."""
+    return _own(scheme, frozen=True)
+
+
+def _own(scheme: Any, frozen: bool) -> bool:
+    """:func:`_reads_own_only`, and with ``frozen`` no parameter requiring grad either."""
     if scheme is None:
         return True
     if not isinstance(scheme, nn.Module):
@@ -134,9 +124,10 @@ def frozen_own(scheme: Any) -> bool:
         modules = module._modules
         if not _own_class(type(module)) or "parametrizations" in modules:
             return False
-        for p in module._parameters.values():
-            if p is not None and p.requires_grad:
-                return False
+        if frozen:
+            for p in module._parameters.values():
+                if p is not None and p.requires_grad:
+                    return False
         state = module.__dict__
         for name in state.keys() - _MODULE_STATE:  # what was set on the instance
             value = state[name]
