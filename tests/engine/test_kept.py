@@ -16,6 +16,7 @@ import posenc
 from posenc import (
     ALiBi,
     RelativePositionBias,
+    RelativeQueryEmbedding,
     Rotary,
     T5RelativeBias,
 )
@@ -56,6 +57,7 @@ SCHEMES = {
     "swin-1d": lambda: RelativePositionBias((1, N), H),
     "swin-2d": lambda: RelativePositionBias((3, 4), H),
     "table": lambda: TableBias(H),
+    "relative": lambda: RelativeQueryEmbedding(2 * N, D),  # a score term: op by op, in place
 }
 
 
@@ -983,3 +985,46 @@ def test_a_hook_that_writes_into_its_positions_spoils_no_later_call(full_calls):
         outs = [posenc.attention(q, k, v, position=scheme) for _ in range(3)]
         explicit = posenc.attention(q, k, v, position=scheme, positions=torch.arange(N))
     assert torch.equal(outs[2], explicit) and torch.equal(outs[1], explicit)
+
+
+def test_a_term_in_place_is_replayed_without_gradients_only(walks):
+    """A score term without gradients runs op by op in one buffer; its route is kept and
+    replayed (with the hooks checked as the path checks them), bit for bit; in grad mode
+    the same call keeps no route (the choice reads what the hooks' tensors ask for)."""
+    scheme = _learned("relative")
+    q, k, v = _qkv()
+    with torch.no_grad():
+        outs = [_call(scheme, q, k, v) for _ in range(3)]
+    assert len(walks) == 1 and kept._ROUTES[scheme]
+    assert plans._IN_PLACE_ROUTE in kept._ROUTES[scheme].values()
+    assert torch.equal(outs[0], outs[2])
+    with torch.no_grad():
+        assert torch.equal(_walked(lambda: _call(scheme, q, k, v)), outs[2])
+    before = len(walks)
+    for _ in range(2):
+        out = _call(scheme, q, k, v)
+    assert len(walks) == before + 2
+    torch.testing.assert_close(out, outs[0], atol=1e-6, rtol=0)
+
+
+def test_a_replayed_term_of_another_shape_raises_as_the_dispatcher_does(walks):
+    """A score term whose shape changes after its route was kept raises the dispatcher's
+    error naming the hook, in a replayed call too."""
+
+    class Term(nn.Module):
+        heads = H
+
+        def score_term(self, q, q_pos, k_pos):
+            return torch.zeros(q.shape[0], self.heads, q_pos.shape[-1], k_pos.shape[-1])
+
+    scheme = Term()
+    q, k, v = _qkv()
+    with torch.no_grad():
+        _call(scheme, q, k, v)
+        _call(scheme, q, k, v)
+        assert len(walks) == 1
+        scheme.heads = H + 1
+        with pytest.raises(ValueError, match="score_term hook returned shape"):
+            _call(scheme, q, k, v)
+        with pytest.raises(ValueError, match="score_term hook returned shape"):
+            posenc.attention(q, k, v, position=scheme)

@@ -23,7 +23,11 @@ one of
   a bias alone; past the scores' budget, where the path chose it because the scheme keeps
   that bias, its route reads ``kept_score_bias`` alone, and a call for which the scheme
   keeps none, or whose inputs SDPA's fused CPU kernel does not take, takes the
-  dispatcher: :func:`~.plans._kept_bias_fused`),
+  dispatcher: :func:`~.plans._kept_bias_fused`), or
+- without gradients (grad mode off), the materialised path's forward in one buffer
+  (:func:`~.reference._forward_in_place`: a score or value term op by op; its choice
+  reads the shapes, the device, the thread count and the tuning constants alone), with
+  the scheme's hooks checked as the dispatcher checks them (:data:`~.plans._IN_PLACE_ROUTE`),
 
 run by the dispatcher with no wrapper (with gradients: where the path's own graph is
 differentiable twice), the route is kept per scheme and signature (:func:`record`), and a
@@ -62,16 +66,17 @@ import torch
 from torch import Tensor
 
 from .._memo import eager
-from ..hooks import HOOK_NAMES, attribute, bias_fits, hooks_signature
+from ..hooks import HOOK_NAMES, attribute, bias_fits, checked_hooks, hooks_of, hooks_signature
 from ..indices import run_positions
 from . import plans, sdpa, tuning
 from .inputs import default_scale
 from .learned import frozen_own
 from .mask import Mask
+from .reference import _forward_in_place
 
 #: a route: the bias hooks to read in turn, ``()`` for none (SDPA's kernel on q, k, v),
 #: ``("score_bias",)`` or ``("kept_score_bias", "score_bias")`` (the first that gives a
-#: tensor)
+#: tensor); or :data:`~.plans._IN_PLACE_ROUTE` (the forward op by op in one buffer)
 Route = tuple[str, ...]
 
 
@@ -235,6 +240,11 @@ def _run(
     """``route`` run on this call (see :func:`replay`; positions None for a route that
     reads no hook): ``[b, h, n_q, d_v]``, or None where the scheme's bias does not fit
     it."""
+    if route == plans._IN_PLACE_ROUTE:  # the path's call, its hooks checked as it checks them
+        hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
+        mask = Mask(q.shape[2], k.shape[2])
+        scale = default_scale(q.shape[-1]) if scale is None else scale
+        return _forward_in_place(q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0)  # type: ignore[arg-type]
     attn_mask = None
     if route:
         for name in route:

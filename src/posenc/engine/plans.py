@@ -544,10 +544,12 @@ def _plan_materialised(call: Call) -> Plan:
         )
     if call.op_by_op:
         if _in_place(call):
-            return lambda: _forward_in_place(
+            in_place = lambda: _forward_in_place(  # noqa: E731
                 call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
                 call.dropout_p, bias=call.known_bias,
             )  # fmt: skip
+            # kept for calls that record no graph (the choice then reads what the key holds)
+            return in_place if torch.is_grad_enabled() else routed(in_place, _IN_PLACE_ROUTE)
         return lambda: _math(
             call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
             call.dropout_p, reference=False, bias=call.known_bias,
@@ -599,8 +601,15 @@ _KEPT_BIAS_ROUTE = ("kept_score_bias", "score_bias")
 _KEPT_FUSED_ROUTE = ("kept_score_bias",)
 
 
+#: the route of the materialised path's forward in one buffer, without gradients
+#: (:func:`~.reference._forward_in_place`): the scheme's hooks as the path calls them, no
+#: SDPA call
+_IN_PLACE_ROUTE = ("op by op, in place",)
+
+
 def routed(run: Callable[[], Tensor], route: tuple[str, ...]) -> Callable[[], Tensor]:
     """``run``, marked with the route :mod:`.kept` may replay for calls of its signature:
-    SDPA's kernel on ``q, k, v`` with the bias of the hooks named (``()``: none)."""
+    SDPA's kernel on ``q, k, v`` with the bias of the hooks named (``()``: none), or
+    :data:`_IN_PLACE_ROUTE`."""
     run.route = route  # type: ignore[attr-defined]
     return run
