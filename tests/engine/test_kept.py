@@ -1028,3 +1028,47 @@ def test_a_replayed_term_of_another_shape_raises_as_the_dispatcher_does(walks):
             _call(scheme, q, k, v)
         with pytest.raises(ValueError, match="score_term hook returned shape"):
             posenc.attention(q, k, v, position=scheme)
+
+
+def test_a_route_is_kept_under_the_state_its_choice_read(monkeypatch, walks):
+    """A hook that changes what the key holds while the route runs (here a tuning
+    constant) does not file the route under the state it left: the next call, in that
+    state, takes the dispatcher's answer for it."""
+    monkeypatch.setattr(tuning, "OPS_IN_PLACE_SCORES", tuning.OPS_IN_PLACE_SCORES)
+
+    class Term(nn.Module):
+        first = True
+
+        def score_term(self, q, q_pos, k_pos):
+            if Term.first:
+                Term.first = False
+                tuning.OPS_IN_PLACE_SCORES = 0  # the next calls: SDPA with the term as mask
+            return torch.full((1, 1, q_pos.shape[-1], k_pos.shape[-1]), 0.1)
+
+    scheme = Term()
+    q, k, v = _qkv()
+    with torch.no_grad():
+        _call(scheme, q, k, v)
+        got = _call(scheme, q, k, v)
+        want = _walked(lambda: _call(scheme, q, k, v))
+    assert torch.equal(got, want)
+
+
+def test_explain_says_no_route_is_replayed_for_a_scheme_that_cannot_keep_one():
+    """A scheme that cannot key a weak dictionary (``__slots__`` without ``__weakref__``)
+    keeps no route, and ``explain`` says so."""
+
+    class Term:
+        __slots__ = ()
+
+        def score_term(self, q, q_pos, k_pos):
+            return torch.ones(1, 1, q_pos.shape[-1], k_pos.shape[-1])
+
+    scheme = Term()
+    q, k, v = _qkv()
+    with torch.no_grad():
+        for _ in range(2):
+            posenc.attention(q, k, v, position=scheme)
+        assert not posenc.explain(q, k, v, position=scheme).replayed
+        assert posenc.explain(q, k, v, position=_learned("relative")).replayed
+    assert kept._routes(scheme) is None and not kept.keyable(scheme) and kept.keyable(None)

@@ -438,3 +438,22 @@ def test_frozen_own_is_reads_own_only_without_a_parameter_that_requires_grad():
         assert frozen_own(scheme) == expected, scheme
         seen.add(expected)
     assert seen == {True, False}
+
+
+def test_a_cycle_of_modules_is_walked_once():
+    """A scheme and a module that hold each other (a cycle of submodules) are walked once
+    each: the grad-mode call that asks whether the scheme reads its own tensors only
+    returns, with the definition's output."""
+    from posenc import ALiBi
+
+    class Holder(nn.Module):
+        pass
+
+    scheme, holder = ALiBi(2), Holder()
+    scheme.owner = holder
+    holder.scheme = scheme
+    assert _reads_own_only(scheme) and frozen_own(scheme)  # Holder defines no method
+    q = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
+    out = posenc.attention(q, q, q, position=scheme)
+    ref = posenc.attention(q, q, q, position=scheme, backend="math")
+    torch.testing.assert_close(out, ref)

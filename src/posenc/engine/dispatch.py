@@ -52,7 +52,8 @@ class Explanation:
     """What :func:`posenc.explain` reports: the path taken and, for each path before it in
     the order ``backend`` walks, why it was not; and whether the route is kept, so that
     after a first call the calls of the same signature (shapes, dtypes, device, backend,
-    grad flags, ...) replay it without choosing the path again (:mod:`.kept`)."""
+    grad flags, ...) replay it without choosing the path again (:mod:`.kept`; never for a
+    scheme that cannot key a weak dictionary: :func:`.kept.keyable`)."""
 
     path: str
     reasons: dict[str, str]
@@ -162,10 +163,13 @@ def _attend(
     call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
     name, run, _ = _walk(PATHS[backend], call, backend)
     if _unwrapped(name, call, hooks):
-        out = run()
         route = getattr(run, "route", None)
+        key = None
         if request is not None and route is not None and call.read_by is None:
-            kept.record(route, request)  # no key shift folded into the keys
+            key = kept.signature(request)  # before the run: the state the choice read
+        out = run()
+        if key is not None:  # (no key shift folded into the keys)
+            kept.record(route, request, key)
         return out, None
     # a probe of the hooks, for a scheme not posenc's own (the flex path takes none: on
     # CUDA it declines a call with one, on CPU it has no backward)
@@ -535,5 +539,6 @@ def explain_call(
         and call.read_by is None
         and _unwrapped(name, call, hooks)
         and kept.signature(request) is not None
+        and kept.keyable(scheme)
     )
     return Explanation(name, reasons, replayed)

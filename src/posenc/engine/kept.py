@@ -1,5 +1,6 @@
 """Kept routes: the route the dispatcher chose for a call's signature, replayed without the
-walk, for calls whose route is one SDPA call.
+walk, for calls whose route is one SDPA call (or, without gradients, the forward of a term
+in one buffer).
 
 For a call without a mask, dropout or weights asked for, the paths up to the materialised
 one (``sdpa``, ``math``, ``flex``, ``materialised``: :data:`.dispatch.PATHS`) decide on
@@ -35,8 +36,11 @@ later call of the same signature runs it at once (:func:`replay`): the hooks are
 on the call's positions as the path calls them, and the bias's shape is checked as
 :func:`~posenc.hooks.checked_hooks` checks it (a bias of another shape, or none, or in
 grad mode one that asks for a gradient, takes the dispatcher, which calls the hooks again
-and raises where it must). A replay computes what the path computes, with the same
-kernel call, so it gives the same values: only the walk's Python is saved. Routes are
+and raises where it must; the forward in one buffer calls the checked hooks themselves,
+which raise the dispatcher's error). A replay computes what the path computes, with the
+same call, so it gives the same values: only the walk's Python is saved. The key is read
+before the route runs (a hook that changes what it holds while it runs files no route
+under the state it left). Routes are
 kept in a weak dictionary keyed by the scheme (a scheme that is garbage collected takes
 its routes along), at most :data:`.tuning.KEPT_ROUTES` per scheme; they hold no tensor
 and no bound method.
@@ -191,14 +195,13 @@ def _routes(scheme: Any) -> _Routes | None:
         return None
 
 
-def record(route: Route, call: Request) -> None:
-    """Keep ``route``, which the dispatcher ran for this call, under the call's
-    :func:`signature` (none where it has none), at most :data:`.tuning.KEPT_ROUTES` per
-    scheme: a new signature past them empties the scheme's routes first. A scheme that
-    cannot key a weak dictionary keeps none."""
-    key = signature(call)
-    if key is None:
-        return
+def record(route: Route, call: Request, key: tuple[Any, ...]) -> None:
+    """Keep ``route``, which the dispatcher chose for this call, under ``key``, the call's
+    :func:`signature` read before the route ran (a hook that changes what the key holds
+    while it runs must not file the route under the state it left), at most
+    :data:`.tuning.KEPT_ROUTES` per scheme: a new signature past them empties the scheme's
+    routes first. A scheme that cannot key a weak dictionary keeps none
+    (:func:`keyable`)."""
     routes = _routes(call.scheme)
     if routes is None:
         try:
@@ -208,6 +211,19 @@ def record(route: Route, call: Request) -> None:
     if key not in routes and len(routes) >= tuning.KEPT_ROUTES:
         routes.clear()
     routes[key] = route
+
+
+def keyable(scheme: Any) -> bool:
+    """Whether routes can be kept for ``scheme``: None, or an object that can key a weak
+    dictionary (hashable, weakly referable)."""
+    if scheme is None:
+        return True
+    try:
+        weakref.ref(scheme)
+        hash(scheme)
+    except Exception:  # unhashable, no weak reference to it, a __hash__ that raises
+        return False
+    return True
 
 
 def replay(call: Request, scale: float | None) -> Tensor | None:

@@ -118,7 +118,7 @@ def _own(scheme: Any, frozen: bool) -> bool:
         return True
     if not isinstance(scheme, nn.Module):
         return False
-    stack = [scheme]
+    stack, seen = [scheme], {id(scheme)}
     while stack:
         module = stack.pop()
         modules = module._modules
@@ -133,7 +133,10 @@ def _own(scheme: Any, frozen: bool) -> bool:
             value = state[name]
             if callable(value) or (isinstance(value, Tensor) and value.requires_grad):
                 return False
-        stack.extend(m for m in modules.values() if m is not None)
+        for m in modules.values():  # each once: a module shared, or a cycle of modules
+            if m is not None and id(m) not in seen:
+                seen.add(id(m))
+                stack.append(m)
     return True
 
 

@@ -548,7 +548,8 @@ def _plan_materialised(call: Call) -> Plan:
                 call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
                 call.dropout_p, bias=call.known_bias,
             )  # fmt: skip
-            # kept for calls that record no graph (the choice then reads what the key holds)
+            # kept in no-grad mode (the choice then reads what the key holds; in grad mode
+            # it reads which of the hooks' tensors ask for a gradient)
             return in_place if torch.is_grad_enabled() else routed(in_place, _IN_PLACE_ROUTE)
         return lambda: _math(
             call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
