@@ -129,3 +129,46 @@ def test_toeplitz_compiles_in_one_graph():
         results[name] = (out, leaf.grad)
     for a, c in zip(results["eager"], results["compiled"], strict=True):
         torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
+
+
+def test_skew_rows_backward_writes_one_buffer_and_follows_the_transforms():
+    """The skew's gradient is written into one buffer the size of ``x`` (two slices wrote
+    one each, alive at once: the relative embedding's fwd+bwd at Swin's windows peaked
+    above its peer's); its values and gradient equal the definition's, from a view of a
+    larger buffer too, and under ``torch.func.vmap``, ``jvp`` and second derivatives."""
+    from torch.func import jvp, vmap
+
+    from posenc.cli._memory import allocation_peak_mib
+    from posenc.diagonals import skew_rows
+
+    n_q, n_k, width = 5, 7, 13
+
+    def definition(x):
+        out = torch.empty(*x.shape[:-2], n_q, n_k, dtype=x.dtype)
+        for i in range(n_q):
+            for j in range(n_k):
+                out[..., i, j] = x[..., i, j - i + n_q - 1]
+        return out
+
+    big = torch.randn(4, 3, n_q, width, dtype=torch.float64, requires_grad=True)
+    x = big[1:]  # a view at an offset of its storage
+    grad = torch.randn(3, 3, n_q, n_k, dtype=torch.float64)
+    got, want = skew_rows(x, n_k), definition(x)
+    assert torch.equal(got, want)
+    assert torch.equal(*(torch.autograd.grad(y, big, grad)[0] for y in (got, want)))
+    assert torch.equal(vmap(lambda t: skew_rows(t, n_k))(x.detach()), want.detach())
+    tangent = torch.randn_like(x)
+    assert torch.equal(
+        jvp(lambda t: skew_rows(t, n_k), (x.detach(),), (tangent,))[1], definition(tangent)
+    )
+    leaf = x.detach().requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda t: skew_rows(t, n_k), (leaf,))
+
+    large = torch.randn(64, 4, 49, 104, requires_grad=True)  # 4.9 MiB
+    out_grad = torch.randn(64, 4, 49, 49)
+
+    def backward():
+        torch.autograd.grad(skew_rows(large, 49), large, out_grad)
+
+    backward()
+    assert allocation_peak_mib(backward) <= 1.01 * large.numel() * 4 / 2**20

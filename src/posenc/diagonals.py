@@ -177,7 +177,9 @@ def skew_rows(x: Tensor, n_k: int) -> Tensor:
         n_k: number of keys.
 
     Returns:
-        ``[..., n_q, n_k]`` (a view of ``x`` when ``x`` is contiguous).
+        ``[..., n_q, n_k]`` (a view of ``x`` when ``x`` is contiguous; outside
+        ``torch.compile`` one ``as_strided`` view, whose backward writes the gradient into
+        one buffer of ``x``'s size).
 
     Raises:
         ValueError: ``x`` has fewer than ``n_q + n_k - 1`` columns.
@@ -191,9 +193,15 @@ def skew_rows(x: Tensor, n_k: int) -> Tensor:
         )
     if n_q == 1:
         return x[..., :n_k]
-    flat = x.contiguous().flatten(-2)  # [..., n_q * W]
-    rows = flat[..., n_q - 1 : n_q - 1 + n_q * (width - 1)]  # [..., n_q * (W - 1)]
-    return rows.unflatten(-1, (n_q, width - 1))[..., :n_k]  # [..., n_q, n_k]
+    x = x.contiguous()
+    if torch.compiler.is_compiling():  # (Dynamo does not trace storage_offset)
+        flat = x.flatten(-2)  # [..., n_q * W]
+        rows = flat[..., n_q - 1 : n_q - 1 + n_q * (width - 1)]  # [..., n_q * (W - 1)]
+        return rows.unflatten(-1, (n_q, width - 1))[..., :n_k]  # [..., n_q, n_k]
+    # the same view in one step: its backward writes the gradient into one buffer of x's
+    # size, where the slices' wrote two (each slice's own, alive at once)
+    size, strides = (*x.shape[:-2], n_q, n_k), (*x.stride()[:-2], width - 1, 1)
+    return x.as_strided(size, strides, x.storage_offset() + n_q - 1)  # [..., n_q, n_k]
 
 
 def relative_to_absolute(x: Tensor) -> Tensor:
