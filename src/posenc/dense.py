@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import _validate as check
-from .attention import _default_query_positions, check_scheme
+from ._arguments import check_scheme, default_query_positions
 from .engine import Mask
 from .hooks import hooks_of
 
@@ -122,7 +122,7 @@ def as_attn_mask(
         device = given.device if given is not None else params[0].device if params else None
     rows = 1 if batch is None else check.positive_int("batch", batch)
     if positions is None:
-        q_pos = _default_query_positions(q_len, k_len, causal, torch.device(device or "cpu"))
+        q_pos = default_query_positions(q_len, k_len, causal, torch.device(device or "cpu"))
     else:
         q_pos = check.positions(positions, n=q_len, batch=rows, device=device)
     if key_positions is not None:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import _validate as check
-from .attention import check_scheme
+from ._arguments import check_scheme
 from .engine import Mask
 from .engine.flex import _block_mask, _chain
 from .hooks import hooks_of

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate as check
-from ..attention import attention, check_scheme
+from .._arguments import check_scheme
+from ..attention import attention
 from ..engine import BACKENDS
 
 __all__ = ["attention_function"]

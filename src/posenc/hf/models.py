@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validate as check
-from ..attention import check_scheme
+from .._arguments import check_scheme
 from ..engine import BACKENDS
 from ..rotary import Rotary
 from .attention_interface import _SCHEME_ATTRIBUTE, attention_function
