@@ -398,10 +398,6 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and positions is None and len(cache):
             positions = cache.next_position + torch.arange(n_q, device=query.device)
         n_k = key.shape[1]
-        if not alone:
-            q_pos, k_pos = self._positions(
-                positions, key_positions, b, n_q, n_k, causal, query, key
-            )
         key_padding = check.key_padding_mask(key_padding_mask, b, n_k)
         q = self.q_proj(query).view(b, n_q, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(key).view(b, n_k, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -411,7 +407,7 @@ class MultiHeadAttention(nn.Module):
             out = replay_unmasked(q, k, v, self.position, self.backend, None, validate=False)
             if out is not None:  # [b, h, n_q, d] -> [b, n_q, h, d] -> [b, n_q, dim]
                 return self.out_proj(out.transpose(1, 2).reshape(b, n_q, self.dim))
-            q_pos, k_pos = self._positions(None, None, b, n_q, n_k, False, query, key)
+        q_pos, k_pos = self._positions(positions, key_positions, b, n_q, n_k, causal, query, key)
         out, weights, entries = _core(
             q, k, v, position=self.position, q_pos=q_pos, k_pos=k_pos, key_padding=key_padding,
             lengths=check.valid_lens(valid_lens, b, n_q), causal=causal, documents=document_ids,

@@ -332,9 +332,8 @@ def replay_unmasked(
     if route is None:
         return None
     if scheme is not None:
-        names = dict(key[0][1])  # the hook names the scheme defines: their classes
-        if "rotate" in names or _MAIN_HOOKS.isdisjoint(names):
-            return None
+        if _MAIN_HOOKS.isdisjoint(dict(key[0][1])):  # the hook names the scheme defines
+            return None  # (a rotation was turned away above)
         if validate:
             check = attribute(scheme, "validate_attention")
             if callable(check):
