@@ -1,4 +1,5 @@
-"""_rotary_buffer (an attention call without gradients rotates into the kept buffer) and the
+"""_rotary_buffer (an attention call without gradients rotates into the kept buffer; one with
+gradients lets a rotation turn its gradient back in place, own_gradients) and the
 _rotary_runs functions it calls (runs_into, rotate_runs_into)."""
 
 from __future__ import annotations
@@ -293,3 +294,139 @@ def test_a_patched_rotary_class_is_called_as_patched(buffered, monkeypatch):
     assert rotary_runs_into(Rotary(16), q, k, pos, pos) is None
     monkeypatch.undo()
     assert rotary_runs_into(Rotary(16), q, k, pos, pos) == [(0, 12)]
+
+
+# ----- calls with gradients: the rotations' backward ---------------------------------------
+
+
+def _projected(n=12, d=16, heads=4, dtype=torch.float64, layout="projection"):
+    """``q, k, v [b, h, n, d]`` asking for gradients: views of one projection's ``[b, n, 3,
+    h, d]`` output (as a model's), or leaves of their own; and the leaves."""
+    gen = torch.Generator().manual_seed(0)
+    if layout == "leaves":
+        leaves = [torch.randn(2, heads, n, d, generator=gen, dtype=dtype) for _ in range(3)]
+        leaves = [x.requires_grad_() for x in leaves]
+        return (*leaves, leaves)
+    qkv = torch.randn(2, n, 3, heads, d, generator=gen, dtype=dtype).requires_grad_()
+    q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))  # [b, n, h, d] -> [b, h, n, d]
+    return q, k, v, [qkv]
+
+
+def _arriving(x):
+    """The gradients that reach ``x``, as a list filled by a hook."""
+    found = []
+    x.register_hook(lambda grad: found.append(grad))
+    return found
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["projection", "leaves"])
+def test_gradients_of_a_rotated_call_are_the_definitions_in_the_inputs_layout(
+    interleaved, layout
+):
+    """float64, fused CPU kernel: the gradients of ``q``, ``k``, ``v`` equal those of the
+    rotation and attention written out (2x2 matrices per position), and the rotation's
+    gradient reaches ``q`` and ``k`` laid out as they are (the kernel writes its
+    gradients ``[b, n, h, d]``; a contiguous leaf would otherwise take a copy of each), dense
+    (a view of a projection's output is not: the order of its strides)."""
+    q, k, v, leaves = _projected(layout=layout)
+    rotary = Rotary(16, interleaved=interleaved)
+    seen_q, seen_k = _arriving(q), _arriving(k)
+    out = posenc.attention(q, k, v, position=rotary)
+    assert type(out.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"
+    grad = torch.randn_like(out)
+    found = torch.autograd.grad(out, (q, k, v), grad)
+    positions = torch.arange(12)
+    expected_out = reference_attention(q, k, v, positions, interleaved=interleaved)
+    expected = torch.autograd.grad(expected_out, (q, k, v), grad)
+    for got, want in zip(found, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for seen, x in ((seen_q, q), (seen_k, k)):
+        assert _order(seen[0]) == _order(x) and seen[0].permute(*_order(x)).is_contiguous()
+
+
+def _order(x):
+    """The dimensions of ``x`` from the largest stride to the smallest: its layout."""
+    return sorted(range(x.ndim), key=lambda i: -x.stride(i))
+
+
+def _flash_gradients(out):
+    """The addresses of the gradients that the fused kernel's node writes, per backward."""
+    written = []
+    out.grad_fn.register_hook(lambda inputs, _: written.append([g.data_ptr() for g in inputs]))
+    return written
+
+
+def test_an_interleaved_rotation_turns_the_kernels_gradient_back_where_it_stands():
+    """Pairs ``(2i, 2i+1)`` on a projection's views (the layout the kernel writes its
+    gradients in): the rotation's node is marked its gradient's owner, and the gradient
+    that reaches ``q`` and ``k`` is the kernel's own tensor, turned back in place; a
+    backward kept for another (``retain_graph``) gives the same gradients again."""
+    q, k, v, _ = _projected()
+    rotary = Rotary(16, interleaved=True)
+    seen_q, seen_k = _arriving(q), _arriving(k)
+    out = posenc.attention(q, k, v, position=rotary)
+    rotation_q, rotation_k = (fn for fn, _ in out.grad_fn.next_functions[:2])
+    assert rotation_q.owned and rotation_k.owned
+    written = _flash_gradients(out)
+    grad = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), grad)
+    assert seen_q[0].data_ptr() == written[0][0] and seen_k[0].data_ptr() == written[0][1]
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    expected_out = reference_attention(q, k, v, torch.arange(12), interleaved=True)
+    expected = torch.autograd.grad(expected_out, (q, k, v), grad)
+    for got, want in zip(first, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_the_gradient_is_turned_back_into_a_new_tensor_where_it_is_not_the_rotations_own(
+    monkeypatch,
+):
+    """No mark where the output is not the kernel's applied to the rotations (a product
+    after it), where the attention runs the math path or takes half-split pairs (whose
+    backward writes a new tensor all the same); the module asks for none where its call
+    also keeps the keys (a KV cache) or returns the weights; a leaf's gradient, laid out
+    unlike the kernel's, takes a new tensor of the leaf's layout."""
+    import torch.nn.functional as F
+
+    from posenc._rotary_buffer import own_gradients
+
+    attention_module = importlib.import_module("posenc.attention")
+
+    interleaved = Rotary(16, interleaved=True)
+    q, k, v, _ = _projected()
+    pos = torch.arange(12)[None]
+
+    def marks(out):
+        return [getattr(fn, "owned", False) for fn, _ in out.grad_fn.next_functions[:2]]
+
+    qr, kr = interleaved.rotate(q, k, pos, pos)
+    kernel = F.scaled_dot_product_attention(qr, kr, v)
+    own_gradients(interleaved, kernel * 1.0, qr, kr)
+    assert marks(kernel) == [False, False]
+    own_gradients(_SubRotary(16, interleaved=True), kernel, qr, kr)  # not a plain Rotary
+    assert marks(kernel) == [False, False]
+    own_gradients(interleaved, kernel, qr, kr)
+    assert marks(kernel) == [True, True]
+    assert marks(posenc.attention(q, k, v, position=interleaved)) == [True, True]
+    assert not any(marks(posenc.attention(q, k, v, position=interleaved, backend="math")))
+    assert not any(marks(posenc.attention(q, k, v, position=Rotary(16))))
+
+    asked = []
+    monkeypatch.setattr(attention_module, "own_gradients", lambda *args: asked.append(args))
+    module = MultiHeadAttention(64, 4, position=Rotary(16, interleaved=True)).double()
+    x = torch.randn(2, 12, 64, dtype=torch.float64, requires_grad=True)
+    module(x, need_weights=True)
+    module(x, cache=KVCache())
+    assert asked == []
+    module(x)
+    assert len(asked) == 1
+
+    q, k, v, _ = _projected(layout="leaves")
+    seen_q = _arriving(q)
+    out = posenc.attention(q, k, v, position=interleaved)
+    written = _flash_gradients(out)
+    out.sum().backward()
+    assert seen_q[0].data_ptr() != written[0][0] and seen_q[0].is_contiguous()

@@ -16,11 +16,14 @@ repeat runs every variant once, in an order drawn anew):
   inputs.
 
 It prints per scheme, shape and mode (``fwd``: forward without gradients; ``fwd+bwd``:
-forward, then backward of the output's sum) the medians of ``base / floor``, ``new /
+forward, then backward of the output's sum, the gradients set to None after each, as
+``zero_grad(set_to_none=True)`` between steps) the medians of ``base / floor``, ``new /
 floor`` and of ``new / base`` per repeat.
 
 Run: ``.venv/bin/python tools/code_ab.py --base HEAD [--schemes alibi,none] [--shapes
-2x8x64x64,2x8x256x64] [--repeats 300] [--backward] [--entry core|attention]``.
+2x8x64x64,2x8x256x64] [--repeats 300] [--backward] [--entry core|attention]
+[--layout bhnd|bnhd]``: ``bnhd`` makes ``q, k, v`` views of one ``[b, n, 3, h, d]`` projection
+output, as a model's are.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n`` tokens, ``d`` head dim.
 """
@@ -93,11 +96,19 @@ def measure(
     repeats: int,
     backward: bool,
     entry: str = "core",
+    layout: str = "bhnd",
 ) -> dict[str, Any]:
     """The medians of ``base / floor``, ``new / floor`` and ``new / base`` per repeat."""
     b, h, n, d = shape
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_(backward) for _ in range(3))
+    if layout == "bhnd":  # leaves of their own
+        q, k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_(backward) for _ in range(3))
+        leaves = [q, k, v]
+    else:  # views of one projection's output [b, n, 3, h, d], as a model's q, k, v
+        qkv = torch.randn(b, n, 3, h, d, generator=gen).requires_grad_(backward)
+        q, k, v = qkv.unbind(2)  # [b, n, h, d] each
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, n, h, d] -> [b, h, n, d]
+        leaves = [qkv]
     calls = {
         "floor": _floor,
         "base": _core("posenc_base", scheme_name, b, h, n, d, entry),
@@ -108,7 +119,9 @@ def measure(
         start = time.perf_counter()
         out = fn(q, k, v)
         if backward:
-            out.sum().backward()
+            out.sum().backward(inputs=leaves)
+            for leaf in leaves:  # as zero_grad(set_to_none=True) between steps
+                leaf.grad = None
         return time.perf_counter() - start
 
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -156,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--backward", action="store_true", help="time fwd+bwd, not forward")
     parser.add_argument(
+        "--layout",
+        choices=("bhnd", "bnhd"),
+        default="bhnd",
+        help="q, k, v as leaves of their own (bhnd), or as views of one projection's "
+        "[b, n, 3, h, d] output (bnhd), as in a model",
+    )
+    parser.add_argument(
         "--entry",
         choices=("core", "attention"),
         default="core",
@@ -172,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---:|---:|---:|---:|")
         for shape in args.shapes:
             for scheme in args.schemes.split(","):
-                row = measure(scheme, shape, args.repeats, args.backward, args.entry)
+                row = measure(scheme, shape, args.repeats, args.backward, args.entry, args.layout)
                 print(
                     f"| {scheme} | {' '.join(map(str, shape))} | {row['mode']} | "
                     f"{row['floor_us']:.0f} | {row['base/floor']:.3f} | {row['new/floor']:.3f} | "

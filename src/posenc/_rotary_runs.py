@@ -96,16 +96,23 @@ def _swapped_sum(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tens
     return torch.addcmul(x * cos, swapped, sin)
 
 
-def _rotated(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+def _rotated(
+    x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, strides: tuple[int, ...] | None = None
+) -> Tensor:
     """:func:`_swapped_sum` in one buffer: each pair's second channel times its sin added
     in place into the first's channel of ``x * cos``, and the first's into the second's
-    (even and odd channels, or the two halves): ``[..., r]``, the same values."""
+    (even and odd channels, or the two halves): ``[..., r]``, the same values, laid out as
+    ``x`` or with dense ``strides``."""
     rot = x.shape[-1]
     if interleaved:
         first, second = slice(0, rot, 2), slice(1, rot, 2)
     else:
         first, second = slice(0, rot // 2), slice(rot // 2, rot)
-    out = x * cos  # [b, h, n, r]
+    if strides is None:
+        out = x * cos  # [b, h, n, r]
+    else:
+        layout = torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
+        out = torch.mul(x, cos, out=layout)  # [b, h, n, r]
     out[..., first].addcmul_(x[..., second], sin[..., first])  # x_1 cos - x_2 sin
     out[..., second].addcmul_(x[..., first], sin[..., second])  # x_2 cos + x_1 sin
     return out
@@ -115,8 +122,10 @@ class _Rotation(torch.autograd.Function):
     """The rotation by constant tables of :func:`_expanded_tables` (a pair's two channels
     share their cos, their sins are opposite) with a backward in one buffer: the gradient
     of a rotation is the rotation of the gradient by the opposite angles (``cos``,
-    ``-sin``), written as :func:`_rotated` writes the forward; with ``create_graph=True``
-    in out-of-place ops, so that it is differentiable again."""
+    ``-sin``), written as :func:`_rotated` writes the forward, laid out as the rotation's
+    output (its input's layout where that is dense: what autograd's next step reads, a
+    leaf's layout or that of the projection ``q`` is a view of); with
+    ``create_graph=True`` in out-of-place ops, so that it is differentiable again."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -124,14 +133,16 @@ class _Rotation(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
-        return _rotated(x, cos, sin, interleaved)
+        out = _rotated(x, cos, sin, interleaved)
+        ctx.strides = out.stride()  # x's layout where x is dense, else contiguous
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         cos, sin = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a differentiable form
             return _swapped_sum(grad, cos, -sin, ctx.interleaved), None, None, None
-        return _rotated(grad, cos, -sin, ctx.interleaved), None, None, None
+        return _rotated(grad, cos, -sin, ctx.interleaved, ctx.strides), None, None, None
 
 
 def rotate_runs(
@@ -347,15 +358,18 @@ _COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 _REAL = {complex_dtype: real for real, complex_dtype in _COMPLEX.items()}
 
 
-def _times_phase(x: Tensor, phase: Tensor) -> Tensor:
+def _times_phase(x: Tensor, phase: Tensor, strides: tuple[int, ...] | None = None) -> Tensor:
     """``x [..., r]``'s pairs times ``phase [..., r/2]``, written into a new real tensor
     ``[..., r]`` laid out as ``x`` (as a contiguous copy of ``x`` where its strides have no
-    complex view)."""
+    complex view), or with ``strides`` (dense, with a complex view)."""
     if not x.numel():  # no elements: strides of any kind (0 where expanded)
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if not _viewable(x):
         x = x.contiguous()
-    out = torch.empty_like(x)  # x's strides where dense, else contiguous: viewable both
+    if strides is None:
+        out = torch.empty_like(x)  # x's strides where dense, else contiguous: viewable both
+    else:
+        out = torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
     torch.mul(_pairs(x), phase, out=_pairs(out))
     return out
 
@@ -363,12 +377,17 @@ def _times_phase(x: Tensor, phase: Tensor) -> Tensor:
 class _PhaseRotation(torch.autograd.Function):
     """The rotation of :func:`_times_phase` by a constant phase, whose output is no view
     and whose backward is the rotation of the gradient by the conjugate phase (the
-    opposite angles); with ``create_graph=True`` in autograd's differentiable ops."""
+    opposite angles), laid out as the rotation's output (as :class:`_Rotation`'s), in
+    place where the gradient is laid out so and is the rotation's own (``owned``); with
+    ``create_graph=True`` in autograd's differentiable ops."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, phase: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(phase)
-        return _times_phase(x, phase)
+        ctx.owned = False  # set by posenc._rotary_buffer.own_gradients
+        out = _times_phase(x, phase)
+        ctx.strides = out.stride()  # x's layout where dense and viewable, else contiguous
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:  # type: ignore[override]
@@ -378,4 +397,7 @@ class _PhaseRotation(torch.autograd.Function):
             grad = grad if _viewable(grad) else grad.contiguous()
             pairs = torch.view_as_complex(grad.unflatten(-1, (back.shape[-1], 2)))  # [..., r/2]
             return torch.view_as_real(pairs * back).flatten(-2), None  # differentiable views
-        return _times_phase(grad, back), None
+        if ctx.owned and grad.stride() == ctx.strides and grad.dtype == _REAL[back.dtype]:
+            _pairs(grad).mul_(back)  # a gradient nothing else reads: rotated in place
+            return grad, None
+        return _times_phase(grad, back, ctx.strides), None
