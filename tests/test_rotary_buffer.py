@@ -321,15 +321,13 @@ def _arriving(x):
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("layout", ["projection", "leaves"])
-def test_gradients_of_a_rotated_call_are_the_definitions_in_the_inputs_layout(
-    interleaved, layout
-):
+def test_gradients_of_a_rotated_call_are_the_definitions_in_the_inputs_layout(interleaved, layout):
     """float64, fused CPU kernel: the gradients of ``q``, ``k``, ``v`` equal those of the
     rotation and attention written out (2x2 matrices per position), and the rotation's
     gradient reaches ``q`` and ``k`` laid out as they are (the kernel writes its
     gradients ``[b, n, h, d]``; a contiguous leaf would otherwise take a copy of each), dense
     (a view of a projection's output is not: the order of its strides)."""
-    q, k, v, leaves = _projected(layout=layout)
+    q, k, v, _ = _projected(layout=layout)
     rotary = Rotary(16, interleaved=interleaved)
     seen_q, seen_k = _arriving(q), _arriving(k)
     out = posenc.attention(q, k, v, position=rotary)

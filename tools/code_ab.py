@@ -102,7 +102,9 @@ def measure(
     b, h, n, d = shape
     gen = torch.Generator().manual_seed(0)
     if layout == "bhnd":  # leaves of their own
-        q, k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_(backward) for _ in range(3))
+        q, k, v = (
+            torch.randn(b, h, n, d, generator=gen).requires_grad_(backward) for _ in range(3)
+        )
         leaves = [q, k, v]
     else:  # views of one projection's output [b, n, 3, h, d], as a model's q, k, v
         qkv = torch.randn(b, n, 3, h, d, generator=gen).requires_grad_(backward)

@@ -147,7 +147,8 @@ class _Mine(ALiBi):
         ("backend", 3),
         ("class hook", 2),
         ("grad", 2),  # a key of its own: kept, then replayed
-        ("mask", 3),  # nor with a mask
+        ("mask", 2),  # the causal mask alone: a key of its own, kept, then replayed
+        ("window", 3),  # any other mask: no route
     ],
 )
 def test_whatever_the_choice_reads_takes_the_dispatcher_again(change, walked, walks, monkeypatch):
@@ -178,6 +179,8 @@ def test_whatever_the_choice_reads_takes_the_dispatcher_again(change, walked, wa
         steepness = 2.0
     elif change == "mask":
         mask = Mask(N, N, causal=True)
+    elif change == "window":
+        mask = Mask(N, N, causal=True, behind=4)
     n_q = q.shape[2]
     pos = run_positions(0, n_q)
     for _ in range(2):
@@ -192,8 +195,10 @@ def test_whatever_the_choice_reads_takes_the_dispatcher_again(change, walked, wa
                 )[0]  # fmt: skip
     assert len(walks) == walked
     bias = steepness * ALiBi(H)(n_q, N).double()  # [h, n_q, n_k], the paper's
-    if change == "mask":
-        bias = bias.masked_fill(torch.ones(n_q, N, dtype=torch.bool).triu(1), float("-inf"))
+    if change in ("mask", "window"):
+        offsets = torch.arange(n_q)[:, None] - torch.arange(N)  # i - j
+        hidden = (offsets < 0) | ((offsets >= 4) if change == "window" else False)
+        bias = bias.masked_fill(hidden, float("-inf"))
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(x.detach().double() for x in (q, k, v)), attn_mask=bias
     )
@@ -714,8 +719,9 @@ def test_no_route_is_replayed_under_saved_tensor_hooks(walks):
 
 def test_explain_says_whether_the_route_is_replayed(walks):
     """``posenc.explain`` reports ``replayed`` exactly where calls keep their route (in the
-    grad mode it is called in): the second call then walks no path; a mask, a learned table
-    with gradients or a scheme of a user's own with gradients keep none."""
+    grad mode it is called in): the second call then walks no path; a mask other than the
+    causal one alone, a learned table with gradients or a scheme of a user's own with
+    gradients keep none."""
     q, k, v = _qkv()
     grad_q = q.clone().requires_grad_()
     learned = T5RelativeBias(H, num_buckets=8, max_distance=16)
@@ -723,7 +729,8 @@ def test_explain_says_whether_the_route_is_replayed(walks):
         (ALiBi(H), {}, False, True),
         (ALiBi(H), {}, True, True),
         (None, {}, True, True),
-        (ALiBi(H), {"causal": True}, False, False),
+        (ALiBi(H), {"causal": True}, False, True),
+        (ALiBi(H), {"causal": True, "window": 3}, False, False),
         (learned, {}, True, False),
         (learned, {}, False, True),
         (TableBias(H), {}, True, False),
@@ -1072,3 +1079,96 @@ def test_explain_says_no_route_is_replayed_for_a_scheme_that_cannot_keep_one():
         assert not posenc.explain(q, k, v, position=scheme).replayed
         assert posenc.explain(q, k, v, position=_learned("relative")).replayed
     assert kept._routes(scheme) is None and not kept.keyable(scheme) and kept.keyable(None)
+
+
+# ----- causal calls ----------------------------------------------------------------------
+
+
+def _causal(scheme, q, k, v, **kwargs):
+    n_q, n_k = q.shape[2], k.shape[2]
+    q_pos, k_pos = run_positions(n_k - n_q, n_q), run_positions(0, n_k)
+    mask = Mask(n_q, n_k, causal=True)
+    return attend(q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos, mask=mask, **kwargs)[0]
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_causal_call_replays_what_the_dispatcher_gives(name, mode, walks):
+    """The causal mask alone (as many queries as keys) keeps its route under a key of its
+    own: the second call of its signature walks no path and equals, bit for bit, the
+    dispatcher's answer with no route kept, which is the definition's (float64, the bias
+    masked above the diagonal, written out here)."""
+    scheme = _learned(name)
+    with getattr(torch, mode)():
+        _causal(scheme, *_qkv())
+        walked = len(walks)
+        q, k, v = _qkv(seed=5)
+        got = _causal(scheme, q, k, v)
+        assert len(walks) == walked, "replayed"
+        want = _walked(lambda: _causal(scheme, q, k, v))
+    assert torch.equal(got, want)
+    dscheme = None if scheme is None else scheme.double()
+    pos = run_positions(0, N)
+    scores = q.double() @ k.double().transpose(-1, -2) / D**0.5  # [b, h, n, n]
+    if dscheme is not None and hasattr(dscheme, "score_bias"):
+        scores = scores + dscheme.score_bias(pos, pos)
+    elif dscheme is not None:  # a score term (the relative embedding): the math path's
+        ref = _causal(dscheme, *(x.double() for x in (q, k, v)), backend="math")
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=0)
+        return
+    hidden = torch.ones(N, N, dtype=torch.bool).triu(1)
+    ref = scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v.double()
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["none", "alibi"])
+def test_a_causal_call_with_gradients_replays_with_the_dispatchers_gradients(name, walks):
+    """With gradients (frozen schemes): the replayed causal call's output and gradients
+    equal the dispatcher's to the bit."""
+    scheme = SCHEMES[name]()
+
+    def grads(run):
+        leaves = [x.requires_grad_() for x in _qkv(seed=7)]
+        out = run(leaves)
+        return (out, *torch.autograd.grad(out.square().sum(), leaves))
+
+    grads(lambda xs: _causal(scheme, *xs))
+    walked = len(walks)
+    got = grads(lambda xs: _causal(scheme, *xs))
+    assert len(walks) == walked
+    want = _walked(lambda: grads(lambda xs: _causal(scheme, *xs)))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_causal_replay_leaves_non_finite_values_to_the_dispatcher(walks):
+    """A NaN in the last key (hidden from every query but the last) after a kept causal
+    route: the call takes the dispatcher, which zeroes the hidden token, so that the other
+    rows stay finite and equal the clean call's."""
+    scheme = ALiBi(H)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        clean = _causal(scheme, q, k, v)
+        walked = len(walks)
+        k_bad = k.clone()
+        k_bad[:, :, -1] = float("nan")
+        out = _causal(scheme, q, k_bad, v)
+    assert len(walks) == walked + 1, "not replayed"
+    assert torch.equal(out[:, :, :-1], clean[:, :, :-1])
+    assert out[:, :, -1].isnan().all()
+
+
+def test_a_causal_call_of_fewer_queries_than_keys_keeps_no_route(walks):
+    """Decoding (queries aligned at the end of more keys) takes the dispatcher each time:
+    the causal key holds as many queries as keys alone."""
+    scheme = ALiBi(H)
+    torch.manual_seed(0)
+    q = torch.randn(B, H, 1, D)
+    k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    with torch.no_grad():
+        first = _causal(scheme, q, k, v)
+        again = _causal(scheme, q, k, v)
+    assert len(walks) == 2 and torch.equal(first, again)
+    request = kept.Request(q, k, v, scheme, run_positions(N - 1, 1), run_positions(0, N),
+                           Mask(1, N, causal=True), "auto", 0.0, False)  # fmt: skip
+    assert kept.signature(request) is None

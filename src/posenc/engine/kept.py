@@ -2,8 +2,10 @@
 walk, for calls whose route is one SDPA call (or, without gradients, the forward of a term
 in one buffer).
 
-For a call without a mask, dropout or weights asked for, the paths up to the materialised
-one (``sdpa``, ``math``, ``flex``, ``materialised``: :data:`.dispatch.PATHS`) decide on
+For a call without dropout or weights asked for, unmasked or with the causal mask alone
+over as many queries as keys (a decoder's call: no padding, documents, window nor
+``attn_mask``), the paths up to the materialised one (``sdpa``, ``math``, ``flex``,
+``materialised``: :data:`.dispatch.PATHS`) decide on the mask's kind (none or causal),
 the scheme's hooks (which it defines, and where), the queries' shape, dtype and device,
 the keys' count, the backend, the modes of torch (``torch.compile``, ``torch.jit.trace``,
 a dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), the
@@ -37,8 +39,12 @@ on the call's positions as the path calls them, and the bias's shape is checked 
 :func:`~posenc.hooks.checked_hooks` checks it (a bias of another shape, or none, or in
 grad mode one that asks for a gradient, takes the dispatcher, which calls the hooks again
 and raises where it must; the forward in one buffer calls the checked hooks themselves,
-which raise the dispatcher's error). A replay computes what the path computes, with the
-same call, so it gives the same values: only the walk's Python is saved. The key is read
+which raise the dispatcher's error). A causal call runs the path's own SDPA call with its
+mask (:func:`~.sdpa._sdpa`: the mask folded into the bias, or SDPA's ``is_causal``), or
+the forward in one buffer with it, after the dispatcher's check that ``q``, ``k`` and
+``v`` are finite (a value that is not takes the dispatcher, which zeroes the tokens the
+mask hides). A replay computes what the path computes, with the same call, so it gives
+the same values: only the walk's Python is saved. The key is read
 before the route runs (a hook that changes what it holds while it runs files no route
 under the state it left). Routes are
 kept in a weak dictionary keyed by the scheme (a scheme that is garbage collected takes
@@ -73,7 +79,7 @@ from .._memo import eager
 from ..hooks import HOOK_NAMES, attribute, bias_fits, checked_hooks, hooks_of, hooks_signature
 from ..indices import run_positions
 from . import plans, sdpa, tuning
-from .inputs import default_scale
+from .inputs import default_scale, finite
 from .learned import frozen_own
 from .mask import Mask
 from .reference import _forward_in_place
@@ -127,9 +133,20 @@ def signature(call: Request) -> tuple[Any, ...] | None:
     (:data:`.tuning.KEPT_ROUTES` 0), and in grad mode a choice that reads more than the key
     (:func:`_grad_flags`)."""
     q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights = call
-    if need_weights or dropout_p or not mask.empty:
+    if need_weights or dropout_p:
         return None
-    return _key(q, k, v, scheme, q_pos.shape, k_pos.shape, backend)
+    if mask.empty:
+        return _key(q, k, v, scheme, q_pos.shape, k_pos.shape, backend)
+    if _causal_alone(mask):
+        return _key(q, k, v, scheme, q_pos.shape, k_pos.shape, backend, causal=True)
+    return None
+
+
+def _causal_alone(mask: Mask) -> bool:
+    """Whether ``mask`` is the causal mask alone over as many queries as keys (each query
+    sees itself and the keys before it; no padding, documents, window nor ``attn_mask``):
+    a mask whose paths read its kind and the sizes alone, which the key holds."""
+    return mask.causal and mask.n_q == mask.n_k and mask.causal_at_most
 
 
 def _key(
@@ -140,9 +157,11 @@ def _key(
     q_pos_shape: tuple[int, ...],
     k_pos_shape: tuple[int, ...],
     backend: str,
+    causal: bool = False,
 ) -> tuple[Any, ...] | None:
-    """:func:`signature` of an unmasked call without dropout nor weights, with positions of
-    these shapes (their values are not read)."""
+    """:func:`signature` of a call without dropout nor weights, unmasked or ``causal``
+    (:func:`_causal_alone`), with positions of these shapes (their values are not
+    read)."""
     if tuning.KEPT_ROUTES <= 0 or not eager():
         return None
     grad = None
@@ -158,7 +177,7 @@ def _key(
             return None
     return (
         hooks, backend, q.shape, k.shape, v.shape, q_pos_shape, k_pos_shape, q.dtype, k.dtype,
-        v.dtype, q.device, grad, plans._threads(), tuning.key,
+        v.dtype, q.device, grad, plans._threads(), tuning.key, causal,
     )  # fmt: skip
 
 
@@ -229,7 +248,9 @@ def keyable(scheme: Any) -> bool:
 def replay(call: Request, scale: float | None) -> Tensor | None:
     """The route kept for the scheme and this call's :func:`signature`, run on this call:
     ``[b, h, n_q, d_v]``; None where none is kept, or where the scheme's bias has a shape
-    the route does not take, or none (the dispatcher then runs the call)."""
+    the route does not take, or none, or where a causal call's ``q``, ``k`` or ``v`` holds
+    a value that is not finite (the dispatcher then runs the call: such tokens are zeroed
+    where the mask hides them, :func:`~.inputs.finite`)."""
     if torch.compiler.is_compiling():
         return None  # no key while compiling (signature): nothing for Dynamo to trace
     routes = _routes(call.scheme)
@@ -239,8 +260,12 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
     route = None if key is None else routes.get(key)
     if route is None:
         return None
-    q, k, v, scheme, q_pos, k_pos = call[:6]
-    return _run(route, q, k, v, scheme, q_pos, k_pos, scale)
+    q, k, v, scheme, q_pos, k_pos, mask = call[:7]
+    if mask.empty:
+        return _run(route, q, k, v, scheme, q_pos, k_pos, scale)
+    if not finite(q, k, v):
+        return None
+    return _run(route, q, k, v, scheme, q_pos, k_pos, scale, mask)
 
 
 def _run(
@@ -252,16 +277,21 @@ def _run(
     q_pos: Tensor | None,
     k_pos: Tensor | None,
     scale: float | None,
+    mask: Mask | None = None,
 ) -> Tensor | None:
     """``route`` run on this call (see :func:`replay`; positions None for a route that
-    reads no hook): ``[b, h, n_q, d_v]``, or None where the scheme's bias does not fit
-    it."""
+    reads no hook; ``mask`` the call's causal mask, or None): ``[b, h, n_q, d_v]``, or
+    None where the scheme's bias does not fit it. A causal call runs the path's own SDPA
+    call (:func:`~.sdpa._sdpa`, which folds the mask into the bias, or takes SDPA's
+    ``is_causal`` where there is none)."""
     if route == plans._IN_PLACE_ROUTE:  # the path's call, its hooks checked as it checks them
         hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
-        mask = Mask(q.shape[2], k.shape[2])
+        mask = Mask(q.shape[2], k.shape[2]) if mask is None else mask
         scale = default_scale(q.shape[-1]) if scale is None else scale
         return _forward_in_place(q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0)  # type: ignore[arg-type]
-    attn_mask = None
+    if mask is not None and route == plans._KEPT_FUSED_ROUTE:
+        return None  # (taken for unmasked calls alone: not kept for a causal one)
+    attn_mask = bias = None
     if route:
         for name in route:
             bias = getattr(scheme, name)(q_pos, k_pos)
@@ -277,6 +307,9 @@ def _run(
             return None  # past the scores' budget only through SDPA's fused kernel
         attn_mask = bias if bias.dtype == q.dtype else bias.to(q.dtype)  # [B', h or 1, n_q, n_k]
     scale = default_scale(q.shape[-1]) if scale is None else scale
+    if mask is not None:  # the path's call: the mask folded into the bias, or is_causal
+        hooks = hooks_of(scheme)  # (a route reads a bias alone: no term to fold)
+        return sdpa._sdpa(q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0, bias=bias)  # type: ignore[arg-type]
     return sdpa._kernel(q, k, v, attn_mask, 0.0, False, scale)  # the path's call
 
 
