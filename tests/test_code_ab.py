@@ -46,10 +46,13 @@ def test_the_base_is_a_package_of_its_own_whose_schemes_count_as_posenc(tmp_path
 
 
 @needs_git
-@pytest.mark.parametrize(("backward", "layout"), [(False, "bhnd"), (True, "bhnd"), (True, "bnhd")])
-def test_measure_times_each_version_against_the_floor(tmp_path, backward, layout):
+@pytest.mark.parametrize(
+    ("backward", "layout", "causal"),
+    [(False, "bhnd", False), (True, "bhnd", False), (True, "bnhd", False), (False, "bhnd", True)],
+)
+def test_measure_times_each_version_against_the_floor(tmp_path, backward, layout, causal):
     code_ab.load_base("HEAD", tmp_path)
-    row = code_ab.measure("alibi", (1, 2, 8, 8), 3, backward, layout=layout)
+    row = code_ab.measure("alibi", (1, 2, 8, 8), 3, backward, layout=layout, causal=causal)
     assert row["mode"] == ("fwd+bwd" if backward else "fwd")
     assert row["floor_us"] > 0
     assert all(row[name] > 0 for name in ("base/floor", "new/floor", "new/base"))

@@ -22,7 +22,7 @@ floor`` and of ``new / base`` per repeat.
 
 Run: ``.venv/bin/python tools/code_ab.py --base HEAD [--schemes alibi,none] [--shapes
 2x8x64x64,2x8x256x64] [--repeats 300] [--backward] [--entry core|attention]
-[--layout bhnd|bnhd]``: ``bnhd`` makes ``q, k, v`` views of one ``[b, n, 3, h, d]`` projection
+[--layout bhnd|bnhd] [--causal]``: ``bnhd`` makes ``q, k, v`` views of one ``[b, n, 3, h, d]`` projection
 output, as a model's are.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n`` tokens, ``d`` head dim.
@@ -31,6 +31,7 @@ Shape legend: ``b`` batch, ``h`` heads, ``n`` tokens, ``d`` head dim.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import io
 import random
@@ -74,20 +75,28 @@ def load_base(commit: str, where: Path) -> ModuleType:
 
 
 def _core(
-    package: str, scheme_name: str, b: int, h: int, n: int, d: int, entry: str = "core"
+    package: str,
+    scheme_name: str,
+    b: int,
+    h: int,
+    n: int,
+    d: int,
+    entry: str = "core",
+    causal: bool = False,
 ) -> Callable:
     """The bench's posenc core of ``package`` for ``scheme_name`` (``none``: no scheme), or
-    with ``entry="attention"`` the package's :func:`~posenc.attention` with that scheme."""
+    with ``entry="attention"`` the package's :func:`~posenc.attention` with that scheme;
+    ``causal`` or not."""
     variants = importlib.import_module(f"{package}.cli._bench_variants")
     scheme = None if scheme_name == "none" else variants.build_scheme(scheme_name, h, d, n)
     if entry == "attention":
         attention = importlib.import_module(package).attention
-        return lambda q, k, v: attention(q, k, v, position=scheme)
-    return variants._core(scheme, "auto")
+        return lambda q, k, v: attention(q, k, v, position=scheme, causal=causal)
+    return variants._core(scheme, "auto", causal=causal)
 
 
-def _floor(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    return F.scaled_dot_product_attention(q, k, v)
+def _floor(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def measure(
@@ -97,6 +106,7 @@ def measure(
     backward: bool,
     entry: str = "core",
     layout: str = "bhnd",
+    causal: bool = False,
 ) -> dict[str, Any]:
     """The medians of ``base / floor``, ``new / floor`` and ``new / base`` per repeat."""
     b, h, n, d = shape
@@ -112,9 +122,9 @@ def measure(
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, n, h, d] -> [b, h, n, d]
         leaves = [qkv]
     calls = {
-        "floor": _floor,
-        "base": _core("posenc_base", scheme_name, b, h, n, d, entry),
-        "new": _core("posenc", scheme_name, b, h, n, d, entry),
+        "floor": functools.partial(_floor, causal=causal),
+        "base": _core("posenc_base", scheme_name, b, h, n, d, entry, causal),
+        "new": _core("posenc", scheme_name, b, h, n, d, entry, causal),
     }
 
     def run(fn: Callable) -> float:
@@ -177,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="q, k, v as leaves of their own (bhnd), or as views of one projection's "
         "[b, n, 3, h, d] output (bnhd), as in a model",
     )
+    parser.add_argument("--causal", action="store_true", help="causal calls (floor: is_causal)")
     parser.add_argument(
         "--entry",
         choices=("core", "attention"),
@@ -194,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---:|---:|---:|---:|")
         for shape in args.shapes:
             for scheme in args.schemes.split(","):
-                row = measure(scheme, shape, args.repeats, args.backward, args.entry, args.layout)
+                row = measure(
+                    scheme, shape, args.repeats, args.backward, args.entry, args.layout, args.causal
+                )
                 print(
                     f"| {scheme} | {' '.join(map(str, shape))} | {row['mode']} | "
                     f"{row['floor_us']:.0f} | {row['base/floor']:.3f} | {row['new/floor']:.3f} | "
