@@ -304,3 +304,77 @@ def test_a_backward_that_names_no_node_keeps_the_kernels_gradients(monkeypatch):
     assert torch.equal(g, want)
     with pytest.raises(RuntimeError, match="not implemented"):
         g.sum().backward()
+
+
+# ----- the masked bias kept for the next call ---------------------------------------------
+
+
+def _causal_keep(n):
+    from posenc.engine import Mask
+
+    return Mask(n, n, causal=True).shared_keep(device=torch.device("cpu"))  # [1, 1, n, n]
+
+
+def _filled(bias, keep, dtype):
+    return bias.to(dtype).masked_fill(~keep, float("-inf"))
+
+
+def test_a_bias_masked_again_with_the_same_mask_is_the_kept_tensor():
+    """The same bias (unchanged) and the same ``keep`` in the same dtype: the tensor made
+    before, equal to the bias filled at the hidden keys; a write into the bias, another
+    dtype or another mask makes a new one; a bias that goes takes its masked copy along."""
+    gen = torch.Generator().manual_seed(0)
+    bias = torch.randn(1, 4, 8, 8, generator=gen)
+    keep = _causal_keep(8)
+    first = sdpa._masked(bias, keep, torch.float32)
+    assert torch.equal(first, _filled(bias, keep, torch.float32))
+    assert sdpa._masked(bias, keep, torch.float32) is first
+    with torch.inference_mode():  # made outside inference mode: it serves these calls too
+        assert sdpa._masked(bias, keep, torch.float32) is first
+    wide = sdpa._masked(bias, keep, torch.float64)
+    assert wide.dtype == torch.float64 and torch.equal(wide, _filled(bias, keep, torch.float64))
+    bias.mul_(2.0)  # its version moves: masked anew
+    again = sdpa._masked(bias, keep, torch.float32)
+    assert again is not first and torch.equal(again, _filled(bias, keep, torch.float32))
+    other_keep = _causal_keep(8).clone()
+    assert sdpa._masked(bias, other_keep, torch.float32) is not again
+    gone = weakref.ref(bias)
+    del bias
+    assert gone() is None and len(sdpa._MASKED) == 0
+
+
+def test_a_bias_that_asks_for_a_gradient_or_an_inference_bias_is_masked_in_each_call():
+    """A bias with a gradient in grad mode keeps its graph (the fill is differentiated: 0
+    at hidden keys); an inference tensor (no version counter) is filled in each call."""
+    keep = _causal_keep(6)
+    bias = torch.randn(1, 2, 6, 6, requires_grad=True)
+    masked = sdpa._masked(bias, keep, torch.float32)
+    assert masked.requires_grad and sdpa._masked(bias, keep, torch.float32) is not masked
+    (grad,) = torch.autograd.grad(masked.exp().nan_to_num(posinf=0.0).sum(), bias)
+    torch.testing.assert_close(grad, bias.exp().detach() * keep)
+    with torch.inference_mode():
+        frozen = torch.randn(1, 2, 6, 6)
+        first = sdpa._masked(frozen, keep, torch.float32)
+        assert sdpa._masked(frozen, keep, torch.float32) is not first
+        assert torch.equal(first, _filled(frozen, keep, torch.float32))
+
+
+def test_a_causal_alibi_call_in_inference_mode_then_with_gradients():
+    """The masked kept bias made in an inference-mode call serves a later call with
+    gradients, whose backward saves it (an inference tensor could not be saved), and
+    both equal the definition (float64)."""
+    alibi = posenc.ALiBi(4).double()
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    with torch.inference_mode():
+        frozen = posenc.attention(q, k, v, position=alibi, causal=True)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = posenc.attention(*leaves, position=alibi, causal=True)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = posenc.attention(*ref_leaves, position=alibi, causal=True, backend="math")
+    ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
+    torch.testing.assert_close(frozen, ref.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
