@@ -1,6 +1,6 @@
-"""_rotary_buffer (an attention call without gradients rotates into the kept buffer; one with
-gradients lets a rotation turn its gradient back in place, own_gradients) and the
-_rotary_runs functions it calls (runs_into, rotate_runs_into)."""
+"""_rotary_buffer (an attention call without gradients rotates into the kept buffer) and the
+_rotary_runs functions it calls (runs_into, rotate_runs_into); the layout of a rotation's
+gradient in an attention call."""
 
 from __future__ import annotations
 
@@ -348,83 +348,22 @@ def _order(x):
     return sorted(range(x.ndim), key=lambda i: -x.stride(i))
 
 
-def _flash_gradients(out):
-    """The addresses of the gradients that the fused kernel's node writes, per backward."""
-    written = []
-    out.grad_fn.register_hook(lambda inputs, _: written.append([g.data_ptr() for g in inputs]))
-    return written
-
-
-def test_an_interleaved_rotation_turns_the_kernels_gradient_back_where_it_stands():
-    """Pairs ``(2i, 2i+1)`` on a projection's views (the layout the kernel writes its
-    gradients in): the rotation's node is marked its gradient's owner, and the gradient
-    that reaches ``q`` and ``k`` is the kernel's own tensor, turned back in place; a
-    backward kept for another (``retain_graph``) gives the same gradients again."""
-    q, k, v, _ = _projected()
-    rotary = Rotary(16, interleaved=True)
-    seen_q, seen_k = _arriving(q), _arriving(k)
+def test_batched_gradients_through_a_half_split_rotation():
+    """Autograd's batched gradients (``is_grads_batched``, vmap over the backward) and a
+    vectorized Jacobian: the rotation's backward takes no ``out=`` product there (vmap has
+    no rule for one), and each row equals the gradient taken alone."""
+    q, k, v, _ = _projected(n=6, d=8, heads=2, layout="leaves")
+    rotary = Rotary(8)
     out = posenc.attention(q, k, v, position=rotary)
-    rotation_q, rotation_k = (fn for fn, _ in out.grad_fn.next_functions[:2])
-    assert rotation_q.owned and rotation_k.owned
-    written = _flash_gradients(out)
-    grad = torch.randn_like(out)
-    first = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
-    second = torch.autograd.grad(out, (q, k, v), grad)
-    assert seen_q[0].data_ptr() == written[0][0] and seen_k[0].data_ptr() == written[0][1]
-    for a, b in zip(first, second, strict=True):
-        assert torch.equal(a, b)
-    expected_out = reference_attention(q, k, v, torch.arange(12), interleaved=True)
-    expected = torch.autograd.grad(expected_out, (q, k, v), grad)
-    for got, want in zip(first, expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-
-
-def test_the_gradient_is_turned_back_into_a_new_tensor_where_it_is_not_the_rotations_own(
-    monkeypatch,
-):
-    """No mark where the output is not the kernel's applied to the rotations (a product
-    after it), where the attention runs the math path or takes half-split pairs (whose
-    backward writes a new tensor all the same); the module asks for none where its call
-    also keeps the keys (a KV cache) or returns the weights; a leaf's gradient, laid out
-    unlike the kernel's, takes a new tensor of the leaf's layout."""
-    import torch.nn.functional as F
-
-    from posenc._rotary_buffer import own_gradients
-
-    attention_module = importlib.import_module("posenc.attention")
-
-    interleaved = Rotary(16, interleaved=True)
-    q, k, v, _ = _projected()
-    pos = torch.arange(12)[None]
-
-    def marks(out):
-        return [getattr(fn, "owned", False) for fn, _ in out.grad_fn.next_functions[:2]]
-
-    qr, kr = interleaved.rotate(q, k, pos, pos)
-    kernel = F.scaled_dot_product_attention(qr, kr, v)
-    own_gradients(interleaved, kernel * 1.0, qr, kr)
-    assert marks(kernel) == [False, False]
-    own_gradients(_SubRotary(16, interleaved=True), kernel, qr, kr)  # not a plain Rotary
-    assert marks(kernel) == [False, False]
-    own_gradients(interleaved, kernel, qr, kr)
-    assert marks(kernel) == [True, True]
-    assert marks(posenc.attention(q, k, v, position=interleaved)) == [True, True]
-    assert not any(marks(posenc.attention(q, k, v, position=interleaved, backend="math")))
-    assert not any(marks(posenc.attention(q, k, v, position=Rotary(16))))
-
-    asked = []
-    monkeypatch.setattr(attention_module, "own_gradients", lambda *args: asked.append(args))
-    module = MultiHeadAttention(64, 4, position=Rotary(16, interleaved=True)).double()
-    x = torch.randn(2, 12, 64, dtype=torch.float64, requires_grad=True)
-    module(x, need_weights=True)
-    module(x, cache=KVCache())
-    assert asked == []
-    module(x)
-    assert len(asked) == 1
-
-    q, k, v, _ = _projected(layout="leaves")
-    seen_q = _arriving(q)
-    out = posenc.attention(q, k, v, position=interleaved)
-    written = _flash_gradients(out)
-    out.sum().backward()
-    assert seen_q[0].data_ptr() != written[0][0] and seen_q[0].is_contiguous()
+    grads = torch.randn(3, *out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(2))
+    (batched,) = torch.autograd.grad(out, q, grads, is_grads_batched=True, retain_graph=True)
+    for row, grad in zip(batched, grads, strict=True):
+        (alone,) = torch.autograd.grad(out, q, grad, retain_graph=True)
+        torch.testing.assert_close(row, alone, rtol=0, atol=1e-14)
+    jacobian = torch.autograd.functional.jacobian(
+        lambda x: posenc.attention(x, k.detach(), v.detach(), position=rotary),
+        q.detach(),
+        vectorize=True,
+    )  # [b, h, n, d, b, h, n, d]
+    (first,) = torch.autograd.grad(out[0, 0, 0, 0], q)
+    torch.testing.assert_close(jacobian[0, 0, 0, 0], first, rtol=0, atol=1e-14)

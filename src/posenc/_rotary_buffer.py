@@ -26,10 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._rotary_runs import _PhaseRotation, rotate_runs_into
+from ._rotary_runs import rotate_runs_into
 from ._rotary_runs import runs_into as _runs_into
 from .engine import tuning
-from .engine.sdpa import _FLASH_CPU_NODE
 from .engine.workspace import borrowed
 from .hooks import _HOOK_SET, attribute
 from .rotary import Rotary
@@ -85,53 +84,14 @@ def runs_into(
     (:func:`~posenc._rotary_runs.runs_into`), or None where it does not take it, or where
     ``position`` is not a plain :class:`~posenc.Rotary` (of the class itself, no scaling,
     no hook nor ``cos_sin`` set on the instance)."""
-    if not _plain(position) or position.scaling is not None:
+    if type(position) is not Rotary or position.scaling is not None:
         return None
-    return _runs_into(q, k, q_pos, k_pos)
-
-
-def _plain(position: Any) -> bool:
-    """Whether ``position`` is a :class:`~posenc.Rotary` as posenc defines it: of the class
-    itself, with no hook nor ``cos_sin`` set on the instance (which the attention would
-    call) and the class's methods not patched (a spy, a mock)."""
-    if type(position) is not Rotary:
-        return False
     own = vars(position)
     if _INSTANCE_SET & own.keys() or _HOOK_SET & own["_modules"].keys():
-        return False
-    return _plain_class()
-
-
-def own_gradients(position: Any, out: Tensor, q: Tensor, k: Tensor) -> None:
-    """Let the rotations of ``q`` and ``k`` rotate their gradients in place, where
-    ``position`` is a plain :class:`~posenc.Rotary` (:func:`_plain`: no hook of its own
-    reads ``q`` or ``k``) and ``out`` is the output of SDPA's fused CPU kernel applied to
-    them directly (its node's first two inputs are the nodes of their rotations, and it
-    has no input past ``v``).
-
-    That kernel's backward writes the gradients of ``q`` and ``k`` into new tensors that
-    nothing else reads, so that a rotation of complex pairs
-    (:class:`~posenc._rotary_runs._PhaseRotation`) may turn its gradient back by the
-    opposite angles where it stands, a product by the conjugate phase, instead of into
-    another new tensor of ``q``'s size, whose pages the C library may take from the
-    system again in each call (the module docstring of :mod:`posenc.engine.workspace`).
-    (A half-split rotation turns it back into a new tensor all the same: in place it takes
-    a copy of half of it and five passes over half-width views, slower than three into a
-    new one.) Call it only for an ``out`` that the caller returns alone (no attention
-    weights, no KV cache), so that the rotated ``q`` and ``k`` have no other reader."""
-    node = out.grad_fn
-    if node is None or type(node).__name__ != _FLASH_CPU_NODE or not _plain(position):
-        return
-    edges = node.next_functions  # ((q's node, 0), (k's node, 0), (v's node, 0))
-    if len(edges) < 2 or edges[0][0] is edges[1][0] or any(fn is not None for fn, _ in edges[3:]):
-        return
-    for (fn, _), x in zip(edges[:2], (q, k), strict=False):
-        if fn is not None and fn is x.grad_fn and type(fn) in _ROTATION_NODES:
-            fn.owned = True
-
-
-#: the nodes of posenc's rotations whose backward reads ``owned``
-_ROTATION_NODES = (_PhaseRotation._backward_cls,)
+        return None  # a hook, or the tables, set on the instance: the attention calls them
+    if not _plain_class():
+        return None  # the class's methods patched (a spy, a mock): the attention calls them
+    return _runs_into(q, k, q_pos, k_pos)
 
 
 def _plain_class() -> bool:

@@ -142,7 +142,20 @@ class _Rotation(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a differentiable form
             return _swapped_sum(grad, cos, -sin, ctx.interleaved), None, None, None
-        return _rotated(grad, cos, -sin, ctx.interleaved, ctx.strides), None, None, None
+        strides = ctx.strides if _unbatched(grad) else None
+        return _rotated(grad, cos, -sin, ctx.interleaved, strides), None, None, None
+
+
+def _unbatched(grad: Tensor) -> bool:
+    """Whether a backward may write ``grad``'s rotation with an ``out=`` product (in the
+    rotation's layout): eager, no ``torch.func`` transform, and ``grad`` no batched tensor
+    of autograd's own vmap (``is_grads_batched=True``, a vectorized Jacobian or Hessian),
+    for which vmap has no rule."""
+    return eager() and not _is_legacy_batched(grad)
+
+
+#: whether a tensor is a batched tensor of autograd's vmap (False where torch has no test)
+_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda x: False)
 
 
 def rotate_runs(
@@ -377,14 +390,12 @@ def _times_phase(x: Tensor, phase: Tensor, strides: tuple[int, ...] | None = Non
 class _PhaseRotation(torch.autograd.Function):
     """The rotation of :func:`_times_phase` by a constant phase, whose output is no view
     and whose backward is the rotation of the gradient by the conjugate phase (the
-    opposite angles), laid out as the rotation's output (as :class:`_Rotation`'s), in
-    place where the gradient is laid out so and is the rotation's own (``owned``); with
+    opposite angles), laid out as the rotation's output (as :class:`_Rotation`'s); with
     ``create_graph=True`` in autograd's differentiable ops."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, phase: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(phase)
-        ctx.owned = False  # set by posenc._rotary_buffer.own_gradients
         out = _times_phase(x, phase)
         ctx.strides = out.stride()  # x's layout where dense and viewable, else contiguous
         return out
@@ -397,7 +408,4 @@ class _PhaseRotation(torch.autograd.Function):
             grad = grad if _viewable(grad) else grad.contiguous()
             pairs = torch.view_as_complex(grad.unflatten(-1, (back.shape[-1], 2)))  # [..., r/2]
             return torch.view_as_real(pairs * back).flatten(-2), None  # differentiable views
-        if ctx.owned and grad.stride() == ctx.strides and grad.dtype == _REAL[back.dtype]:
-            _pairs(grad).mul_(back)  # a gradient nothing else reads: rotated in place
-            return grad, None
-        return _times_phase(grad, back, ctx.strides), None
+        return _times_phase(grad, back, ctx.strides if _unbatched(grad) else None), None

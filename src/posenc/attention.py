@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from ._arguments import check_scheme, default_query_positions, plain_number, prepare
-from ._rotary_buffer import own_gradients, rotated
+from ._rotary_buffer import rotated
 from .cache import KVCache
 from .engine import BACKENDS, Explanation, Mask, attend, explain_call
 from .engine.kept import replay_unmasked
@@ -101,18 +101,10 @@ def _core(
         out, weights = attend(
             q, k, v, dropout_p=dropout_p, need_weights=need_weights, scale=scale, **args
         )
-        if weights is None and entries is None and _recorded(out):
-            own_gradients(position, out, q, k)  # nothing but out reads the rotated q, k
         return out, weights, entries
     finally:
         if lent is not None:  # the kept buffer q and k were rotated into
             lent.__exit__(None, None, None)
-
-
-def _recorded(out: Tensor) -> bool:
-    """Whether ``out`` has a node in autograd's graph, read outside a ``torch.compile``
-    trace (which has none to read)."""
-    return not torch.compiler.is_compiling() and out.grad_fn is not None
 
 
 def attention(

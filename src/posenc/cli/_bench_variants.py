@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import registry
-from .._rotary_buffer import own_gradients, rotated
+from .._rotary_buffer import rotated
 from ..dense import as_attn_mask
 from ..engine import Mask, attend
 from ..engine.flex import _block_mask, _compiled_flex
@@ -144,8 +144,6 @@ def _core(
             out, _ = attend(
                 q, k, v, scheme=scheme, q_pos=pos, k_pos=pos, mask=mask, backend=backend
             )
-            if not torch.compiler.is_compiling() and out.grad_fn is not None:
-                own_gradients(scheme, out, q, k)  # as posenc.attention
         finally:
             if lent is not None:
                 lent.__exit__(None, None, None)
