@@ -348,12 +348,14 @@ def _order(x):
     return sorted(range(x.ndim), key=lambda i: -x.stride(i))
 
 
-def test_batched_gradients_through_a_half_split_rotation():
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_batched_gradients_through_a_rotation(interleaved):
     """Autograd's batched gradients (``is_grads_batched``, vmap over the backward) and a
-    vectorized Jacobian: the rotation's backward takes no ``out=`` product there (vmap has
-    no rule for one), and each row equals the gradient taken alone."""
+    vectorized Jacobian: the rotation's backward takes no ``out=`` product there, nor a
+    complex view of the pairs (vmap has no rule for either), and each row equals the
+    gradient taken alone."""
     q, k, v, _ = _projected(n=6, d=8, heads=2, layout="leaves")
-    rotary = Rotary(8)
+    rotary = Rotary(8, interleaved=interleaved)
     out = posenc.attention(q, k, v, position=rotary)
     grads = torch.randn(3, *out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(2))
     (batched,) = torch.autograd.grad(out, q, grads, is_grads_batched=True, retain_graph=True)

@@ -89,8 +89,8 @@ def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -
 def _swapped_sum(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     """``x * cos + swapped(x) * sin`` in out-of-place ops: ``[..., r]``."""
     rot = x.shape[-1]
-    if interleaved:  # (2i, 2i+1) exchanged
-        swapped = x.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)
+    if interleaved:  # (2i, 2i+1) exchanged (reshape: autograd's vmap has no unflatten)
+        swapped = x.reshape(*x.shape[:-1], rot // 2, 2).flip(-1).reshape(x.shape)
     else:
         swapped = torch.cat((x[..., rot // 2 :], x[..., : rot // 2]), dim=-1)
     return torch.addcmul(x * cos, swapped, sin)
@@ -391,7 +391,10 @@ class _PhaseRotation(torch.autograd.Function):
     """The rotation of :func:`_times_phase` by a constant phase, whose output is no view
     and whose backward is the rotation of the gradient by the conjugate phase (the
     opposite angles), laid out as the rotation's output (as :class:`_Rotation`'s); with
-    ``create_graph=True`` in autograd's differentiable ops."""
+    ``create_graph=True`` in autograd's differentiable ops; for a batched gradient of
+    autograd's vmap (``is_grads_batched=True``, a vectorized Jacobian), which has no rule
+    for a view of another dtype, with the phase's cos and sin spread over the channels
+    (:func:`_swapped_sum`)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, phase: Tensor) -> Tensor:  # type: ignore[override]
@@ -408,4 +411,7 @@ class _PhaseRotation(torch.autograd.Function):
             grad = grad if _viewable(grad) else grad.contiguous()
             pairs = torch.view_as_complex(grad.unflatten(-1, (back.shape[-1], 2)))  # [..., r/2]
             return torch.view_as_real(pairs * back).flatten(-2), None  # differentiable views
-        return _times_phase(grad, back, ctx.strides if _unbatched(grad) else None), None
+        if not _unbatched(grad):
+            cos, sin = _expanded_tables(back.real, back.imag, True).unbind(0)  # [..., n, r]
+            return _swapped_sum(grad, cos, sin, True), None
+        return _times_phase(grad, back, ctx.strides), None

@@ -36,7 +36,9 @@ them):
 - ``offset_bias(q_pos, k_pos)``: a relative bias as one value per offset, ``[h|1, W]``,
   when the positions are one consecutive run (None otherwise);
 - ``kept_score_bias(q_pos, k_pos)``: ``score_bias`` as a tensor the scheme keeps between
-  calls, which the engine reads and never writes (no allocation per call), or None
+  calls, which the engine reads and never writes (no allocation per call), and which
+  the scheme never writes either (new values come as a new tensor: the engine may keep
+  what it derives from it, such as its causal-masked form, while it lives), or None
   where it keeps none;
 - ``offset_term(q_pos, k_pos)`` / ``offset_value``: the same for a query term
   ``q_i . r_(j-i)`` and Shaw's ``a^V``, as rows ``r [(h,) W, d]`` or ``(table, index)``;

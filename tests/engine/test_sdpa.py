@@ -360,21 +360,60 @@ def test_a_bias_that_asks_for_a_gradient_or_an_inference_bias_is_masked_in_each_
 
 
 def test_a_causal_alibi_call_in_inference_mode_then_with_gradients():
-    """The masked kept bias made in an inference-mode call serves a later call with
-    gradients, whose backward saves it (an inference tensor could not be saved), and
-    both equal the definition (float64)."""
+    """The replay of a causal ALiBi call masks the bias ALiBi keeps once: the masked bias
+    made by a replay in inference mode serves the replays with gradients, whose backward
+    saves it (an inference tensor could not be saved), and every call equals the
+    definition (float64)."""
     alibi = posenc.ALiBi(4).double()
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 4, 16, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    sdpa._MASKED.clear()
     with torch.inference_mode():
-        frozen = posenc.attention(q, k, v, position=alibi, causal=True)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = posenc.attention(*leaves, position=alibi, causal=True)
-    grads = torch.autograd.grad(out.square().sum(), leaves)
+        frozen = [posenc.attention(q, k, v, position=alibi, causal=True) for _ in range(2)]
+    (masked,) = [entry[-1] for entry in sdpa._MASKED.values()]  # made by the replay
+    assert not masked.is_inference()
     ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = posenc.attention(*ref_leaves, position=alibi, causal=True, backend="math")
     ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
-    torch.testing.assert_close(frozen, ref.detach(), rtol=0, atol=1e-12)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
-    for a, b in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    for _ in range(2):  # the dispatcher, then the replay with the kept masked bias
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = posenc.attention(*leaves, position=alibi, causal=True)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        for a, b in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert [entry[-1] for entry in sdpa._MASKED.values()] == [masked]
+    for got in frozen:
+        torch.testing.assert_close(got, ref.detach(), rtol=0, atol=1e-12)
+
+
+class _StoredBias(torch.nn.Module):
+    """A scheme whose bias is a tensor it stores (a parameter), as a user's may be."""
+
+    def __init__(self, heads, n):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(1, heads, n, n))
+
+    def score_bias(self, q_pos, k_pos):
+        return self.table
+
+
+def test_only_a_kept_bias_of_a_causal_replay_is_kept_masked():
+    """A bias a scheme stores and changes behind its version counter (``.data``, as an EMA
+    copy does), and a key padding mask (a new ``keep`` per call), are masked in each
+    call: nothing is kept, and each call follows the bias's values."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=gen) for _ in range(3))
+    scheme = _StoredBias(4, 16)
+    sdpa._MASKED.clear()
+    with torch.no_grad():
+        for _ in range(3):  # the dispatcher, then replays
+            scheme.table.data.copy_(torch.randn(1, 4, 16, 16, generator=gen))
+            out = posenc.attention(q, k, v, position=scheme, causal=True)
+            ref = posenc.attention(q, k, v, position=scheme, causal=True, backend="math")
+            torch.testing.assert_close(out, ref)
+        padding = torch.zeros(2, 16, dtype=torch.bool)
+        padding[1, -3:] = True
+        for _ in range(2):
+            posenc.attention(q, k, v, position=posenc.ALiBi(4), key_padding_mask=padding)
+    assert len(sdpa._MASKED) == 0

@@ -292,10 +292,12 @@ def _run(
     if mask is not None and route == plans._KEPT_FUSED_ROUTE:
         return None  # (taken for unmasked calls alone: not kept for a causal one)
     attn_mask = bias = None
+    kept_bias = False
     if route:
         for name in route:
             bias = getattr(scheme, name)(q_pos, k_pos)
             if bias is not None:
+                kept_bias = name == "kept_score_bias"
                 break
         if not (isinstance(bias, Tensor) and bias_fits(bias, q.shape[0], q.shape[1], q_pos, k_pos)):
             return None
@@ -309,7 +311,9 @@ def _run(
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if mask is not None:  # the path's call: the mask folded into the bias, or is_causal
         hooks = hooks_of(scheme)  # (a route reads a bias alone: no term to fold)
-        return sdpa._sdpa(q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0, bias=bias)  # type: ignore[arg-type]
+        return sdpa._sdpa(
+            q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0, bias=bias, kept_bias=kept_bias,  # type: ignore[arg-type]
+        )  # fmt: skip
     return sdpa._kernel(q, k, v, attn_mask, 0.0, False, scale)  # the path's call
 
 

@@ -40,10 +40,13 @@ def _sdpa(
     *,
     blocks: bool = True,
     bias: Tensor | None = None,
+    kept_bias: bool = False,
 ) -> Tensor:
     """SDPA with the hooks' terms and the mask in its ``attn_mask`` (``blocks``: a mask that
     runs in blocks, :func:`_mask_blocks`, does; False for a block itself; ``bias``: the
-    scheme's bias for these positions where the caller has it)."""
+    scheme's bias for these positions where the caller has it; ``kept_bias``: that bias
+    is the one the scheme keeps between calls, ``kept_score_bias``'s, and ``mask`` the
+    causal mask alone, whose masked form :func:`_masked` keeps)."""
     if hooks.value_term is not None:
         raise ValueError(
             "backend='sdpa' cannot add a value term (Shaw's a^V needs the attention weights); "
@@ -77,8 +80,10 @@ def _sdpa(
         attn_mask = keep
     elif keep is None:
         attn_mask = extra.to(q.dtype)
+    elif kept_bias and extra is bias:
+        attn_mask = _masked(extra, keep, q.dtype)  # [B'|1, h|1, n_q, n_k]
     else:
-        attn_mask = _masked(extra, keep, q.dtype)  # [B'|b|1, h|1, n_q, n_k]
+        attn_mask = extra.to(q.dtype).masked_fill(~keep, float("-inf"))
     out = _kernel(q, k, v, attn_mask, dropout_p, is_causal, scale)
     if has_key is not None:
         out = out * has_key
@@ -90,15 +95,16 @@ def _masked(bias: Tensor, keep: Tensor, dtype: torch.dtype) -> Tensor:
     the one made for the last call that masked this very bias, unchanged since (its version
     counter), with this very ``keep`` in this dtype.
 
-    A bias the scheme keeps between calls (ALiBi's) and the causal mask's ``keep`` (kept by
-    the mask's memo) are the same tensors call after call: the masked bias is made once
+    For the replay of a causal call (:mod:`.kept`) whose bias is the one the scheme keeps
+    between calls (``kept_score_bias``: ALiBi's, which the engine reads and never writes,
+    and whose values change only with a new tensor) and whose ``keep`` the causal mask's
+    memo keeps: the same tensors call after call, so that the masked bias is made once
     for them, where the fill cost a small call 70-110 us (``masked_fill`` of ``[h, 64,
     64]``: about a fifth of a causal ALiBi call without gradients at ``b=2 n=64``). One is
-    kept, per process, while its bias lives (a weak reference: a bias made for one call
-    takes its masked copy along when it goes); made outside inference mode, so that it
-    serves calls in and out of it. Not for a bias that asks for a gradient in grad mode
-    (its graph is the call's), an inference tensor (which has no version counter), nor
-    under ``torch.compile`` or a ``torch.func`` transform."""
+    kept, per process, while its bias lives (a weak reference); made outside inference
+    mode, so that it serves calls in and out of it. Not for a bias that asks for a
+    gradient in grad mode, an inference tensor (which has no version counter), nor under
+    ``torch.compile`` or a ``torch.func`` transform."""
     if (bias.requires_grad and torch.is_grad_enabled()) or not eager():
         return bias.to(dtype).masked_fill(~keep, float("-inf"))
     if bias.is_inference() or keep.is_inference():
