@@ -54,15 +54,39 @@ def finite(*xs: Tensor) -> bool:
     ``aminmax`` takes two reductions' work and an elementwise ``isfinite`` writes a bool
     tensor and reads it again.
     """
-    with torch.no_grad():  # a check, not part of the graph
-        sums = [x.sum(dtype=torch.promote_types(x.dtype, torch.float32)) for x in xs if x.numel()]
-        if not sums:
-            return True
-        if sums[0].device.type == "cpu":  # a float each: no stack, no kernel to combine them
-            return math.isfinite(sum(float(s) for s in sums))
-        # float32: a device may have no float64 (MPS); a sum past float32's largest reads
-        # as not finite, as above
-        return bool(torch.stack([s.float() for s in sums]).sum().isfinite())
+    if torch.is_grad_enabled():  # a check, not part of the graph
+        with torch.no_grad():
+            return _finite(xs)
+    return _finite(xs)
+
+
+def _finite(xs: tuple[Tensor, ...]) -> bool:
+    """:func:`finite` with no graph recorded."""
+    sums = [x.sum(dtype=_sum_dtype(x.dtype)) for x in xs if x.numel()]
+    if not sums:
+        return True
+    if sums[0].is_cpu:  # a float each: no stack, no kernel to combine them
+        total = 0.0
+        for part in sums:
+            total += float(part)
+        return math.isfinite(total)
+    # float32: a device may have no float64 (MPS); a sum past float32's largest reads
+    # as not finite, as above
+    return bool(torch.stack([s.float() for s in sums]).sum().isfinite())
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sum of :func:`finite` accumulates in: at least float32."""
+    return _SUM_DTYPES.get(dtype) or torch.promote_types(dtype, torch.float32)
+
+
+#: :func:`_sum_dtype` of the usual dtypes, without a call into torch
+_SUM_DTYPES = {
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
+    torch.bfloat16: torch.float32,
+    torch.float16: torch.float32,
+}
 
 
 def sees_any(mask: Mask, keys: Tensor, device: torch.device) -> Tensor:
