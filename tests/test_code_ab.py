@@ -50,12 +50,31 @@ def test_the_base_is_a_package_of_its_own_whose_schemes_count_as_posenc(tmp_path
     ("backward", "layout", "causal"),
     [(False, "bhnd", False), (True, "bhnd", False), (True, "bnhd", False), (False, "bhnd", True)],
 )
-def test_measure_times_each_version_against_the_floor(tmp_path, backward, layout, causal):
+def test_measure_times_each_version_against_the_floor(
+    tmp_path, monkeypatch, backward, layout, causal
+):
+    """Each variant runs on the inputs of ``layout`` (leaves, or views of one ``[b, n, 3,
+    h, d]`` projection) and ``causal`` or not: the floor is SDPA's with ``is_causal``."""
     code_ab.load_base("HEAD", tmp_path)
+    seen, floor, core = [], code_ab._floor, code_ab._core
+
+    def spied_floor(q, k, v, causal=False):
+        seen.append(("floor", q.stride(), causal))
+        return floor(q, k, v, causal=causal)
+
+    def spied_core(*args):
+        seen.append(("core", args[-1]))  # causal, the last argument
+        return core(*args)
+
+    monkeypatch.setattr(code_ab, "_floor", spied_floor)
+    monkeypatch.setattr(code_ab, "_core", spied_core)
     row = code_ab.measure("alibi", (1, 2, 8, 8), 3, backward, layout=layout, causal=causal)
     assert row["mode"] == ("fwd+bwd" if backward else "fwd")
     assert row["floor_us"] > 0
     assert all(row[name] > 0 for name in ("base/floor", "new/floor", "new/base"))
+    strides = (128, 64, 8, 1) if layout == "bhnd" else (384, 8, 48, 1)  # [b, n, 3, h, d] views
+    assert ("floor", strides, causal) in seen and ("core", causal) in seen
+    assert all(entry[-1] == causal for entry in seen)
 
 
 @needs_git

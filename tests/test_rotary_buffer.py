@@ -301,15 +301,14 @@ def test_a_patched_rotary_class_is_called_as_patched(buffered, monkeypatch):
 
 def _projected(n=12, d=16, heads=4, dtype=torch.float64, layout="projection"):
     """``q, k, v [b, h, n, d]`` asking for gradients: views of one projection's ``[b, n, 3,
-    h, d]`` output (as a model's), or leaves of their own; and the leaves."""
+    h, d]`` output (as a model's), or leaves of their own."""
     gen = torch.Generator().manual_seed(0)
     if layout == "leaves":
         leaves = [torch.randn(2, heads, n, d, generator=gen, dtype=dtype) for _ in range(3)]
-        leaves = [x.requires_grad_() for x in leaves]
-        return (*leaves, leaves)
+        return tuple(x.requires_grad_() for x in leaves)
     qkv = torch.randn(2, n, 3, heads, d, generator=gen, dtype=dtype).requires_grad_()
     q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))  # [b, n, h, d] -> [b, h, n, d]
-    return q, k, v, [qkv]
+    return q, k, v
 
 
 def _arriving(x):
@@ -327,7 +326,7 @@ def test_gradients_of_a_rotated_call_are_the_definitions_in_the_inputs_layout(in
     gradient reaches ``q`` and ``k`` laid out as they are (the kernel writes its
     gradients ``[b, n, h, d]``; a contiguous leaf would otherwise take a copy of each), dense
     (a view of a projection's output is not: the order of its strides)."""
-    q, k, v, _ = _projected(layout=layout)
+    q, k, v = _projected(layout=layout)
     rotary = Rotary(16, interleaved=interleaved)
     seen_q, seen_k = _arriving(q), _arriving(k)
     out = posenc.attention(q, k, v, position=rotary)
@@ -354,7 +353,7 @@ def test_batched_gradients_through_a_rotation(interleaved):
     vectorized Jacobian: the rotation's backward takes no ``out=`` product there, nor a
     complex view of the pairs (vmap has no rule for either), and each row equals the
     gradient taken alone."""
-    q, k, v, _ = _projected(n=6, d=8, heads=2, layout="leaves")
+    q, k, v = _projected(n=6, d=8, heads=2, layout="leaves")
     rotary = Rotary(8, interleaved=interleaved)
     out = posenc.attention(q, k, v, position=rotary)
     grads = torch.randn(3, *out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(2))

@@ -134,7 +134,7 @@ class _Rotation(torch.autograd.Function):
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
         out = _rotated(x, cos, sin, interleaved)
-        ctx.strides = out.stride()  # x's layout where x is dense, else contiguous
+        ctx.strides = out.stride()  # dense, in x's order of strides
         return out
 
     @staticmethod
@@ -142,11 +142,11 @@ class _Rotation(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a differentiable form
             return _swapped_sum(grad, cos, -sin, ctx.interleaved), None, None, None
-        strides = ctx.strides if _unbatched(grad) else None
+        strides = ctx.strides if _writes_out(grad) else None
         return _rotated(grad, cos, -sin, ctx.interleaved, strides), None, None, None
 
 
-def _unbatched(grad: Tensor) -> bool:
+def _writes_out(grad: Tensor) -> bool:
     """Whether a backward may write ``grad``'s rotation with an ``out=`` product (in the
     rotation's layout): eager, no ``torch.func`` transform, and ``grad`` no batched tensor
     of autograd's own vmap (``is_grads_batched=True``, a vectorized Jacobian or Hessian),
@@ -400,7 +400,7 @@ class _PhaseRotation(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, phase: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(phase)
         out = _times_phase(x, phase)
-        ctx.strides = out.stride()  # x's layout where dense and viewable, else contiguous
+        ctx.strides = out.stride()  # dense, in x's order where x is viewable, else contiguous
         return out
 
     @staticmethod
@@ -411,7 +411,7 @@ class _PhaseRotation(torch.autograd.Function):
             grad = grad if _viewable(grad) else grad.contiguous()
             pairs = torch.view_as_complex(grad.unflatten(-1, (back.shape[-1], 2)))  # [..., r/2]
             return torch.view_as_real(pairs * back).flatten(-2), None  # differentiable views
-        if not _unbatched(grad):
+        if not _writes_out(grad):
             cos, sin = _expanded_tables(back.real, back.imag, True).unbind(0)  # [..., n, r]
             return _swapped_sum(grad, cos, sin, True), None
         return _times_phase(grad, back, ctx.strides), None

@@ -140,7 +140,8 @@ class OffsetBias(Protocol):
 class KeptScoreBias(Protocol):
     """:class:`ScoreBias` as a tensor kept between calls: ``kept_score_bias(q_pos, k_pos) ->
     [B', h|1, n_q, n_k]``, the values of ``score_bias``, shared (the engine reads it and
-    never writes into it, and it requires no grad), or None where the scheme keeps none."""
+    never writes into it, it requires no grad, and the scheme never writes it either: new
+    values come as a new tensor), or None where the scheme keeps none."""
 
     def kept_score_bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None: ...
 

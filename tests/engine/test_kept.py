@@ -1096,8 +1096,9 @@ def _causal(scheme, q, k, v, **kwargs):
 def test_a_causal_call_replays_what_the_dispatcher_gives(name, mode, walks):
     """The causal mask alone (as many queries as keys) keeps its route under a key of its
     own: the second call of its signature walks no path and equals, bit for bit, the
-    dispatcher's answer with no route kept, which is the definition's (float64, the bias
-    masked above the diagonal, written out here)."""
+    dispatcher's answer with no route kept, which is the definition's (float64: the bias
+    masked above the diagonal, written out here; the relative embedding's score term
+    against the math path)."""
     scheme = _learned(name)
     with getattr(torch, mode)():
         _causal(scheme, *_qkv())

@@ -319,25 +319,24 @@ def _filled(bias, keep, dtype):
     return bias.to(dtype).masked_fill(~keep, float("-inf"))
 
 
-def test_a_bias_masked_again_with_the_same_mask_is_the_kept_tensor():
-    """The same bias (unchanged) and the same ``keep`` in the same dtype: the tensor made
-    before, equal to the bias filled at the hidden keys; a write into the bias, another
-    dtype or another mask makes a new one; a bias that goes takes its masked copy along."""
+def test_a_bias_masked_again_with_the_causal_mask_is_the_kept_tensor():
+    """The same bias (unchanged) under the causal mask of the same sizes in the same dtype:
+    the tensor made before, equal to the bias filled at the hidden keys; a write into the
+    bias (its version counter) or another dtype makes a new one; a bias that goes takes
+    its masked copy along."""
     gen = torch.Generator().manual_seed(0)
     bias = torch.randn(1, 4, 8, 8, generator=gen)
     keep = _causal_keep(8)
-    first = sdpa._masked(bias, keep, torch.float32)
+    first = sdpa._causal_masked(bias, keep, torch.float32)
     assert torch.equal(first, _filled(bias, keep, torch.float32))
-    assert sdpa._masked(bias, keep, torch.float32) is first
+    assert sdpa._causal_masked(bias, keep, torch.float32) is first
     with torch.inference_mode():  # made outside inference mode: it serves these calls too
-        assert sdpa._masked(bias, keep, torch.float32) is first
-    wide = sdpa._masked(bias, keep, torch.float64)
-    assert wide.dtype == torch.float64 and torch.equal(wide, _filled(bias, keep, torch.float64))
+        assert sdpa._causal_masked(bias, keep, torch.float32) is first
     bias.mul_(2.0)  # its version moves: masked anew
-    again = sdpa._masked(bias, keep, torch.float32)
+    again = sdpa._causal_masked(bias, keep, torch.float32)
     assert again is not first and torch.equal(again, _filled(bias, keep, torch.float32))
-    other_keep = _causal_keep(8).clone()
-    assert sdpa._masked(bias, other_keep, torch.float32) is not again
+    wide = sdpa._causal_masked(bias, keep, torch.float64)
+    assert wide.dtype == torch.float64 and torch.equal(wide, _filled(bias, keep, torch.float64))
     gone = weakref.ref(bias)
     del bias
     assert gone() is None and len(sdpa._MASKED) == 0
@@ -348,14 +347,14 @@ def test_a_bias_that_asks_for_a_gradient_or_an_inference_bias_is_masked_in_each_
     at hidden keys); an inference tensor (no version counter) is filled in each call."""
     keep = _causal_keep(6)
     bias = torch.randn(1, 2, 6, 6, requires_grad=True)
-    masked = sdpa._masked(bias, keep, torch.float32)
-    assert masked.requires_grad and sdpa._masked(bias, keep, torch.float32) is not masked
+    masked = sdpa._causal_masked(bias, keep, torch.float32)
+    assert masked.requires_grad and sdpa._causal_masked(bias, keep, torch.float32) is not masked
     (grad,) = torch.autograd.grad(masked.exp().nan_to_num(posinf=0.0).sum(), bias)
     torch.testing.assert_close(grad, bias.exp().detach() * keep)
     with torch.inference_mode():
         frozen = torch.randn(1, 2, 6, 6)
-        first = sdpa._masked(frozen, keep, torch.float32)
-        assert sdpa._masked(frozen, keep, torch.float32) is not first
+        first = sdpa._causal_masked(frozen, keep, torch.float32)
+        assert sdpa._causal_masked(frozen, keep, torch.float32) is not first
         assert torch.equal(first, _filled(frozen, keep, torch.float32))
 
 
@@ -398,13 +397,23 @@ class _StoredBias(torch.nn.Module):
         return self.table
 
 
-def test_only_a_kept_bias_of_a_causal_replay_is_kept_masked():
-    """A bias a scheme stores and changes behind its version counter (``.data``, as an EMA
-    copy does), and a key padding mask (a new ``keep`` per call), are masked in each
-    call: nothing is kept, and each call follows the bias's values."""
+class _KeptByUser(_StoredBias):
+    """The same, which also hands its table out as its kept bias."""
+
+    def kept_score_bias(self, q_pos, k_pos):
+        return self.table
+
+
+@pytest.mark.parametrize("make", [_StoredBias, _KeptByUser])
+def test_only_posencs_kept_bias_of_a_causal_replay_is_kept_masked(make):
+    """A bias a user's scheme stores and changes behind its version counter (``.data``, as
+    an EMA copy does), as its ``score_bias`` or its own ``kept_score_bias``, and a key
+    padding mask, are masked in each call: nothing is kept (no weak reference on the
+    user's tensor either: ``torch.utils.swap_tensors`` takes it), and each call follows the
+    bias's values."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 4, 16, 8, generator=gen) for _ in range(3))
-    scheme = _StoredBias(4, 16)
+    scheme = make(4, 16)
     sdpa._MASKED.clear()
     with torch.no_grad():
         for _ in range(3):  # the dispatcher, then replays
@@ -417,3 +426,5 @@ def test_only_a_kept_bias_of_a_causal_replay_is_kept_masked():
         for _ in range(2):
             posenc.attention(q, k, v, position=posenc.ALiBi(4), key_padding_mask=padding)
     assert len(sdpa._MASKED) == 0
+    torch.utils.swap_tensors(scheme.table, torch.nn.Parameter(torch.zeros(1, 4, 16, 16)))
+    assert not scheme.table.any()

@@ -62,7 +62,7 @@ def finite(*xs: Tensor) -> bool:
 
 def _finite(xs: tuple[Tensor, ...]) -> bool:
     """:func:`finite` with no graph recorded."""
-    sums = [x.sum(dtype=_sum_dtype(x.dtype)) for x in xs if x.numel()]
+    sums = [x.sum(dtype=torch.promote_types(x.dtype, torch.float32)) for x in xs if x.numel()]
     if not sums:
         return True
     if sums[0].is_cpu:  # a float each: no stack, no kernel to combine them
@@ -73,20 +73,6 @@ def _finite(xs: tuple[Tensor, ...]) -> bool:
     # float32: a device may have no float64 (MPS); a sum past float32's largest reads
     # as not finite, as above
     return bool(torch.stack([s.float() for s in sums]).sum().isfinite())
-
-
-def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a sum of :func:`finite` accumulates in: at least float32."""
-    return _SUM_DTYPES.get(dtype) or torch.promote_types(dtype, torch.float32)
-
-
-#: :func:`_sum_dtype` of the usual dtypes, without a call into torch
-_SUM_DTYPES = {
-    torch.float32: torch.float32,
-    torch.float64: torch.float64,
-    torch.bfloat16: torch.float32,
-    torch.float16: torch.float32,
-}
 
 
 def sees_any(mask: Mask, keys: Tensor, device: torch.device) -> Tensor:

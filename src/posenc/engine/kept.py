@@ -76,11 +76,19 @@ import torch
 from torch import Tensor
 
 from .._memo import eager
-from ..hooks import HOOK_NAMES, attribute, bias_fits, checked_hooks, hooks_of, hooks_signature
+from ..hooks import (
+    HOOK_NAMES,
+    _defined_by,
+    attribute,
+    bias_fits,
+    checked_hooks,
+    hooks_of,
+    hooks_signature,
+)
 from ..indices import run_positions
 from . import plans, sdpa, tuning
 from .inputs import default_scale, finite
-from .learned import frozen_own
+from .learned import frozen_own, own_module
 from .mask import Mask
 from .reference import _forward_in_place
 
@@ -125,7 +133,8 @@ _UNSCHEMED = _Routes()
 
 def signature(call: Request) -> tuple[Any, ...] | None:
     """What the dispatcher's choice of a kept route reads for this call (see the module
-    docstring), as a key; None for a call whose route is not kept: a mask, dropout,
+    docstring), as a key; None for a call whose route is not kept: a mask other than the
+    causal mask alone over as many queries as keys (:func:`_causal_alone`), dropout,
     weights asked for, a mode of torch that changes what runs (``torch.compile``,
     ``torch.jit.trace``, a dispatch or function mode, a ``torch.func`` transform, a
     forward-mode AD level), a scheme whose hooks have no key
@@ -289,15 +298,13 @@ def _run(
         mask = Mask(q.shape[2], k.shape[2]) if mask is None else mask
         scale = default_scale(q.shape[-1]) if scale is None else scale
         return _forward_in_place(q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0)  # type: ignore[arg-type]
-    if mask is not None and route == plans._KEPT_FUSED_ROUTE:
-        return None  # (taken for unmasked calls alone: not kept for a causal one)
-    attn_mask = bias = None
+    bias = None
     kept_bias = False
     if route:
         for name in route:
             bias = getattr(scheme, name)(q_pos, k_pos)
             if bias is not None:
-                kept_bias = name == "kept_score_bias"
+                kept_bias = name == "kept_score_bias" and _own_hook(scheme, name)
                 break
         if not (isinstance(bias, Tensor) and bias_fits(bias, q.shape[0], q.shape[1], q_pos, k_pos)):
             return None
@@ -307,14 +314,24 @@ def _run(
             bias.dtype == q.dtype and sdpa.fused_cpu_runs(q, k, v)
         ):
             return None  # past the scores' budget only through SDPA's fused kernel
-        attn_mask = bias if bias.dtype == q.dtype else bias.to(q.dtype)  # [B', h or 1, n_q, n_k]
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if mask is not None:  # the path's call: the mask folded into the bias, or is_causal
         hooks = hooks_of(scheme)  # (a route reads a bias alone: no term to fold)
         return sdpa._sdpa(
             q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0, bias=bias, kept_bias=kept_bias,  # type: ignore[arg-type]
         )  # fmt: skip
+    attn_mask = (
+        bias if bias is None or bias.dtype == q.dtype else bias.to(q.dtype)
+    )  # [B', h|1, n_q, n_k]
     return sdpa._kernel(q, k, v, attn_mask, 0.0, False, scale)  # the path's call
+
+
+def _own_hook(scheme: Any, name: str) -> bool:
+    """Whether the scheme's hook ``name`` is posenc's own (defined in one of its modules,
+    on the class): a ``kept_score_bias`` of posenc's gives a tensor it keeps to itself, so
+    that what the engine derives from it may be kept too (:func:`~.sdpa._causal_masked`)."""
+    owner = _defined_by(scheme, name)
+    return owner is not None and own_module(owner.__module__)
 
 
 def replay_unmasked(

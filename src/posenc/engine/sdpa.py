@@ -45,8 +45,8 @@ def _sdpa(
     """SDPA with the hooks' terms and the mask in its ``attn_mask`` (``blocks``: a mask that
     runs in blocks, :func:`_mask_blocks`, does; False for a block itself; ``bias``: the
     scheme's bias for these positions where the caller has it; ``kept_bias``: that bias
-    is the one the scheme keeps between calls, ``kept_score_bias``'s, and ``mask`` the
-    causal mask alone, whose masked form :func:`_masked` keeps)."""
+    is the one a scheme of posenc's keeps between calls, ``kept_score_bias``'s, whose
+    causal-masked form :func:`_causal_masked` keeps)."""
     if hooks.value_term is not None:
         raise ValueError(
             "backend='sdpa' cannot add a value term (Shaw's a^V needs the attention weights); "
@@ -80,8 +80,8 @@ def _sdpa(
         attn_mask = keep
     elif keep is None:
         attn_mask = extra.to(q.dtype)
-    elif kept_bias and extra is bias:
-        attn_mask = _masked(extra, keep, q.dtype)  # [B'|1, h|1, n_q, n_k]
+    elif kept_bias and extra is bias and mask.causal and mask.causal_at_most:
+        attn_mask = _causal_masked(extra, keep, q.dtype)  # [B'|1, h|1, n_q, n_k]
     else:
         attn_mask = extra.to(q.dtype).masked_fill(~keep, float("-inf"))
     out = _kernel(q, k, v, attn_mask, dropout_p, is_causal, scale)
@@ -90,39 +90,34 @@ def _sdpa(
     return out
 
 
-def _masked(bias: Tensor, keep: Tensor, dtype: torch.dtype) -> Tensor:
-    """``bias`` in ``dtype`` with the keys that ``keep`` hides at ``-inf``: a new tensor, or
-    the one made for the last call that masked this very bias, unchanged since (its version
-    counter), with this very ``keep`` in this dtype.
+def _causal_masked(bias: Tensor, keep: Tensor, dtype: torch.dtype) -> Tensor:
+    """``bias`` in ``dtype`` with the keys that ``keep``, the causal mask alone's (a
+    function of its sizes), hides at ``-inf``: a new tensor, or the one made for the last
+    call that masked this very bias, unchanged since (its version counter), over as many
+    queries and keys in this dtype.
 
-    For the replay of a causal call (:mod:`.kept`) whose bias is the one the scheme keeps
-    between calls (``kept_score_bias``: ALiBi's, which the engine reads and never writes,
-    and whose values change only with a new tensor) and whose ``keep`` the causal mask's
-    memo keeps: the same tensors call after call, so that the masked bias is made once
-    for them, where the fill cost a small call 70-110 us (``masked_fill`` of ``[h, 64,
-    64]``: about a fifth of a causal ALiBi call without gradients at ``b=2 n=64``). One is
-    kept, per process, while its bias lives (a weak reference); made outside inference
-    mode, so that it serves calls in and out of it. Not for a bias that asks for a
-    gradient in grad mode, an inference tensor (which has no version counter), nor under
+    For the replay of a causal call (:mod:`.kept`) whose bias is the one a scheme of
+    posenc's keeps between calls (``kept_score_bias``: ALiBi's, a tensor it keeps to
+    itself and never writes): the same tensor call after call, masked once. One is kept,
+    per process, while its bias lives (a weak reference); made outside inference mode, so
+    that it serves calls in and out of it. Not for a bias that asks for a gradient in grad
+    mode, an inference tensor (which has no version counter), nor under
     ``torch.compile`` or a ``torch.func`` transform."""
-    if (bias.requires_grad and torch.is_grad_enabled()) or not eager():
-        return bias.to(dtype).masked_fill(~keep, float("-inf"))
-    if bias.is_inference() or keep.is_inference():
+    if (bias.requires_grad and torch.is_grad_enabled()) or not eager() or bias.is_inference():
         return bias.to(dtype).masked_fill(~keep, float("-inf"))
     found = _MASKED.get(bias)
     if found is not None:
-        version, kept_keep, keep_version, kept_dtype, masked = found
-        same = kept_keep is keep and kept_dtype == dtype
-        if same and version == bias._version and keep_version == keep._version:
+        version, sizes, kept_dtype, masked = found
+        if version == bias._version and sizes == keep.shape and kept_dtype == dtype:
             return masked
     with torch.inference_mode(False), torch.no_grad():
         masked = bias.to(dtype).masked_fill(~keep, float("-inf"))
     _MASKED.clear()
-    _MASKED[bias] = (bias._version, keep, keep._version, dtype, masked)
+    _MASKED[bias] = (bias._version, keep.shape, dtype, masked)
     return masked
 
 
-#: the last masked bias, by the bias it was made from (:func:`_masked`)
+#: the last causal-masked kept bias, by the bias it was made from (:func:`_causal_masked`)
 _MASKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
