@@ -18,12 +18,12 @@ import torch
 from torch import Tensor
 
 from .._memo import plain_autograd
-from ..hooks import Hooks, _defined_by, checked_hooks, hooks_of
+from ..hooks import Hooks, checked_hooks, hooks_of
 from . import compiled, kept, sdpa
 from .blocks import _by_blocks, _mask_blocks
 from .flex import _flex
 from .inputs import default_scale, finite, repeat_heads, sees_any, zeroed_non_finite
-from .learned import own_module, substituted
+from .learned import own_hook, substituted
 from .mask import Mask
 from .plans import (
     _CONTEXTUAL,
@@ -236,8 +236,7 @@ def _exact_twice(name: str, call: Call, hooks: Hooks) -> bool:
     for fast, other in _TWO_FORMS:
         if getattr(hooks, fast) is None or getattr(hooks, other) is None:
             continue
-        owner = _defined_by(scheme, fast)  # None: set on the instance
-        if owner is None or not own_module(owner.__module__):
+        if not own_hook(scheme, fast):
             return False
     return True
 

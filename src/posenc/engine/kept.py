@@ -76,19 +76,11 @@ import torch
 from torch import Tensor
 
 from .._memo import eager
-from ..hooks import (
-    HOOK_NAMES,
-    _defined_by,
-    attribute,
-    bias_fits,
-    checked_hooks,
-    hooks_of,
-    hooks_signature,
-)
+from ..hooks import HOOK_NAMES, attribute, bias_fits, checked_hooks, hooks_of, hooks_signature
 from ..indices import run_positions
 from . import plans, sdpa, tuning
 from .inputs import default_scale, finite
-from .learned import frozen_own, own_module
+from .learned import frozen_own, own_hook
 from .mask import Mask
 from .reference import _forward_in_place
 
@@ -304,7 +296,9 @@ def _run(
         for name in route:
             bias = getattr(scheme, name)(q_pos, k_pos)
             if bias is not None:
-                kept_bias = name == "kept_score_bias" and _own_hook(scheme, name)
+                # posenc's own kept bias: a tensor the scheme keeps to itself, so that its
+                # causal-masked form may be kept too (sdpa._causal_masked)
+                kept_bias = name == "kept_score_bias" and own_hook(scheme, name)
                 break
         if not (isinstance(bias, Tensor) and bias_fits(bias, q.shape[0], q.shape[1], q_pos, k_pos)):
             return None
@@ -320,18 +314,10 @@ def _run(
         return sdpa._sdpa(
             q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0, bias=bias, kept_bias=kept_bias,  # type: ignore[arg-type]
         )  # fmt: skip
-    attn_mask = (
-        bias if bias is None or bias.dtype == q.dtype else bias.to(q.dtype)
-    )  # [B', h|1, n_q, n_k]
+    attn_mask = None
+    if bias is not None:
+        attn_mask = bias if bias.dtype == q.dtype else bias.to(q.dtype)  # [B', h|1, n_q, n_k]
     return sdpa._kernel(q, k, v, attn_mask, 0.0, False, scale)  # the path's call
-
-
-def _own_hook(scheme: Any, name: str) -> bool:
-    """Whether the scheme's hook ``name`` is posenc's own (defined in one of its modules,
-    on the class): a ``kept_score_bias`` of posenc's gives a tensor it keeps to itself, so
-    that what the engine derives from it may be kept too (:func:`~.sdpa._causal_masked`)."""
-    owner = _defined_by(scheme, name)
-    return owner is not None and own_module(owner.__module__)
 
 
 def replay_unmasked(

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from ..hooks import Hooks
+from ..hooks import Hooks, _defined_by
 from . import common
 
 #: posenc's package, as it is imported (``posenc``, or where a copy of it lives: a vendored
@@ -36,6 +36,13 @@ PACKAGE = __name__.rpartition(".engine.")[0]
 def own_module(name: str) -> bool:
     """Whether the module ``name`` is posenc's own (of :data:`PACKAGE`)."""
     return name == PACKAGE or name.startswith(PACKAGE + ".")
+
+
+def own_hook(scheme: Any, name: str) -> bool:
+    """Whether the scheme's hook ``name`` is posenc's own: defined on a class of one of
+    posenc's modules (not set on the instance, not a user's class)."""
+    owner = _defined_by(scheme, name)  # None: set on the instance
+    return owner is not None and own_module(owner.__module__)
 
 
 def scheme_parameters(scheme: Any) -> list[Tensor]:
