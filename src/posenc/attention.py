@@ -192,7 +192,7 @@ def attention(
         and (scale is None or 0 < plain_number(scale) < float("inf"))
         and backend in BACKENDS
     ):  # q, k, v alone: the route kept for them, if any, before any check or default
-        out = replay_unmasked(q, k, v, position, backend, scale)
+        out = replay_unmasked(q, k, v, position, backend, scale, rotation=rotated)
         if out is not None:
             return out
     kwargs = prepare(
@@ -404,7 +404,9 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(value).view(b, n_k, self.kv_heads, self.head_dim).transpose(1, 2)
         # [b, n, dim | h_kv * d] -> [b, n, h | h_kv, d] -> [b, h | h_kv, n, d]
         if alone:
-            out = replay_unmasked(q, k, v, self.position, self.backend, None, validate=False)
+            out = replay_unmasked(
+                q, k, v, self.position, self.backend, None, validate=False, rotation=rotated
+            )
             if out is not None:  # [b, h, n_q, d] -> [b, n_q, h, d] -> [b, n_q, dim]
                 return self.out_proj(out.transpose(1, 2).reshape(b, n_q, self.dim))
         q_pos, k_pos = self._positions(positions, key_positions, b, n_q, n_k, causal, query, key)

@@ -15,10 +15,15 @@ from torch import nn
 import posenc
 from posenc import (
     ALiBi,
+    DynamicNTKScaling,
     RelativePositionBias,
     RelativeQueryEmbedding,
     Rotary,
+    Rotary2D,
+    RotaryMixed,
+    RotaryND,
     T5RelativeBias,
+    XPos,
 )
 from posenc.engine import Mask, attend, dispatch, kept, plans, tuning
 from posenc.indices import run_positions
@@ -934,20 +939,170 @@ def test_a_write_past_the_version_counter_reaches_no_other_scheme():
             assert torch.equal(out, ref)
 
 
-def test_a_rotating_scheme_computes_no_key_before_its_full_call(monkeypatch):
-    """A scheme that rotates takes the full call (its rotation reads the positions) before
-    the route's key is computed: its calls pay no lookup."""
+def test_a_rotating_scheme_without_the_callers_rotation_computes_no_key(monkeypatch):
+    """``replay_unmasked`` handed no rotation turns a scheme that rotates away before the
+    route's key is computed: such a call pays no lookup."""
     scheme = Rotary(D)
     q, k, v = _qkv()
     with torch.no_grad():
         for _ in range(2):
             posenc.attention(q, k, v, position=scheme)
-        assert kept._routes(scheme)  # kept: the full call replays it after the rotation
+        assert kept._routes(scheme)
         keys = []
         key = kept._key
         monkeypatch.setattr(kept, "_key", lambda *a: keys.append(a) or key(*a))
         assert kept.replay_unmasked(q, k, v, scheme, "auto", None) is None
     assert not keys
+
+
+ROTATIONS = {
+    "rotary": lambda: Rotary(D),
+    "interleaved": lambda: Rotary(D, interleaved=True),
+    "partial": lambda: Rotary(D, rotary_dim=D // 2),
+    "ntk": lambda: Rotary(D, scaling=DynamicNTKScaling(2.0, original_max_len=4)),
+    "2d": lambda: Rotary2D(D, size=(3, 4)),
+    "nd": lambda: RotaryND(D, (D // 4, D // 4), size=(3, 4), style="mrope"),
+    "mixed": lambda: RotaryMixed(D, H, size=(3, 4)),  # learned: no key with gradients
+    "xpos": lambda: XPos(D),
+}
+
+
+@pytest.mark.parametrize("name", list(ROTATIONS))
+@pytest.mark.parametrize("mode", ["no_grad", "inference", "grad"])
+def test_a_rotating_scheme_of_q_k_v_alone_replays_after_its_rotation(name, mode, full_calls):
+    """The calls of ``posenc.attention(q, k, v, position=rotation)`` after the first rotate
+    at the default positions and run the kept route, without the full call's checks and
+    mask: outputs and gradients to the bit of the full call's (explicit positions), which
+    equals the definition (math path, float64). A learned rotation's calls with gradients
+    keep no route (the full call in each)."""
+    scheme = ROTATIONS[name]()
+    learned = any(p.requires_grad for p in scheme.parameters())
+    q, k, v = _qkv()
+    context = {"no_grad": torch.no_grad, "inference": torch.inference_mode}.get(mode)
+
+    def call(**kwargs):
+        leaves = [x.clone().requires_grad_(mode == "grad") for x in (q, k, v)]
+        if context is not None:
+            with context():
+                return posenc.attention(*leaves, position=scheme, **kwargs), None
+        out = posenc.attention(*leaves, position=scheme, **kwargs)
+        out.backward(torch.ones_like(out))
+        return out, [x.grad for x in leaves] + [p.grad.clone() for p in scheme.parameters()]
+
+    outs = [call() for _ in range(3)]
+    assert len(full_calls) == (3 if learned and mode == "grad" else 1)
+    full = call(positions=torch.arange(N))  # the full call, arange as the default
+    for out, grads in outs:
+        assert torch.equal(out, full[0])
+        if grads is not None:
+            for p in scheme.parameters():  # accumulated over the four calls
+                p.grad = None
+            assert all(torch.equal(a, b) for a, b in zip(grads[:3], full[1][:3], strict=True))
+    with torch.no_grad():
+        ref = _math(None, *(
+            x.double() for x in scheme.double().rotate(q, k, *[run_positions(0, N)] * 2)
+        ), v.double())  # fmt: skip
+    torch.testing.assert_close(outs[-1][0].double(), ref, atol=1e-5, rtol=0)
+
+
+def test_a_replayed_rotation_lends_the_kept_buffer_and_hands_it_back(monkeypatch, full_calls):
+    """A replayed rotation without gradients writes ``q`` and ``k`` into the thread's kept
+    buffer as the full call does, and hands it back after the route has read them (also
+    where the route raises)."""
+    from posenc.engine import workspace
+
+    monkeypatch.setattr(tuning, "ROTATION_BUFFER_ELEMENTS", 1)
+    workspace.release_workspace()
+    scheme = Rotary(D)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        outs = [posenc.attention(q, k, v, position=scheme) for _ in range(3)]
+    assert len(full_calls) == 1 and not workspace._kept.lent
+    assert workspace.kept_elements() >= q.numel() + k.numel()
+    assert torch.equal(outs[0], outs[2])
+    kernel = kept.sdpa._kernel
+
+    def failing(*args):
+        assert workspace._kept.lent  # the route reads the rotated q, k from the buffer
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(kept.sdpa, "_kernel", failing)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="kernel failed"):
+        posenc.attention(q, k, v, position=scheme)
+    monkeypatch.setattr(kept.sdpa, "_kernel", kernel)
+    assert not workspace._kept.lent
+    workspace.release_workspace()
+
+
+def test_a_rotation_that_changes_what_the_key_holds_takes_the_full_call(monkeypatch, full_calls):
+    """A rotation patched in that returns another dtype than it was handed (posenc's own
+    keeps it) is not replayed: the full call rotates again and raises as it does."""
+    scheme = Rotary(D)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        posenc.attention(q, k, v, position=scheme)
+        posenc.attention(q, k, v, position=scheme)
+        assert len(full_calls) == 1
+        rotate = Rotary.rotate
+        monkeypatch.setattr(scheme, "_rotate", lambda *a, **kw: tuple(
+            x.double() for x in Rotary._rotate(scheme, *a, **kw)
+        ))  # fmt: skip
+        with pytest.raises(RuntimeError, match="to have the same dtype"):  # (SDPA's)
+            posenc.attention(q, k, v, position=scheme)
+    assert len(full_calls) == 2  # raised by the full call, not by a replayed route
+    assert Rotary.rotate is rotate
+
+
+def test_a_users_rotation_takes_the_full_call(full_calls):
+    """A rotation hook outside posenc's classes (it may change what the key holds) takes
+    the full call in each call."""
+
+    class Turned(nn.Module):
+        def rotate(self, q, k, q_pos, k_pos):
+            return q.flip(-1), k.flip(-1)
+
+    scheme = Turned()
+    q, k, v = _qkv()
+    with torch.no_grad():
+        outs = [posenc.attention(q, k, v, position=scheme) for _ in range(2)]
+    assert len(full_calls) == 2 and kept._routes(scheme)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_replayed_rotation_raises_as_the_full_call_at_its_positions(full_calls):
+    """A grid rotation made smaller after its route was kept raises at the default
+    positions in the replay, as the full call raises."""
+    scheme = Rotary2D(D, size=(3, 4))
+    q, k, v = _qkv()
+    with torch.no_grad():
+        posenc.attention(q, k, v, position=scheme)
+        scheme.size = (2, 4)
+        with pytest.raises(ValueError) as replayed:
+            posenc.attention(q, k, v, position=scheme)
+        with pytest.raises(ValueError) as full:
+            posenc.attention(q, k, v, position=scheme, positions=torch.arange(N))
+    assert len(full_calls) == 2  # the first and the explicit one
+    assert str(replayed.value) == str(full.value) and "positions reach 11" in str(full.value)
+
+
+def test_the_module_with_a_rotation_replays_with_the_full_calls_values(full_calls):
+    """``MultiHeadAttention`` with RoPE on its projections' views (``[b, n, h, d]``
+    transposed): the second call, in training with gradients and in evaluation, replays,
+    bit for bit."""
+    torch.manual_seed(0)
+    mha = posenc.MultiHeadAttention(H * D, H, position=Rotary(D))
+    x = torch.randn(B, N, H * D)
+    outs, grads = [], []
+    for _ in range(2):
+        out = mha(x)
+        out.sum().backward()
+        outs.append(out)
+        grads.append(mha.q_proj.weight.grad.clone())
+        mha.zero_grad(set_to_none=True)
+    assert len(full_calls) == 1
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+    with torch.no_grad():
+        assert torch.equal(mha(x, positions=torch.arange(N)), outs[0])
 
 
 def test_the_module_validates_its_scheme_when_built_not_per_call(full_calls):

@@ -135,7 +135,7 @@ def _core(
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if alone:
-            out = replay_unmasked(q, k, v, scheme, backend, None, validate=False)
+            out = replay_unmasked(q, k, v, scheme, backend, None, validate=False, rotation=rotated)
             if out is not None:
                 return out
         mask, pos = _masked(q, causal, padding, documents, window)

@@ -57,7 +57,8 @@ up before anything else (:func:`replay_unmasked`): the call's checks that the ke
 not hold are made on the tensors, and the hooks of a route that calls them get default
 positions kept with the scheme's routes (at most :data:`.tuning.KEPT_ROUTES` pairs of
 ``[1, n]`` int64 tensors per scheme, built anew once written into), not positions built
-for the call.
+for the call. A scheme whose rotation is posenc's own is rotated at those positions by
+the caller's rotation first (which keeps the shapes, dtypes and grad flags the key holds).
 
 The signature does not hold the engine's own functions: code that replaces one of them
 (a test's spy, a patched path) calls :func:`clear` first, or its calls may replay a route
@@ -70,6 +71,7 @@ Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` hea
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -88,6 +90,10 @@ from .reference import _forward_in_place
 #: ``("score_bias",)`` or ``("kept_score_bias", "score_bias")`` (the first that gives a
 #: tensor); or :data:`~.plans._IN_PLACE_ROUTE` (the forward op by op in one buffer)
 Route = tuple[str, ...]
+
+#: the rotation of ``posenc.attention`` (``posenc._rotary_buffer.rotated``): ``(scheme, q,
+#: k, q_pos, k_pos, scores_only) -> (q, k, the kept buffer lent for them or None)``
+Rotation = Callable[..., tuple[Tensor, Tensor, Any]]
 
 
 class Request(NamedTuple):
@@ -328,6 +334,7 @@ def replay_unmasked(
     backend: str,
     scale: float | None,
     validate: bool = True,
+    rotation: Rotation | None = None,
 ) -> Tensor | None:
     """The route kept for a call of ``q, k, v`` alone, run on it before the caller builds
     anything: the call :func:`posenc.attention` or a module makes with default positions
@@ -337,23 +344,35 @@ def replay_unmasked(
     with positions ``[1, n_q]`` and ``[1, n_k]``), or where the full call would check
     more than the key holds: ``q, k, v`` not 4-D tensors of one floating dtype, of one
     batch and head count (grouped heads are repeated in the full call), ``k`` of another
-    head dim, ``v`` of another length, a scheme that rotates (its rotation reads the
-    positions) or defines none of the hooks of :data:`~posenc.hooks.HOOK_NAMES`, or a bias
-    that does not fit the route (:func:`replay`). With ``validate`` (the checks of
-    :func:`posenc.attention`, not a module's, which validates its scheme when built) the
-    scheme's ``validate_attention`` is called on the heads and head dim, and raises as in
-    the full call. A route that calls the scheme's hooks gets, on the CPU, positions kept
-    for the scheme per sizes (:func:`_default_positions`); elsewhere positions built for
-    the call.
+    head dim, ``v`` of another length, a scheme that defines none of the hooks of
+    :data:`~posenc.hooks.HOOK_NAMES`, or a bias that does not fit the route
+    (:func:`replay`). With ``validate`` (the checks of :func:`posenc.attention`, not a
+    module's, which validates its scheme when built) the scheme's ``validate_attention``
+    is called on the heads and head dim, and raises as in the full call. A route that
+    calls the scheme's hooks gets, on the CPU, positions kept for the scheme per sizes
+    (:func:`_default_positions`); elsewhere positions built for the call.
+
+    A scheme that rotates replays where its ``rotate`` hook is posenc's own (defined on a
+    class of posenc's: it keeps the shapes, dtypes and grad flags of ``q`` and ``k``, which
+    the key holds) and the caller hands in its ``rotation`` (``posenc.attention``'s, which
+    may lend the kept buffer, given back once the route has read it): ``q`` and ``k`` are
+    rotated at those default positions, as the full call rotates them, and the route runs
+    on them. A rotation that changed what the key holds all the same (a method patched
+    in) takes the full call, which rotates again.
 
     Raises:
         ValueError: with ``validate``, heads or a head dim the scheme was not built for.
+        Whatever the scheme's ``rotate`` raises at the default positions, as in the full
+        call.
     """
     if torch.compiler.is_compiling():
         return None
     routes = _routes(scheme)
-    if not routes or attribute(scheme, "rotate") is not None:
-        return None  # (a rotation reads the positions: before the key)
+    if not routes:
+        return None
+    rotates = attribute(scheme, "rotate") is not None
+    if rotates and (rotation is None or not own_hook(scheme, "rotate")):
+        return None  # (a user's rotation may change what the key holds: before the key)
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         return None
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
@@ -373,19 +392,40 @@ def replay_unmasked(
         return None
     if scheme is not None:
         if _MAIN_HOOKS.isdisjoint(dict(key[0][1])):  # the hook names the scheme defines
-            return None  # (a rotation was turned away above)
+            return None
         if validate:
             check = attribute(scheme, "validate_attention")
             if callable(check):
                 check(heads=h, head_dim=d)
-    if not route:
+    if not (route or rotates):
         return _run(route, q, k, v, scheme, None, None, scale)
     if q.is_cpu:
         q_pos, k_pos = _default_positions(routes, n_q, n_k, q.device)
     else:
         q_pos = run_positions(0, n_q, q.device)  # [1, n_q]
         k_pos = q_pos if n_k == n_q else run_positions(0, n_k, q.device)  # [1, n_k]
-    return _run(route, q, k, v, scheme, q_pos, k_pos, scale)
+    if not rotates:
+        return _run(route, q, k, v, scheme, q_pos, k_pos, scale)
+    q_r, k_r, lent = rotation(scheme, q, k, q_pos, k_pos, True)  # type: ignore[misc]
+    try:
+        if _kept_alike(q_r, q) and _kept_alike(k_r, k):
+            return _run(route, q_r, k_r, v, scheme, q_pos, k_pos, scale)
+        return None
+    finally:
+        if lent is not None:  # the kept buffer q and k were rotated into
+            lent.__exit__(None, None, None)
+
+
+def _kept_alike(rotated: Tensor, x: Tensor) -> bool:
+    """Whether a rotation kept what the key of ``x`` holds: its shape, dtype, device and
+    grad flag."""
+    return (
+        isinstance(rotated, Tensor)
+        and rotated.shape == x.shape
+        and rotated.dtype == x.dtype
+        and rotated.device == x.device
+        and rotated.requires_grad == (x.requires_grad and torch.is_grad_enabled())
+    )
 
 
 #: the hooks a scheme passed to an attention defines one of at least
