@@ -90,3 +90,99 @@ def test_sdpa_under_a_causal_mask_equals_math_and_zeroes_queries_with_no_key(n_q
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     if n_q > n_k:
         assert bool((out[:, :, : n_q - n_k] == 0).all())
+
+
+CPU = torch.device("cpu")
+
+
+def _bits(x):
+    """``x``'s bits, so that ``-0.0`` and ``0.0`` (and NaN payloads) differ."""
+    return x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def _scores(shape, dtype, seed=0):
+    """Scores with signed zeros and extremes among them, finite."""
+    torch.manual_seed(seed)
+    x = torch.randn(shape, dtype=torch.float64).mul_(4).to(dtype)
+    flat = x.view(-1)
+    flat[::7] = -0.0
+    flat[3::11] = 0.0
+    flat[5::13] = torch.finfo(dtype).max
+    flat[6::17] = torch.finfo(dtype).min
+    return x
+
+
+BANDS = [
+    dict(causal=True),
+    dict(behind=3),
+    dict(behind=2, ahead=3),
+    dict(causal=True, behind=4),
+]
+
+
+@pytest.mark.parametrize("band", BANDS, ids=lambda b: ",".join(f"{k}={v}" for k, v in b.items()))
+@pytest.mark.parametrize(("n_q", "n_k"), [(9, 9), (5, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("fill", [float("-inf"), "min"])
+def test_filled_equals_masked_fill_to_the_bit(band, n_q, n_k, dtype, in_place, fill):
+    """``Mask.filled`` on a kept band equals ``masked_fill(~keep, fill)`` bit for bit
+    (signed zeros, the dtype's extremes), in place or not, through the band's float form."""
+    mask = Mask(n_q, n_k, **band)
+    keep = mask.shared_keep(device=CPU)
+    fill = torch.finfo(dtype).min if fill == "min" else fill
+    x = _scores((2, 3, n_q, n_k), dtype)
+    expected = x.masked_fill(~keep, fill)
+    hits = mask_module._kept_band_floats.cache_info()
+    got = mask.filled(x.clone() if in_place else x, keep, fill, in_place=in_place)
+    after = mask_module._kept_band_floats.cache_info()
+    assert after.hits + after.misses == hits.hits + hits.misses + 1  # the float form read
+    assert got.shape == expected.shape and torch.equal(_bits(got), _bits(expected))
+
+
+@pytest.mark.parametrize("where", ["hidden", "kept"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_filled_with_values_that_are_not_finite_equals_masked_fill(where, value, in_place):
+    """A non-finite score where the band hides makes NaN in the float form, found by the
+    sum and filled by ``masked_fill_``; where it keeps, it stays: ``masked_fill``'s values
+    either way."""
+    mask = Mask(8, 8, causal=True)
+    keep = mask.shared_keep(device=CPU)
+    x = _scores((2, 2, 8, 8), torch.float32)
+    row, col = (1, 6) if where == "hidden" else (6, 1)
+    x[1, 0, row, col] = value
+    expected = x.masked_fill(~keep, float("-inf"))
+    if in_place:
+        got = x.clone()
+        assert mask.filled(got, keep, float("-inf"), in_place=True) is got
+    else:
+        got = mask.filled(x, keep, float("-inf"), in_place=False)
+        assert got is not x and not torch.equal(_bits(got), _bits(x))
+    assert torch.equal(_bits(got), _bits(expected))
+
+
+@pytest.mark.parametrize(
+    "case", ["padding", "grad", "large", "modified keep", "int"], ids=lambda c: c.replace(" ", "-")
+)
+def test_filled_takes_masked_fill_where_no_float_band_applies(case):
+    """Key padding (no band alone), a graph recorded for ``x``, a band past the kept float
+    forms' size, a keep the caller changed or an integer ``x``: ``masked_fill``, its values and
+    its gradient."""
+    n = 300 if case == "large" else 6
+    padding = torch.tensor([[False] * (n - 1) + [True]])
+    mask = Mask(n, n, causal=True, key_padding=padding if case == "padding" else None)
+    keep = mask.shared_keep(device=CPU)
+    if case == "modified keep":
+        keep = keep | torch.eye(n, dtype=torch.bool).flip(0)
+    x = _scores((1, 2, n, n), torch.float32).requires_grad_(case == "grad")
+    if case == "int":
+        x = torch.arange(2 * n * n).view(1, 2, n, n)
+    before = mask_module._kept_band_floats.cache_info()
+    got = mask.filled(x, keep, -7, in_place=False)
+    after = mask_module._kept_band_floats.cache_info()
+    assert after.hits + after.misses == before.hits + before.misses
+    assert torch.equal(got, x.masked_fill(~keep, -7))
+    if case == "grad":
+        got.sum().backward()
+        assert torch.equal(x.grad, keep.expand_as(x).float())

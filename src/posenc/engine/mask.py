@@ -6,13 +6,14 @@ Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .._memo import memo
+from .._memo import eager, memo
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,60 @@ class Mask:
         CPU, at most :data:`_KEPT_BAND` pairs) is a tensor kept between calls and shared by
         every call of its sizes (:func:`_kept_band`: a dozen small kernel calls fewer)."""
         return self._keep(rows, device, _kept_band)
+
+    def filled(self, x: Tensor, keep: Tensor, fill: float, *, in_place: bool) -> Tensor:
+        """``x [b|1, h|1, n_q, n_k]`` with the keys ``keep`` hides at ``fill``, as
+        ``x.masked_fill(~keep, fill)`` (``masked_fill_`` where ``in_place``) gives it, to
+        the bit.
+
+        Where ``keep`` is the causal or window band alone that :meth:`shared_keep` keeps
+        (the tensor it returned for every row; on the CPU, eager, no graph recorded for
+        ``x``) it is one ``addcmul`` with float forms of the band kept
+        between calls, ``-0.0 + x * 1`` where it keeps (``x``, each bit: ``-0.0`` is the
+        sum's identity) and ``fill + x * 0`` where it hides (``fill`` for finite ``x``),
+        and a sum that finds no NaN: a non-finite ``x`` where the band hides gives NaN
+        there, and those keys are then filled by ``masked_fill_``. The bool form reads
+        its mask one element at a time: 46-82 us for ``[2, 8, 64, 64]`` on a 2-core CPU,
+        against 7-11 us for ``addcmul`` and the sum together 22 us."""
+        floats = self._band_floats(x, keep, fill)
+        if floats is not None:
+            keep_f, fill_t = floats.unbind(0)  # [1, 1, n_q, n_k] each
+            out = torch.addcmul(fill_t, x, keep_f, out=x if in_place else None)
+            if not math.isnan(out.sum().item()):
+                return out
+            x, in_place = out, True  # the kept keys are x's: the hidden ones filled below
+        return x.masked_fill_(~keep, fill) if in_place else x.masked_fill(~keep, fill)
+
+    def _band_floats(self, x: Tensor, keep: Tensor, fill: float) -> Tensor | None:
+        """``[2, 1, 1, n_q, n_k]`` in ``x``'s dtype, the band as 1 / 0 and as -0.0 / ``fill``
+        (kept between calls), where :meth:`filled` may use them; else None."""
+        if not (
+            self.band_alone
+            and x.is_cpu
+            and x.is_floating_point()
+            and self.n_q * self.n_k <= _KEPT_BAND_FLOATS
+            and not (x.requires_grad and torch.is_grad_enabled())
+            and eager()
+            and keep is self.shared_keep(device=x.device)  # the kept band itself
+        ):
+            return None
+        return _kept_band_floats(
+            self.n_k - self.n_q, self.n_q, self.n_k, self.causal, self.behind, self.ahead,
+            x.dtype, fill,
+        )  # fmt: skip
+
+    @property
+    def band_alone(self) -> bool:
+        """True when the mask is a causal or window band and nothing else (no padding,
+        lengths, documents, ``attn_mask``)."""
+        return (
+            (self.causal or self.behind is not None or self.ahead is not None)
+            and self.key_padding is None
+            and self.lengths is None
+            and self.q_doc is None
+            and self.allowed is None
+            and self.bias is None
+        )
 
     def _keep(
         self, rows: slice | None, device: torch.device | None, kept: Callable[..., Tensor]
@@ -211,6 +266,30 @@ _KEPT_BAND = 1 << 18
 #: :func:`posenc._memo.memo`; a device of None is the default one, on the CPU unless a
 #: function mode sets another, which the memo does not keep)
 _kept_band = memo(maxsize=16)(_band)
+
+#: query-key pairs at most of a band kept in float form (:func:`_kept_band_floats`: 512 KiB
+#: in float32; the materialised path's pairs per head, ``tuning.MATERIALISED_PAIRS``)
+_KEPT_BAND_FLOATS = 1 << 16
+
+
+@memo(maxsize=8)
+def _kept_band_floats(
+    first: int,
+    rows: int,
+    n_k: int,
+    causal: bool,
+    behind: int | None,
+    ahead: int | None,
+    dtype: torch.dtype,
+    fill: float,
+) -> Tensor:
+    """``[2, 1, 1, rows, n_k]`` on the CPU in ``dtype``: the band of :func:`_band` as 1
+    where it keeps and 0 where it hides, then as ``-0.0`` where it keeps and ``fill`` where
+    it hides (for :meth:`Mask.filled`)."""
+    keep = _band(first, rows, n_k, causal, behind, ahead, None)  # [1, 1, rows, n_k]
+    ones = keep.to(dtype)
+    fills = torch.full(keep.shape, -0.0, dtype=dtype).masked_fill_(~keep, fill)
+    return torch.stack((ones, fills))  # [2, 1, 1, rows, n_k]
 
 
 def _rows_of(x: Tensor, rows: slice | None) -> Tensor:

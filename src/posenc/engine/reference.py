@@ -255,7 +255,7 @@ def _forward_in_place(
         scores.baddbmm_(q3, k3.transpose(1, 2), beta=1 if start else 0, alpha=scale)
         keep = mask.shared_keep(device=q.device)  # [b|1, h|1, n_q, n_k] or None
         if keep is not None:
-            full.masked_fill_(~keep, torch.finfo(scores.dtype).min)
+            mask.filled(full, keep, torch.finfo(scores.dtype).min, in_place=True)
         # a row's partial last vector, written, would stall the next row's first read:
         # such rows are written into the second half of the buffer
         weights = scores if in_place else flat[count : 2 * count].view(b * h, n_q, n_k)

@@ -82,6 +82,8 @@ def _sdpa(
         attn_mask = extra.to(q.dtype)
     elif kept_bias and extra is bias and mask.causal and mask.causal_at_most:
         attn_mask = _causal_masked(extra, keep, q.dtype)  # [B'|1, h|1, n_q, n_k]
+    elif has_key is None:  # keep is the mask's own (a kept band may fill in one op)
+        attn_mask = mask.filled(extra.to(q.dtype), keep, float("-inf"), in_place=False)
     else:
         attn_mask = extra.to(q.dtype).masked_fill(~keep, float("-inf"))
     out = _kernel(q, k, v, attn_mask, dropout_p, is_causal, scale)
