@@ -4,6 +4,7 @@ dispatcher again whenever anything the choice read differs."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -27,6 +28,7 @@ from posenc import (
 )
 from posenc.engine import Mask, attend, dispatch, kept, plans, tuning
 from posenc.indices import run_positions
+from tolerances import assert_close, logit_size
 
 B, H, N, D = 2, 4, 12, 8
 
@@ -969,15 +971,18 @@ ROTATIONS = {
 
 @pytest.mark.parametrize("name", list(ROTATIONS))
 @pytest.mark.parametrize("mode", ["no_grad", "inference", "grad"])
-def test_a_rotating_scheme_of_q_k_v_alone_replays_after_its_rotation(name, mode, full_calls):
+@pytest.mark.parametrize("n_k", [N, N - 5], ids=["self", "cross"])
+def test_a_rotating_scheme_of_q_k_v_alone_replays_after_its_rotation(name, mode, n_k, full_calls):
     """The calls of ``posenc.attention(q, k, v, position=rotation)`` after the first rotate
-    at the default positions and run the kept route, without the full call's checks and
-    mask: outputs and gradients to the bit of the full call's (explicit positions), which
-    equals the definition (math path, float64). A learned rotation's calls with gradients
-    keep no route (the full call in each)."""
+    at the default positions (the keys' own where there are fewer keys) and run the kept
+    route, without the full call's checks and mask: outputs and gradients (of ``q, k, v``
+    and a learned rotation's parameters) to the bit of the full call's (explicit
+    positions), which equals the definition (math path, float64). A learned rotation's
+    calls with gradients keep no route (the full call in each)."""
     scheme = ROTATIONS[name]()
     learned = any(p.requires_grad for p in scheme.parameters())
     q, k, v = _qkv()
+    k, v = k[:, :, :n_k], v[:, :, :n_k]
     context = {"no_grad": torch.no_grad, "inference": torch.inference_mode}.get(mode)
 
     def call(**kwargs):
@@ -985,24 +990,30 @@ def test_a_rotating_scheme_of_q_k_v_alone_replays_after_its_rotation(name, mode,
         if context is not None:
             with context():
                 return posenc.attention(*leaves, position=scheme, **kwargs), None
+        scheme.zero_grad(set_to_none=True)
         out = posenc.attention(*leaves, position=scheme, **kwargs)
         out.backward(torch.ones_like(out))
-        return out, [x.grad for x in leaves] + [p.grad.clone() for p in scheme.parameters()]
+        return out, [x.grad for x in leaves] + [p.grad for p in scheme.parameters()]
 
     outs = [call() for _ in range(3)]
     assert len(full_calls) == (3 if learned and mode == "grad" else 1)
-    full = call(positions=torch.arange(N))  # the full call, arange as the default
+    full = call(positions=torch.arange(N), key_positions=torch.arange(n_k))  # the full call
+    with torch.no_grad():  # the definition: softmax(rot(q) rot(k)^T / sqrt(d)) v, float64
+        rq, rk = scheme.double().rotate(
+            q.double(), k.double(), run_positions(0, N), run_positions(0, n_k)
+        )
+        ref = (rq @ rk.transpose(-1, -2) / D**0.5).softmax(-1) @ v.double()
+        logit = logit_size(rq, rk)
     for out, grads in outs:
         assert torch.equal(out, full[0])
-        if grads is not None:
-            for p in scheme.parameters():  # accumulated over the four calls
-                p.grad = None
+        if grads is not None:  # to the bit of the first (full) call's; q, k, v's of the other
+            assert len(grads) == len(full[1]) and len(grads) == 3 + len(list(scheme.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(grads, outs[0][1], strict=True))
             assert all(torch.equal(a, b) for a, b in zip(grads[:3], full[1][:3], strict=True))
-    with torch.no_grad():
-        ref = _math(None, *(
-            x.double() for x in scheme.double().rotate(q, k, *[run_positions(0, N)] * 2)
-        ), v.double())  # fmt: skip
-    torch.testing.assert_close(outs[-1][0].double(), ref, atol=1e-5, rtol=0)
+            size = max([float(g.abs().max()) for g in grads[3:]], default=0.0)
+            for a, b in zip(grads[3:], full[1][3:], strict=True):  # arange's form may round
+                assert_close(a, b, magnitude=size, terms=B * H * N * n_k, logit=logit)
+    assert_close(outs[-1][0], ref, terms=D, logit=logit, dtype=torch.float32)
 
 
 def test_a_replayed_rotation_lends_the_kept_buffer_and_hands_it_back(monkeypatch, full_calls):
@@ -1034,23 +1045,61 @@ def test_a_replayed_rotation_lends_the_kept_buffer_and_hands_it_back(monkeypatch
     workspace.release_workspace()
 
 
-def test_a_rotation_that_changes_what_the_key_holds_takes_the_full_call(monkeypatch, full_calls):
-    """A rotation patched in that returns another dtype than it was handed (posenc's own
-    keeps it) is not replayed: the full call rotates again and raises as it does."""
+@pytest.mark.parametrize("change", ["dtype", "shape", "grad", "device"])
+def test_a_rotation_that_changes_what_the_key_holds_takes_the_full_call(
+    change, monkeypatch, full_calls
+):
+    """A rotation patched in that returns another dtype, shape, grad flag or device than it
+    was handed (posenc's own keeps them) is not replayed: the full call rotates again and
+    runs or raises as it does."""
     scheme = Rotary(D)
     q, k, v = _qkv()
+    changed = {
+        "dtype": lambda x: x.double(),
+        "shape": lambda x: x[:, :, :-1],
+        "grad": lambda x: x.detach().requires_grad_(),
+        "device": lambda x: x.to("meta"),
+    }[change]
     with torch.no_grad():
         posenc.attention(q, k, v, position=scheme)
         posenc.attention(q, k, v, position=scheme)
         assert len(full_calls) == 1
-        rotate = Rotary.rotate
         monkeypatch.setattr(scheme, "_rotate", lambda *a, **kw: tuple(
-            x.double() for x in Rotary._rotate(scheme, *a, **kw)
+            changed(x) for x in Rotary._rotate(scheme, *a, **kw)
         ))  # fmt: skip
-        with pytest.raises(RuntimeError, match="to have the same dtype"):  # (SDPA's)
+        # the full call runs, or raises its error (SDPA's, on tensors it does not take)
+        with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
             posenc.attention(q, k, v, position=scheme)
-    assert len(full_calls) == 2  # raised by the full call, not by a replayed route
-    assert Rotary.rotate is rotate
+    assert len(full_calls) == 2  # the full call, not a replayed route
+
+
+def test_a_rotation_beside_a_bias_rotates_once_per_call(monkeypatch, full_calls):
+    """A scheme of posenc's classes that rotates and adds a bias (RoPE with ALiBi) keeps a
+    bias route, which may decline after the rotation (past the scores' budget the kept
+    bias runs only through SDPA's fused kernel, here turned off): its calls take the full
+    call, which rotates once, then replays the route or walks."""
+
+    class RopeALiBi(Rotary, ALiBi):
+        def __init__(self, d, h):
+            ALiBi.__init__(self, h)
+            self.head_dim = self.rotary_dim = d
+            self.base, self.interleaved, self.scaling = 10000.0, False, None
+
+    rotations = []
+    rotate = Rotary._rotate
+    monkeypatch.setattr(Rotary, "_rotate", lambda *a, **kw: rotations.append(1) or rotate(*a, **kw))
+    scheme = RopeALiBi(16, 8)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 8, 512, 16) for _ in range(3))
+    with torch.no_grad():
+        posenc.attention(q, k, v, position=scheme)
+        assert plans._KEPT_FUSED_ROUTE in kept._routes(scheme).values()
+        outs = [posenc.attention(q, k, v, position=scheme)]
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+            outs.append(posenc.attention(q, k, v, position=scheme))
+            explicit = posenc.attention(q, k, v, position=scheme, positions=torch.arange(512))
+    assert len(full_calls) == 4 and len(rotations) == 4
+    assert torch.equal(outs[1], explicit) and outs[0].shape == explicit.shape
 
 
 def test_a_users_rotation_takes_the_full_call(full_calls):
@@ -1087,8 +1136,8 @@ def test_a_replayed_rotation_raises_as_the_full_call_at_its_positions(full_calls
 
 def test_the_module_with_a_rotation_replays_with_the_full_calls_values(full_calls):
     """``MultiHeadAttention`` with RoPE on its projections' views (``[b, n, h, d]``
-    transposed): the second call, in training with gradients and in evaluation, replays,
-    bit for bit."""
+    transposed): the second call in training with gradients replays, bit for bit, and
+    equals the full call (explicit positions) in evaluation."""
     torch.manual_seed(0)
     mha = posenc.MultiHeadAttention(H * D, H, position=Rotary(D))
     x = torch.randn(B, N, H * D)

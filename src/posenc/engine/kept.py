@@ -354,11 +354,13 @@ def replay_unmasked(
 
     A scheme that rotates replays where its ``rotate`` hook is posenc's own (defined on a
     class of posenc's: it keeps the shapes, dtypes and grad flags of ``q`` and ``k``, which
-    the key holds) and the caller hands in its ``rotation`` (``posenc.attention``'s, which
-    may lend the kept buffer, given back once the route has read it): ``q`` and ``k`` are
-    rotated at those default positions, as the full call rotates them, and the route runs
-    on them. A rotation that changed what the key holds all the same (a method patched
-    in) takes the full call, which rotates again.
+    the key holds), the caller hands in its ``rotation`` (``posenc.attention``'s, which
+    may lend the kept buffer, given back once the route has read it) and the route is
+    SDPA's kernel on ``q, k, v`` (one that reads a bias may decline it after the rotation:
+    such a call takes the full call): ``q`` and ``k`` are rotated at those default
+    positions, as the full call rotates them, and the kernel runs on them. A rotation that
+    changed what the key holds all the same (a method patched in) takes the full call,
+    which rotates again.
 
     Raises:
         ValueError: with ``validate``, heads or a head dim the scheme was not built for.
@@ -390,6 +392,8 @@ def replay_unmasked(
     route = None if key is None else routes.get(key)
     if route is None:
         return None
+    if rotates and route:
+        return None  # a bias route may decline after the rotation: the full call rotates once
     if scheme is not None:
         if _MAIN_HOOKS.isdisjoint(dict(key[0][1])):  # the hook names the scheme defines
             return None
