@@ -522,14 +522,16 @@ def test_runs_of_positions_rotate_with_kept_tables_as_with_tables_of_the_call(
     torch.testing.assert_close(gk, gk_call, rtol=0, atol=4 * eps * float(grad.abs().max()))
 
 
-def _swapped_reference(rotary, x, n):
-    """The rotation in out-of-place ops (the swapped copy) with the kept tables."""
+def _swapped_reference(rotary, x, n, first=0):
+    """The rotation in out-of-place ops (the swapped copy) with the kept tables of the
+    positions ``first .. first + n - 1``."""
     import posenc._rotary_runs as rotary_module
 
     work = torch.promote_types(x.dtype, torch.float32)
     r = rotary.rotary_dim
-    tables = rotary_module._run_tables(r, rotary.base, rotary.interleaved, 0, n, work, x.device)
-    cos, sin = tables.unbind(0)
+    tables = rotary_module._run_tables(r, rotary.base, rotary.interleaved, first, n, work, x.device)
+    cos, sin, back = tables.unbind(0)
+    assert torch.equal(back, -sin)  # the backward's, kept with them
     out = rotary_module._swapped_sum(x[..., :r].to(work), cos, sin, rotary.interleaved)
     return torch.cat((out.to(x.dtype), x[..., r:]), dim=-1)
 
@@ -567,38 +569,60 @@ def test_the_pairs_written_in_place_equal_the_swapped_copy(monkeypatch, rotary_d
     assert len(copies) == (0 if rotary_dim is None else 6)  # 3 calls x (q, k): pass-through
 
 
-def test_the_rotations_backward_is_the_rotation_by_the_opposite_angles():
+@pytest.mark.parametrize("both", [False, True], ids=["q", "q-and-k"])
+def test_the_rotations_backward_is_the_rotation_by_the_opposite_angles(both):
     """Pairs ``(i, i + r/2)``, float64: the gradient through the rotation's autograd
-    Function equals autograd's through the swapped copy (to rounding: one fused
-    multiply-add more where the CPU's addcmul fuses them), and it is differentiable again
-    (gradgradcheck)."""
+    Function (``q``'s alone, or ``q``'s and ``k``'s as one node) equals autograd's through
+    the swapped copy (to rounding: one fused multiply-add more where the CPU's addcmul fuses
+    them), and it is differentiable again (gradgradcheck)."""
     import posenc._rotary_runs as rotary_module
 
     interleaved = False
     rotary = Rotary(8, interleaved=interleaved)
     torch.manual_seed(0)
     x = torch.randn(2, 3, 6, 8, dtype=torch.float64, requires_grad=True)
-    pos = torch.arange(6)[None]
-    grad = torch.randn(2, 3, 6, 8, dtype=torch.float64)
-    out, _ = rotary.rotate(x, x, pos, pos)
-    assert type(out.grad_fn).__name__ == "_RotationBackward"
-    (found,) = torch.autograd.grad(out, x, grad)
-    (expected,) = torch.autograd.grad(_swapped_reference(rotary, x, 6), x, grad)
-    torch.testing.assert_close(found, expected, rtol=1e-15, atol=1e-15)
+    y = torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=both)
+    q_pos, k_pos = torch.arange(6)[None], torch.arange(2, 7)[None]
+    grads = torch.randn(2, 3, 6, 8, dtype=torch.float64), torch.randn(2, 3, 5, 8).double()
+    out = rotary.rotate(x, y, q_pos, k_pos)
+    node = "_RotationPairBackward" if both else "_RotationBackward"
+    assert type(out[0].grad_fn).__name__ == node
+    leaves = (x, y) if both else (x,)
+    found = torch.autograd.grad(out[: len(leaves)], leaves, grads[: len(leaves)])
+    swapped = _swapped_reference(rotary, x, 6), _swapped_reference(rotary, y, 5, first=2)
+    expected = torch.autograd.grad(swapped[: len(leaves)], leaves, grads[: len(leaves)])
+    for a, b in zip(found, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-15, atol=1e-15)
     tables = rotary_module._run_tables(8, rotary.base, interleaved, 0, 6, torch.float64, x.device)
-    cos, sin = tables.unbind(0)
-    torch.autograd.gradgradcheck(
-        lambda y: rotary_module._Rotation.apply(y, cos, sin, interleaved), (x,)
-    )
+    if both:
+        torch.autograd.gradgradcheck(
+            lambda a, b: rotary_module._RotationPair.apply(a, b, tables, tables, interleaved),
+            (x, y[:, :, :1].expand(2, 3, 6, 8).clone().requires_grad_()),
+        )
+        again = rotary.rotate(x, y, q_pos, k_pos)[1]  # k's output alone read: q gets none
+        (alone,) = torch.autograd.grad(again, y, grads[1])
+        torch.testing.assert_close(alone, expected[1], rtol=1e-15, atol=1e-15)
+    else:
+        cos, sin, _ = tables.unbind(0)
+        torch.autograd.gradgradcheck(
+            lambda a: rotary_module._Rotation.apply(a, cos, sin, interleaved), (x,)
+        )
 
 
 def _phase_count(monkeypatch):
-    """Count the rotations by complex phases."""
+    """Count the rotations by complex phases (one per tensor rotated, alone or as a pair;
+    not their backwards)."""
     import posenc._rotary_runs as rotary_module
 
     calls = []
-    original = rotary_module._apply_phases
-    monkeypatch.setattr(rotary_module, "_apply_phases", lambda *a: calls.append(1) or original(*a))
+    original = rotary_module._times_phase
+
+    def counted(x, phase, strides=None):
+        if strides is None:
+            calls.append(1)
+        return original(x, phase, strides)
+
+    monkeypatch.setattr(rotary_module, "_times_phase", counted)
     return calls
 
 
@@ -611,7 +635,7 @@ def test_the_phases_are_the_tables_cos_and_sin():
         (torch.float64, torch.complex128),
     ):
         phases = rotary_module._run_phases(8, 500.0, 3, 5, complex_dtype, torch.device("cpu"))
-        cos, sin = rotary_module._run_tables(8, 500.0, True, 3, 5, real, torch.device("cpu"))
+        cos, sin, _ = rotary_module._run_tables(8, 500.0, True, 3, 5, real, torch.device("cpu"))
         assert torch.equal(phases.real, cos[..., 0::2])
         assert torch.equal(phases.imag, sin[..., 1::2])  # channel 2i+1 takes +sin_i
 
@@ -813,3 +837,45 @@ def test_interleaved_complex_rotation_of_nothing(shape):
     out.sum().backward()
     (again,) = torch.autograd.grad(rotary(q, q)[0].sum(), q, create_graph=True)
     assert q.grad.shape == shape and again.shape == shape
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_q_and_k_rotated_as_one_node_equal_each_rotated_alone(interleaved, layout, dtype):
+    """Where ``q`` and ``k`` both ask for a gradient they rotate as one node of autograd's
+    graph (:class:`_RotationPair`, :class:`_PhaseRotationPair`): their values and gradients
+    (at their own runs of positions, in either layout, a gradient laid out as the input)
+    are bit for bit those of each rotated alone; a batched gradient (``is_grads_batched``)
+    equals the gradients one by one."""
+    rotary = Rotary(8, interleaved=interleaved)
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 5, 8, dtype=dtype)
+    k = torch.randn(2, 3, 7, 8, dtype=dtype)
+    if layout == "bnhd":
+        q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()  # [b, n, h, d]
+    axis = 2 if layout == "bhnd" else 1
+    q_pos = torch.arange(q.shape[axis]) + 3
+    k_pos = torch.arange(k.shape[axis])
+    grads = torch.randn_like(q), torch.randn_like(k)
+    leaves = [x.clone().requires_grad_() for x in (q, k)]
+    pair = rotary(*leaves, q_pos, k_pos, layout=layout)
+    node = "_PhaseRotationPairBackward" if interleaved else "_RotationPairBackward"
+    assert type(pair[0].grad_fn).__name__ == node and pair[0].grad_fn is pair[1].grad_fn
+    found = torch.autograd.grad(pair, leaves, grads)
+    for i, x in enumerate((q, k)):
+        leaf = x.clone().requires_grad_()
+        args = [leaf, k, q_pos, k_pos] if i == 0 else [q, leaf, q_pos, k_pos]
+        alone = rotary(*args, layout=layout)[i]
+        assert "Pair" not in type(alone.grad_fn).__name__
+        (grad,) = torch.autograd.grad(alone, leaf, grads[i])
+        assert torch.equal(pair[i], alone) and torch.equal(found[i], grad)
+        assert found[i].stride() == leaves[i].stride()
+    batched = torch.stack([torch.randn_like(k) for _ in range(3)])  # [3, *k.shape]
+    outs = rotary(*leaves, q_pos, k_pos, layout=layout)
+    (by_batch,) = torch.autograd.grad(
+        outs[1], leaves[1], batched, is_grads_batched=True, retain_graph=True
+    )
+    for one, grad in zip(batched, by_batch, strict=True):
+        (expected,) = torch.autograd.grad(outs[1], leaves[1], one, retain_graph=True)
+        assert_close(grad, expected, terms=4)  # a rotation: two products and a sum

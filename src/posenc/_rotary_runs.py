@@ -12,7 +12,10 @@ found for positions on the CPU, :func:`~posenc.indices.run_start`):
   ``addcmul_`` into it, or where it is traced a swap of each pair's channels, a product and
   an ``addcmul`` (:func:`_apply_expanded`),
 
-where :func:`~posenc.rotary.apply_rotary` takes seven ops. For an attention call without
+where :func:`~posenc.rotary.apply_rotary` takes seven ops. Where both ``q`` and ``k`` ask
+for a gradient, the two rotations are one node of autograd's graph
+(:class:`_PhaseRotationPair`, :class:`_RotationPair`: one Function's call and one
+backward's fewer, a few dozen microseconds of a small call). For an attention call without
 gradients, :func:`rotate_runs_into` writes both into a kept buffer instead, each pair one
 complex number times its phase (the pairs ``(i, i + r/2)`` side by side:
 :mod:`posenc._rotary_buffer`).
@@ -45,12 +48,14 @@ def _run_tables(
     rotary_dim: int, base: float, interleaved: bool, first: int, n: int, dtype: torch.dtype,
     device: torch.device,
 ) -> Tensor:  # fmt: skip
-    """``[2, n, r]`` in ``dtype``: the expanded cos and signed sin (:func:`_expanded_tables`)
-    of the positions ``first .. first + n - 1``, angles in float64 (float32 on MPS)."""
+    """``[3, n, r]`` in ``dtype``: the expanded cos and signed sin (:func:`_expanded_tables`)
+    of the positions ``first .. first + n - 1``, angles in float64 (float32 on MPS), and
+    the signed sin negated (the backward's: the rotation by the opposite angles)."""
     inv_freq = inverse_frequencies(rotary_dim, base, device=device)  # [r/2] float64
     positions = torch.arange(first, first + n, dtype=inv_freq.dtype, device=device)  # [n]
     angles = positions[:, None] * inv_freq  # [n, r/2], as rotary_angles
-    return _expanded_tables(angles.cos(), angles.sin(), interleaved).to(dtype)  # [2, n, r]
+    tables = _expanded_tables(angles.cos(), angles.sin(), interleaved).to(dtype)  # [2, n, r]
+    return torch.cat((tables, -tables[1:]))  # [3, n, r]
 
 
 def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -> Tensor:
@@ -140,10 +145,47 @@ class _Rotation(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         cos, sin = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a differentiable form
-            return _swapped_sum(grad, cos, -sin, ctx.interleaved), None, None, None
-        strides = ctx.strides if _writes_out(grad) else None
-        return _rotated(grad, cos, -sin, ctx.interleaved, strides), None, None, None
+        return _turned_back(grad, cos, -sin, ctx.interleaved, ctx.strides), None, None, None
+
+
+def _turned_back(
+    grad: Tensor, cos: Tensor, back: Tensor, interleaved: bool, strides: tuple[int, ...]
+) -> Tensor:
+    """The backward of a rotation by tables (:class:`_Rotation`, :class:`_RotationPair`):
+    ``grad`` rotated by the opposite angles (``back`` is the signed sin negated), laid out
+    with ``strides`` (the rotation's output's); with ``create_graph=True`` in out-of-place
+    ops, so that it is differentiable again."""
+    if torch.is_grad_enabled():  # create_graph=True: a differentiable form
+        return _swapped_sum(grad, cos, back, interleaved)
+    return _rotated(grad, cos, back, interleaved, strides if _writes_out(grad) else None)
+
+
+class _RotationPair(torch.autograd.Function):
+    """:class:`_Rotation` of ``q`` and of ``k`` as one node of autograd's graph: one
+    Function's call and one backward's instead of two, its tables' negated sin given
+    (kept with them, :func:`_run_tables`), for a call where both ask for a gradient."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, tables_q: Tensor, tables_k: Tensor, interleaved: bool
+    ) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)  # an output not read gets no zero gradient
+        ctx.save_for_backward(tables_q, tables_k)
+        ctx.interleaved = interleaved
+        outs = [_rotated(x, t[0], t[1], interleaved) for x, t in ((q, tables_q), (k, tables_k))]
+        ctx.strides = [out.stride() for out in outs]  # dense, in q's and k's order of strides
+        return outs[0], outs[1]
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_q: Tensor | None, grad_k: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        grads = (grad_q, grad_k)
+        back = [
+            None if grad is None else _turned_back(grad, t[0], t[2], ctx.interleaved, strides)
+            for grad, t, strides in zip(grads, ctx.saved_tensors, ctx.strides, strict=True)
+        ]
+        return back[0], back[1], None, None, None
 
 
 def _writes_out(grad: Tensor) -> bool:
@@ -184,26 +226,44 @@ def rotate_runs(
     if runs is None:
         return None
     if interleaved and _as_pairs(q, k):
-        rotated = []
+        phases = []
         for x, (first, n) in zip((q, k), (runs[0], runs[-1]), strict=True):
             wide = torch.promote_types(x.dtype, torch.float32) == torch.float64
             dtype = torch.complex128 if wide else torch.complex64
             phase = _run_phases(rotary_dim, base, first, n, dtype, device)  # [n, r/2]
             if heads_after:  # [n, r/2] -> [n, 1, r/2], the heads after the sequence
                 phase = phase.unsqueeze(-2)
-            rotated.append(_apply_phases(x, phase))
-        return rotated[0], rotated[1]
+            phases.append(phase)
+        if _as_pair(q, k, _REAL[phases[0].dtype], rotary_dim):
+            return _PhaseRotationPair.apply(q, k, phases[0], phases[1])
+        return _apply_phases(q, phases[0]), _apply_phases(k, phases[1])
     work = torch.promote_types(q.dtype, torch.float32)  # what apply_rotary computes in
     tables = [
-        _run_tables(rotary_dim, base, interleaved, first, n, work, device).unbind(0)
-        for first, n in runs
-    ]  # each (cos, sin) [n, r]
-    if heads_after:  # [n, r] -> [n, 1, r]
-        tables = [[t.unsqueeze(-2) for t in pair] for pair in tables]
-    (cos_q, sin_q), (cos_k, sin_k) = tables[0], tables[-1]
+        _run_tables(rotary_dim, base, interleaved, first, n, work, device) for first, n in runs
+    ]  # each (cos, sin, -sin) [3, n, r]
+    if heads_after:  # [3, n, r] -> [3, n, 1, r]
+        tables = [t.unsqueeze(-2) for t in tables]
+    tables_q, tables_k = tables[0], tables[-1]
+    if _as_pair(q, k, work, rotary_dim):
+        return _RotationPair.apply(q, k, tables_q, tables_k, interleaved)
     return (
-        _apply_expanded(q, cos_q, sin_q, interleaved=interleaved),
-        _apply_expanded(k, cos_k, sin_k, interleaved=interleaved),
+        _apply_expanded(q, tables_q[0], tables_q[1], interleaved=interleaved),
+        _apply_expanded(k, tables_k[0], tables_k[1], interleaved=interleaved),
+    )
+
+
+def _as_pair(q: Tensor, k: Tensor, work: torch.dtype, rotary_dim: int) -> bool:
+    """Whether ``q`` and ``k`` rotate as one node (:class:`_RotationPair`,
+    :class:`_PhaseRotationPair`): both ask for a gradient in grad mode, with autograd as
+    in eager code, in the dtype the rotation computes in, every channel rotated."""
+    return (  # (the modes first: a traced size would be recorded)
+        plain_autograd()
+        and torch.is_grad_enabled()
+        and q.requires_grad
+        and k.requires_grad
+        and q.dtype == work
+        and k.dtype == work
+        and q.shape[-1] == rotary_dim
     )
 
 
@@ -406,12 +466,48 @@ class _PhaseRotation(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None]:  # type: ignore[override]
         (phase,) = ctx.saved_tensors
-        back = phase.conj().resolve_conj()  # [..., n, r/2]
-        if torch.is_grad_enabled() and grad.numel():  # create_graph=True: differentiable
-            grad = grad if _viewable(grad) else grad.contiguous()
-            pairs = torch.view_as_complex(grad.unflatten(-1, (back.shape[-1], 2)))  # [..., r/2]
-            return torch.view_as_real(pairs * back).flatten(-2), None  # differentiable views
-        if not _writes_out(grad):
-            cos, sin = _expanded_tables(back.real, back.imag, True).unbind(0)  # [..., n, r]
-            return _swapped_sum(grad, cos, sin, True), None
-        return _times_phase(grad, back, ctx.strides), None
+        return _phased_back(grad, phase, ctx.strides), None
+
+
+def _phased_back(grad: Tensor, phase: Tensor, strides: tuple[int, ...]) -> Tensor:
+    """The backward of a rotation by a phase (:class:`_PhaseRotation`,
+    :class:`_PhaseRotationPair`): ``grad`` times the conjugate phase, laid out with
+    ``strides`` (the rotation's output's); see :class:`_PhaseRotation` for
+    ``create_graph=True`` and autograd's batched gradients."""
+    back = phase.conj().resolve_conj()  # [..., n, r/2]
+    if torch.is_grad_enabled() and grad.numel():  # create_graph=True: differentiable
+        grad = grad if _viewable(grad) else grad.contiguous()
+        pairs = torch.view_as_complex(grad.unflatten(-1, (back.shape[-1], 2)))  # [..., r/2]
+        return torch.view_as_real(pairs * back).flatten(-2)  # differentiable views
+    if not _writes_out(grad):
+        cos, sin = _expanded_tables(back.real, back.imag, True).unbind(0)  # [..., n, r]
+        return _swapped_sum(grad, cos, sin, True)
+    return _times_phase(grad, back, strides)
+
+
+class _PhaseRotationPair(torch.autograd.Function):
+    """:class:`_PhaseRotation` of ``q`` and of ``k`` as one node of autograd's graph (one
+    Function's call and one backward's instead of two), for a call where both ask for a
+    gradient."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, phase_q: Tensor, phase_k: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)  # an output not read gets no zero gradient
+        ctx.save_for_backward(phase_q, phase_k)
+        outs = [_times_phase(q, phase_q), _times_phase(k, phase_k)]
+        ctx.strides = [out.stride() for out in outs]  # as _PhaseRotation's
+        return outs[0], outs[1]
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_q: Tensor | None, grad_k: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        back = [
+            None if grad is None else _phased_back(grad, phase, strides)
+            for grad, phase, strides in zip(
+                (grad_q, grad_k), ctx.saved_tensors, ctx.strides, strict=True
+            )
+        ]
+        return back[0], back[1], None, None
