@@ -600,8 +600,9 @@ def test_the_rotations_backward_is_the_rotation_by_the_opposite_angles(both):
             (x, y[:, :, :1].expand(2, 3, 6, 8).clone().requires_grad_()),
         )
         again = rotary.rotate(x, y, q_pos, k_pos)[1]  # k's output alone read: q gets none
-        (alone,) = torch.autograd.grad(again, y, grads[1])
-        torch.testing.assert_close(alone, expected[1], rtol=1e-15, atol=1e-15)
+        again.backward(grads[1])
+        assert x.grad is None  # (not a zero gradient turned back)
+        torch.testing.assert_close(y.grad, expected[1], rtol=1e-15, atol=1e-15)
     else:
         cos, sin, _ = tables.unbind(0)
         torch.autograd.gradgradcheck(
@@ -846,8 +847,9 @@ def test_q_and_k_rotated_as_one_node_equal_each_rotated_alone(interleaved, layou
     """Where ``q`` and ``k`` both ask for a gradient they rotate as one node of autograd's
     graph (:class:`_RotationPair`, :class:`_PhaseRotationPair`): their values and gradients
     (at their own runs of positions, in either layout, a gradient laid out as the input)
-    are bit for bit those of each rotated alone; a batched gradient (``is_grads_batched``)
-    equals the gradients one by one."""
+    are bit for bit those of each rotated alone, also through a backward of each output
+    alone, one after the other; a batched gradient (``is_grads_batched``) equals the
+    gradients one by one."""
     rotary = Rotary(8, interleaved=interleaved)
     torch.manual_seed(0)
     q = torch.randn(2, 3, 5, 8, dtype=dtype)
@@ -858,19 +860,25 @@ def test_q_and_k_rotated_as_one_node_equal_each_rotated_alone(interleaved, layou
     q_pos = torch.arange(q.shape[axis]) + 3
     k_pos = torch.arange(k.shape[axis])
     grads = torch.randn_like(q), torch.randn_like(k)
-    leaves = [x.clone().requires_grad_() for x in (q, k)]
+    # dense leaves in another order of strides than the gradients they get
+    leaves = [x.transpose(0, 2).contiguous().transpose(0, 2).requires_grad_() for x in (q, k)]
     pair = rotary(*leaves, q_pos, k_pos, layout=layout)
     node = "_PhaseRotationPairBackward" if interleaved else "_RotationPairBackward"
     assert type(pair[0].grad_fn).__name__ == node and pair[0].grad_fn is pair[1].grad_fn
     found = torch.autograd.grad(pair, leaves, grads)
-    for i, x in enumerate((q, k)):
-        leaf = x.clone().requires_grad_()
-        args = [leaf, k, q_pos, k_pos] if i == 0 else [q, leaf, q_pos, k_pos]
+    dense = [x.detach() for x in leaves]  # q and k in the leaves' layout
+    for i in range(2):
+        leaf = dense[i].clone().requires_grad_()  # (clone keeps a dense layout)
+        args = [leaf, dense[1], q_pos, k_pos] if i == 0 else [dense[0], leaf, q_pos, k_pos]
         alone = rotary(*args, layout=layout)[i]
         assert "Pair" not in type(alone.grad_fn).__name__
         (grad,) = torch.autograd.grad(alone, leaf, grads[i])
         assert torch.equal(pair[i], alone) and torch.equal(found[i], grad)
         assert found[i].stride() == leaves[i].stride()
+    rq, rk = rotary(*leaves, q_pos, k_pos, layout=layout)  # a backward through each alone
+    (by_q,) = torch.autograd.grad(rq, leaves[0], grads[0])
+    (by_k,) = torch.autograd.grad(rk, leaves[1], grads[1])
+    assert torch.equal(by_q, found[0]) and torch.equal(by_k, found[1])
     batched = torch.stack([torch.randn_like(k) for _ in range(3)])  # [3, *k.shape]
     outs = rotary(*leaves, q_pos, k_pos, layout=layout)
     (by_batch,) = torch.autograd.grad(

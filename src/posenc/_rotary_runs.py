@@ -163,14 +163,20 @@ def _turned_back(
 class _RotationPair(torch.autograd.Function):
     """:class:`_Rotation` of ``q`` and of ``k`` as one node of autograd's graph: one
     Function's call and one backward's instead of two, its tables' negated sin given
-    (kept with them, :func:`_run_tables`), for a call where both ask for a gradient."""
+    (kept with them, :func:`_run_tables`), for a call where both ask for a gradient.
+
+    The tables are constants kept between calls, held by the node itself (not saved
+    tensors, which the first backward through the node frees): a backward through the
+    rotated ``q`` alone, then another through the rotated ``k`` alone, each gets its
+    gradient, as with a node per tensor. An output that gets no gradient turns none back
+    (no zero gradient is made for it)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, tables_q: Tensor, tables_k: Tensor, interleaved: bool
     ) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)  # an output not read gets no zero gradient
-        ctx.save_for_backward(tables_q, tables_k)
+        ctx.tables = (tables_q, tables_k)  # [3, ..., n, r] each: constants
         ctx.interleaved = interleaved
         outs = [_rotated(x, t[0], t[1], interleaved) for x, t in ((q, tables_q), (k, tables_k))]
         ctx.strides = [out.stride() for out in outs]  # dense, in q's and k's order of strides
@@ -183,7 +189,7 @@ class _RotationPair(torch.autograd.Function):
         grads = (grad_q, grad_k)
         back = [
             None if grad is None else _turned_back(grad, t[0], t[2], ctx.interleaved, strides)
-            for grad, t, strides in zip(grads, ctx.saved_tensors, ctx.strides, strict=True)
+            for grad, t, strides in zip(grads, ctx.tables, ctx.strides, strict=True)
         ]
         return back[0], back[1], None, None, None
 
@@ -488,14 +494,15 @@ def _phased_back(grad: Tensor, phase: Tensor, strides: tuple[int, ...]) -> Tenso
 class _PhaseRotationPair(torch.autograd.Function):
     """:class:`_PhaseRotation` of ``q`` and of ``k`` as one node of autograd's graph (one
     Function's call and one backward's instead of two), for a call where both ask for a
-    gradient."""
+    gradient; its constant phases held by the node, as :class:`_RotationPair` holds its
+    tables."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q: Tensor, k: Tensor, phase_q: Tensor, phase_k: Tensor
     ) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)  # an output not read gets no zero gradient
-        ctx.save_for_backward(phase_q, phase_k)
+        ctx.phases = (phase_q, phase_k)  # [..., n, r/2] each: constants
         outs = [_times_phase(q, phase_q), _times_phase(k, phase_k)]
         ctx.strides = [out.stride() for out in outs]  # as _PhaseRotation's
         return outs[0], outs[1]
@@ -506,8 +513,6 @@ class _PhaseRotationPair(torch.autograd.Function):
     ) -> tuple[Tensor | None, ...]:
         back = [
             None if grad is None else _phased_back(grad, phase, strides)
-            for grad, phase, strides in zip(
-                (grad_q, grad_k), ctx.saved_tensors, ctx.strides, strict=True
-            )
+            for grad, phase, strides in zip((grad_q, grad_k), ctx.phases, ctx.strides, strict=True)
         ]
         return back[0], back[1], None, None

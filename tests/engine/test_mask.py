@@ -100,16 +100,30 @@ def _bits(x):
     return x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
 
 
-def _scores(shape, dtype, seed=0):
-    """Scores with signed zeros and extremes among them, finite."""
+def _scores(shape, dtype, seed=0, extremes=False):
+    """Finite scores with signed zeros among them (and the dtype's extremes, whose sum is
+    past its range, with ``extremes``)."""
     torch.manual_seed(seed)
     x = torch.randn(shape, dtype=torch.float64).mul_(4).to(dtype)
     flat = x.view(-1)
     flat[::7] = -0.0
     flat[3::11] = 0.0
-    flat[5::13] = torch.finfo(dtype).max
-    flat[6::17] = torch.finfo(dtype).min
+    if extremes:
+        flat[5::13] = torch.finfo(dtype).max
+        flat[6::17] = torch.finfo(dtype).min
     return x
+
+
+@pytest.fixture
+def float_form(monkeypatch):
+    """A list that grows by one each time ``Mask.filled`` takes the band's float form (an
+    ``addcmul``)."""
+    calls = []
+    addcmul = torch.addcmul
+    monkeypatch.setattr(
+        mask_module.torch, "addcmul", lambda *a, **kw: calls.append(1) or addcmul(*a, **kw)
+    )
+    return calls
 
 
 BANDS = [
@@ -125,64 +139,75 @@ BANDS = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("fill", [float("-inf"), "min"])
-def test_filled_equals_masked_fill_to_the_bit(band, n_q, n_k, dtype, in_place, fill):
+@pytest.mark.parametrize("extremes", [False, True])
+def test_filled_equals_masked_fill_to_the_bit(
+    band, n_q, n_k, dtype, in_place, fill, extremes, float_form
+):
     """``Mask.filled`` on a kept band equals ``masked_fill(~keep, fill)`` bit for bit
-    (signed zeros, the dtype's extremes), in place or not, through the band's float form."""
+    (signed zeros), in place or not: through the band's float form where the scores' sum
+    is finite, through ``masked_fill`` where it is not (the dtype's extremes)."""
     mask = Mask(n_q, n_k, **band)
     keep = mask.shared_keep(device=CPU)
     fill = torch.finfo(dtype).min if fill == "min" else fill
-    x = _scores((2, 3, n_q, n_k), dtype)
+    x = _scores((2, 3, n_q, n_k), dtype, extremes=extremes)
     expected = x.masked_fill(~keep, fill)
-    hits = mask_module._kept_band_floats.cache_info()
-    got = mask.filled(x.clone() if in_place else x, keep, fill, in_place=in_place)
-    after = mask_module._kept_band_floats.cache_info()
-    assert after.hits + after.misses == hits.hits + hits.misses + 1  # the float form read
+    x = x.clone() if in_place else x
+    got = mask.filled(x, keep, fill, in_place=in_place)
+    assert len(float_form) == (0 if extremes else 1)
+    assert (got is x) == in_place
     assert got.shape == expected.shape and torch.equal(_bits(got), _bits(expected))
 
 
 @pytest.mark.parametrize("where", ["hidden", "kept"])
-@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize(
+    "bits",
+    [0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFC00123],
+    ids=["inf", "-inf", "nan", "signalling-nan", "negative-nan-payload"],
+)
 @pytest.mark.parametrize("in_place", [True, False])
-def test_filled_with_values_that_are_not_finite_equals_masked_fill(where, value, in_place):
-    """A non-finite score where the band hides makes NaN in the float form, found by the
-    sum and filled by ``masked_fill_``; where it keeps, it stays: ``masked_fill``'s values
-    either way."""
+def test_filled_with_values_that_are_not_finite_equals_masked_fill(
+    where, bits, in_place, float_form
+):
+    """A score that is not finite (infinities, NaNs of any sign and payload) makes the sum
+    not finite: ``masked_fill``'s bits, wherever it is."""
     mask = Mask(8, 8, causal=True)
     keep = mask.shared_keep(device=CPU)
     x = _scores((2, 2, 8, 8), torch.float32)
     row, col = (1, 6) if where == "hidden" else (6, 1)
-    x[1, 0, row, col] = value
+    x.view(torch.int32)[1, 0, row, col] = bits - (1 << 32 if bits >= 1 << 31 else 0)
     expected = x.masked_fill(~keep, float("-inf"))
-    if in_place:
-        got = x.clone()
-        assert mask.filled(got, keep, float("-inf"), in_place=True) is got
-    else:
-        got = mask.filled(x, keep, float("-inf"), in_place=False)
-        assert got is not x and not torch.equal(_bits(got), _bits(x))
+    got = mask.filled(x.clone() if in_place else x, keep, float("-inf"), in_place=in_place)
+    assert not float_form
     assert torch.equal(_bits(got), _bits(expected))
 
 
 @pytest.mark.parametrize(
-    "case", ["padding", "grad", "large", "modified keep", "int"], ids=lambda c: c.replace(" ", "-")
+    "case",
+    ["padding", "grad", "large", "modified keep", "int", "fill -0.0", "fill 3", "other device"],
+    ids=lambda c: c.replace(" ", "-"),
 )
-def test_filled_takes_masked_fill_where_no_float_band_applies(case):
+def test_filled_takes_masked_fill_where_no_float_band_applies(case, float_form):
     """Key padding (no band alone), a graph recorded for ``x``, a band past the kept float
-    forms' size, a keep the caller changed or an integer ``x``: ``masked_fill``, its values and
-    its gradient."""
+    forms' size, a keep the caller changed, an integer ``x``, a fill other than ``-inf`` or
+    the dtype's lowest (``-0.0 + x * 0`` is not ``-0.0``), or the band kept for another
+    device key: ``masked_fill``, its values and its gradient."""
     n = 300 if case == "large" else 6
     padding = torch.tensor([[False] * (n - 1) + [True]])
     mask = Mask(n, n, causal=True, key_padding=padding if case == "padding" else None)
-    keep = mask.shared_keep(device=CPU)
+    keep = mask.shared_keep(device=None if case == "other device" else CPU)
     if case == "modified keep":
         keep = keep | torch.eye(n, dtype=torch.bool).flip(0)
+    fill = {"fill -0.0": -0.0, "fill 3": 3.0}.get(case, float("-inf"))
     x = _scores((1, 2, n, n), torch.float32).requires_grad_(case == "grad")
     if case == "int":
-        x = torch.arange(2 * n * n).view(1, 2, n, n)
-    before = mask_module._kept_band_floats.cache_info()
-    got = mask.filled(x, keep, -7, in_place=False)
-    after = mask_module._kept_band_floats.cache_info()
-    assert after.hits + after.misses == before.hits + before.misses
-    assert torch.equal(got, x.masked_fill(~keep, -7))
+        x, fill = torch.arange(2 * n * n).view(1, 2, n, n), -7
+    got = mask.filled(x, keep, fill, in_place=False)
+    assert not float_form
+    expected = x.masked_fill(~keep, fill)
+    assert torch.equal(
+        _bits(got) if x.is_floating_point() else got,
+        _bits(expected) if x.is_floating_point() else expected,
+    )
     if case == "grad":
         got.sum().backward()
         assert torch.equal(x.grad, keep.expand_as(x).float())

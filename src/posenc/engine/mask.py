@@ -110,20 +110,18 @@ class Mask:
 
         Where ``keep`` is the causal or window band alone that :meth:`shared_keep` keeps
         (the tensor it returned for every row; on the CPU, eager, no graph recorded for
-        ``x``) it is one ``addcmul`` with float forms of the band kept
-        between calls, ``-0.0 + x * 1`` where it keeps (``x``, each bit: ``-0.0`` is the
-        sum's identity) and ``fill + x * 0`` where it hides (``fill`` for finite ``x``),
-        and a sum that finds no NaN: a non-finite ``x`` where the band hides gives NaN
-        there, and those keys are then filled by ``masked_fill_``. The bool form reads
-        its mask one element at a time: 46-82 us for ``[2, 8, 64, 64]`` on a 2-core CPU,
-        against 7-11 us for ``addcmul`` and the sum together 22 us."""
+        ``x``), ``fill`` is ``-inf`` or the dtype's lowest and every element of ``x`` is
+        finite (its sum is: one reduction), it is one ``addcmul`` with float forms of the
+        band kept between calls: ``-0.0 + x * 1`` where it keeps (``x``, each bit:
+        ``-0.0`` is the sum's identity) and ``fill + x * 0`` where it hides (``fill``).
+        The bool form reads its mask one element at a time: 46-82 us for ``[2, 8, 64,
+        64]`` on a 2-core CPU, against 7-11 us for ``addcmul`` and the sum together 22
+        us. A sum that is not finite (a NaN or infinite score, or finite ones past the
+        dtype's range together) takes ``masked_fill``."""
         floats = self._band_floats(x, keep, fill)
-        if floats is not None:
+        if floats is not None and math.isfinite(x.sum().item()):
             keep_f, fill_t = floats.unbind(0)  # [1, 1, n_q, n_k] each
-            out = torch.addcmul(fill_t, x, keep_f, out=x if in_place else None)
-            if not math.isnan(out.sum().item()):
-                return out
-            x, in_place = out, True  # the kept keys are x's: the hidden ones filled below
+            return torch.addcmul(fill_t, x, keep_f, out=x if in_place else None)
         return x.masked_fill_(~keep, fill) if in_place else x.masked_fill(~keep, fill)
 
     def _band_floats(self, x: Tensor, keep: Tensor, fill: float) -> Tensor | None:
@@ -133,6 +131,7 @@ class Mask:
             self.band_alone
             and x.is_cpu
             and x.is_floating_point()
+            and (fill == -math.inf or fill == torch.finfo(x.dtype).min)
             and self.n_q * self.n_k <= _KEPT_BAND_FLOATS
             and not (x.requires_grad and torch.is_grad_enabled())
             and eager()
