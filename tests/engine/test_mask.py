@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import posenc
-from posenc.engine import Mask
+from posenc.engine import Mask, tuning
 from posenc.engine import mask as mask_module
 
 
@@ -117,7 +117,8 @@ def _scores(shape, dtype, seed=0, extremes=False):
 @pytest.fixture
 def float_form(monkeypatch):
     """A list that grows by one each time ``Mask.filled`` takes the band's float form (an
-    ``addcmul``)."""
+    ``addcmul``); the form taken from one element up."""
+    monkeypatch.setattr(tuning, "FILLED_ELEMENTS", 1)
     calls = []
     addcmul = torch.addcmul
     monkeypatch.setattr(
@@ -211,3 +212,16 @@ def test_filled_takes_masked_fill_where_no_float_band_applies(case, float_form):
     if case == "grad":
         got.sum().backward()
         assert torch.equal(x.grad, keep.expand_as(x).float())
+
+
+def test_filled_takes_the_float_form_from_its_size_on(float_form, monkeypatch):
+    """Below :data:`~posenc.engine.tuning.FILLED_ELEMENTS` elements ``masked_fill`` (the
+    sum that checks the scores costs more there), from it on the float form."""
+    mask = Mask(8, 8, causal=True)
+    keep = mask.shared_keep(device=CPU)
+    x = _scores((2, 2, 8, 8), torch.float32)
+    for limit, taken in ((x.numel() + 1, 0), (x.numel(), 1)):
+        monkeypatch.setattr(tuning, "FILLED_ELEMENTS", limit)
+        got = mask.filled(x, keep, float("-inf"), in_place=False)
+        assert len(float_form) == taken
+        assert torch.equal(_bits(got), _bits(x.masked_fill(~keep, float("-inf"))))

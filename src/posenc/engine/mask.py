@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .._memo import eager, memo
+from . import tuning
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ class Mask:
 
         Where ``keep`` is the causal or window band alone that :meth:`shared_keep` keeps
         (the tensor it returned for every row; on the CPU, eager, no graph recorded for
-        ``x``), ``fill`` is ``-inf`` or the dtype's lowest and every element of ``x`` is
+        ``x``, at least :data:`~.tuning.FILLED_ELEMENTS` elements of it), ``fill`` is
+        ``-inf`` or the dtype's lowest and every element of ``x`` is
         finite (its sum is: one reduction), it is one ``addcmul`` with float forms of the
         band kept between calls: ``-0.0 + x * 1`` where it keeps (``x``, each bit:
         ``-0.0`` is the sum's identity) and ``fill + x * 0`` where it hides (``fill``).
@@ -132,6 +134,7 @@ class Mask:
             and x.is_cpu
             and x.is_floating_point()
             and (fill == -math.inf or fill == torch.finfo(x.dtype).min)
+            and x.numel() >= tuning.FILLED_ELEMENTS
             and self.n_q * self.n_k <= _KEPT_BAND_FLOATS
             and not (x.requires_grad and torch.is_grad_enabled())
             and eager()

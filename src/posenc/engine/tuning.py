@@ -138,6 +138,10 @@ OPS_FORWARD_THREADS = 2
 #: to write the rotated queries and keys into the thread's kept buffer (engine/workspace.py:
 #: no new tensors; below it a new tensor costs less than lending the buffer)
 ROTATION_BUFFER_ELEMENTS = 1 << 18
+#: elements at least of the scores (or bias) that a kept causal or window band fills in one
+#: addcmul with its float forms (engine/mask.py, Mask.filled) rather than masked_fill;
+#: below it the sum that checks them and the Python around it cost more
+FILLED_ELEMENTS = 1 << 15
 #: routes a scheme keeps at most (engine/kept.py: the dispatcher's choice per call
 #: signature, replayed without the walk); one more empties the scheme's routes first; 0
 #: keeps none
