@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -141,10 +142,8 @@ class Mask:
             and keep is self.shared_keep(device=x.device)  # the kept band itself
         ):
             return None
-        return _kept_band_floats(
-            self.n_k - self.n_q, self.n_q, self.n_k, self.causal, self.behind, self.ahead,
-            x.dtype, fill,
-        )  # fmt: skip
+        band = (self.n_k - self.n_q, self.n_q, self.n_k, self.causal, self.behind, self.ahead)
+        return _kept_band_floats(band, x.dtype, fill)
 
     @property
     def band_alone(self) -> bool:
@@ -275,20 +274,12 @@ _KEPT_BAND_FLOATS = 1 << 16
 
 
 @memo(maxsize=8)
-def _kept_band_floats(
-    first: int,
-    rows: int,
-    n_k: int,
-    causal: bool,
-    behind: int | None,
-    ahead: int | None,
-    dtype: torch.dtype,
-    fill: float,
-) -> Tensor:
-    """``[2, 1, 1, rows, n_k]`` on the CPU in ``dtype``: the band of :func:`_band` as 1
-    where it keeps and 0 where it hides, then as ``-0.0`` where it keeps and ``fill`` where
-    it hides (for :meth:`Mask.filled`)."""
-    keep = _band(first, rows, n_k, causal, behind, ahead, None)  # [1, 1, rows, n_k]
+def _kept_band_floats(band: tuple[Any, ...], dtype: torch.dtype, fill: float) -> Tensor:
+    """``[2, 1, 1, rows, n_k]`` on the CPU in ``dtype``: the band of :func:`_band` (``band``
+    its arguments but the device: ``first, rows, n_k, causal, behind, ahead``) as 1 where
+    it keeps and 0 where it hides, then as ``-0.0`` where it keeps and ``fill`` where it
+    hides (for :meth:`Mask.filled`)."""
+    keep = _band(*band, None)  # [1, 1, rows, n_k]
     ones = keep.to(dtype)
     fills = torch.full(keep.shape, -0.0, dtype=dtype).masked_fill_(~keep, fill)
     return torch.stack((ones, fills))  # [2, 1, 1, rows, n_k]
