@@ -130,15 +130,15 @@ class Mask:
     def _band_floats(self, x: Tensor, keep: Tensor, fill: float) -> Tensor | None:
         """``[2, 1, 1, n_q, n_k]`` in ``x``'s dtype, the band as 1 / 0 and as -0.0 / ``fill``
         (kept between calls), where :meth:`filled` may use them; else None."""
-        if not (
-            self.band_alone
+        if not (  # (eager first: a traced size compared would be a guard on it)
+            eager()
+            and self.band_alone
             and x.is_cpu
             and x.is_floating_point()
             and (fill == -math.inf or fill == torch.finfo(x.dtype).min)
             and x.numel() >= tuning.FILLED_ELEMENTS
             and self.n_q * self.n_k <= _KEPT_BAND_FLOATS
             and not (x.requires_grad and torch.is_grad_enabled())
-            and eager()
             and keep is self.shared_keep(device=x.device)  # the kept band itself
         ):
             return None
