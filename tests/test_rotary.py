@@ -530,8 +530,7 @@ def _swapped_reference(rotary, x, n, first=0):
     work = torch.promote_types(x.dtype, torch.float32)
     r = rotary.rotary_dim
     tables = rotary_module._run_tables(r, rotary.base, rotary.interleaved, first, n, work, x.device)
-    cos, sin, back = tables.unbind(0)
-    assert torch.equal(back, -sin)  # the backward's, kept with them
+    cos, sin = tables.unbind(0)
     out = rotary_module._swapped_sum(x[..., :r].to(work), cos, sin, rotary.interleaved)
     return torch.cat((out.to(x.dtype), x[..., r:]), dim=-1)
 
@@ -593,10 +592,14 @@ def test_the_rotations_backward_is_the_rotation_by_the_opposite_angles(both):
     expected = torch.autograd.grad(swapped[: len(leaves)], leaves, grads[: len(leaves)])
     for a, b in zip(found, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-15, atol=1e-15)
-    tables = rotary_module._run_tables(8, rotary.base, interleaved, 0, 6, torch.float64, x.device)
+    args = (8, rotary.base, interleaved, 0, 6, torch.float64, x.device)
+    tables = rotary_module._run_tables(*args)
     if both:
+        back = rotary_module._run_back_sin(*args)
+        assert torch.equal(back, -tables[1])  # the backward's, kept too
+        three = (tables[0], tables[1], back)
         torch.autograd.gradgradcheck(
-            lambda a, b: rotary_module._RotationPair.apply(a, b, tables, tables, interleaved),
+            lambda a, b: rotary_module._RotationPair.apply(a, b, three, three, interleaved),
             (x, y[:, :, :1].expand(2, 3, 6, 8).clone().requires_grad_()),
         )
         again = rotary.rotate(x, y, q_pos, k_pos)[1]  # k's output alone read: q gets none
@@ -604,7 +607,7 @@ def test_the_rotations_backward_is_the_rotation_by_the_opposite_angles(both):
         assert x.grad is None  # (not a zero gradient turned back)
         torch.testing.assert_close(y.grad, expected[1], rtol=1e-15, atol=1e-15)
     else:
-        cos, sin, _ = tables.unbind(0)
+        cos, sin = tables.unbind(0)
         torch.autograd.gradgradcheck(
             lambda a: rotary_module._Rotation.apply(a, cos, sin, interleaved), (x,)
         )
@@ -636,7 +639,7 @@ def test_the_phases_are_the_tables_cos_and_sin():
         (torch.float64, torch.complex128),
     ):
         phases = rotary_module._run_phases(8, 500.0, 3, 5, complex_dtype, torch.device("cpu"))
-        cos, sin, _ = rotary_module._run_tables(8, 500.0, True, 3, 5, real, torch.device("cpu"))
+        cos, sin = rotary_module._run_tables(8, 500.0, True, 3, 5, real, torch.device("cpu"))
         assert torch.equal(phases.real, cos[..., 0::2])
         assert torch.equal(phases.imag, sin[..., 1::2])  # channel 2i+1 takes +sin_i
 
@@ -887,3 +890,29 @@ def test_q_and_k_rotated_as_one_node_equal_each_rotated_alone(interleaved, layou
     for one, grad in zip(batched, by_batch, strict=True):
         (expected,) = torch.autograd.grad(outs[1], leaves[1], one, retain_graph=True)
         assert_close(grad, expected, terms=4)  # a rotation: two products and a sum
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_the_rotation_pair_of_one_tensor_and_its_second_derivative(interleaved):
+    """``q`` and ``k`` one tensor (self-attention on a shared projection): the pair's node
+    gives it the sum of both gradients, as a node per tensor does; float64 gradcheck and
+    gradgradcheck through the pair (the complex pairs' node included)."""
+    rotary = Rotary(8, interleaved=interleaved)
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    q_pos, k_pos = torch.arange(5)[None], torch.arange(3, 8)[None]
+    grads = torch.randn(1, 2, 5, 8, dtype=torch.float64), torch.randn(1, 2, 5, 8).double()
+    rq, rk = rotary.rotate(x, x, q_pos, k_pos)
+    assert "Pair" in type(rq.grad_fn).__name__ and rq.grad_fn is rk.grad_fn
+    (found,) = torch.autograd.grad((rq, rk), x, grads)
+    alone = [rotary.rotate(x, x.detach(), q_pos, k_pos)[0]]  # q's node alone
+    alone.append(rotary.rotate(x.detach(), x, q_pos, k_pos)[1])  # k's node alone
+    assert all("Pair" not in type(out.grad_fn).__name__ for out in alone)
+    (expected,) = torch.autograd.grad(alone, x, grads)
+    torch.testing.assert_close(found, expected, rtol=0, atol=1e-14)
+
+    def both(y):
+        return sum(out.square().sum() for out in rotary.rotate(y, y, q_pos, k_pos))
+
+    torch.autograd.gradcheck(both, (x,))
+    torch.autograd.gradgradcheck(both, (x,))

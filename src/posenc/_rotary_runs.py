@@ -15,7 +15,7 @@ found for positions on the CPU, :func:`~posenc.indices.run_start`):
 where :func:`~posenc.rotary.apply_rotary` takes seven ops. Where both ``q`` and ``k`` ask
 for a gradient, the two rotations are one node of autograd's graph
 (:class:`_PhaseRotationPair`, :class:`_RotationPair`: one Function's call and one
-backward's fewer, a few dozen microseconds of a small call). For an attention call without
+backward's fewer). For an attention call without
 gradients, :func:`rotate_runs_into` writes both into a kept buffer instead, each pair one
 complex number times its phase (the pairs ``(i, i + r/2)`` side by side:
 :mod:`posenc._rotary_buffer`).
@@ -48,14 +48,23 @@ def _run_tables(
     rotary_dim: int, base: float, interleaved: bool, first: int, n: int, dtype: torch.dtype,
     device: torch.device,
 ) -> Tensor:  # fmt: skip
-    """``[3, n, r]`` in ``dtype``: the expanded cos and signed sin (:func:`_expanded_tables`)
-    of the positions ``first .. first + n - 1``, angles in float64 (float32 on MPS), and
-    the signed sin negated (the backward's: the rotation by the opposite angles)."""
+    """``[2, n, r]`` in ``dtype``: the expanded cos and signed sin (:func:`_expanded_tables`)
+    of the positions ``first .. first + n - 1``, angles in float64 (float32 on MPS)."""
     inv_freq = inverse_frequencies(rotary_dim, base, device=device)  # [r/2] float64
     positions = torch.arange(first, first + n, dtype=inv_freq.dtype, device=device)  # [n]
     angles = positions[:, None] * inv_freq  # [n, r/2], as rotary_angles
-    tables = _expanded_tables(angles.cos(), angles.sin(), interleaved).to(dtype)  # [2, n, r]
-    return torch.cat((tables, -tables[1:]))  # [3, n, r]
+    return _expanded_tables(angles.cos(), angles.sin(), interleaved).to(dtype)  # [2, n, r]
+
+
+@memo(maxsize=16)
+def _run_back_sin(
+    rotary_dim: int, base: float, interleaved: bool, first: int, n: int, dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:  # fmt: skip
+    """``[n, r]``: the signed sin of :func:`_run_tables` negated, the backward's (the
+    rotation by the opposite angles), kept for :class:`_RotationPair`."""
+    tables = _run_tables.__wrapped__(rotary_dim, base, interleaved, first, n, dtype, device)
+    return -tables[1]  # [n, r] (built anew: _run_tables's kept entries as they were)
 
 
 def _apply_expanded(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool) -> Tensor:
@@ -162,21 +171,29 @@ def _turned_back(
 
 class _RotationPair(torch.autograd.Function):
     """:class:`_Rotation` of ``q`` and of ``k`` as one node of autograd's graph: one
-    Function's call and one backward's instead of two, its tables' negated sin given
-    (kept with them, :func:`_run_tables`), for a call where both ask for a gradient.
+    Function's call and one backward's instead of two, for a call where both ask for a
+    gradient; each tensor's tables are ``(cos, sin, -sin)`` (the last the backward's,
+    kept too: :func:`_run_back_sin`).
 
     The tables are constants kept between calls, held by the node itself (not saved
     tensors, which the first backward through the node frees): a backward through the
     rotated ``q`` alone, then another through the rotated ``k`` alone, each gets its
-    gradient, as with a node per tensor. An output that gets no gradient turns none back
-    (no zero gradient is made for it)."""
+    gradient, as with a node per tensor; and, unlike a node that saves its tensors, a
+    second backward through the same output without ``retain_graph`` does not raise here
+    (it adds the gradient again; the attention's own nodes after it raise). An output that
+    gets no gradient turns none back (no zero gradient is made for it)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, tables_q: Tensor, tables_k: Tensor, interleaved: bool
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        tables_q: tuple[Tensor, Tensor, Tensor],
+        tables_k: tuple[Tensor, Tensor, Tensor],
+        interleaved: bool,
     ) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)  # an output not read gets no zero gradient
-        ctx.tables = (tables_q, tables_k)  # [3, ..., n, r] each: constants
+        ctx.tables = (tables_q, tables_k)  # (cos, sin, -sin) [..., n, r] each: constants
         ctx.interleaved = interleaved
         outs = [_rotated(x, t[0], t[1], interleaved) for x, t in ((q, tables_q), (k, tables_k))]
         ctx.strides = [out.stride() for out in outs]  # dense, in q's and k's order of strides
@@ -244,13 +261,16 @@ def rotate_runs(
             return _PhaseRotationPair.apply(q, k, phases[0], phases[1])
         return _apply_phases(q, phases[0]), _apply_phases(k, phases[1])
     work = torch.promote_types(q.dtype, torch.float32)  # what apply_rotary computes in
-    tables = [
-        _run_tables(rotary_dim, base, interleaved, first, n, work, device) for first, n in runs
-    ]  # each (cos, sin, -sin) [3, n, r]
-    if heads_after:  # [3, n, r] -> [3, n, 1, r]
-        tables = [t.unsqueeze(-2) for t in tables]
+    pair = _as_pair(q, k, work, rotary_dim)
+    tables = []
+    for first, n in runs:
+        args = (rotary_dim, base, interleaved, first, n, work, device)
+        cos, sin = _run_tables(*args)  # [n, r] each
+        tables.append((cos, sin, _run_back_sin(*args)) if pair else (cos, sin))
+    if heads_after:  # [n, r] -> [n, 1, r]
+        tables = [tuple(t.unsqueeze(-2) for t in each) for each in tables]
     tables_q, tables_k = tables[0], tables[-1]
-    if _as_pair(q, k, work, rotary_dim):
+    if pair:
         return _RotationPair.apply(q, k, tables_q, tables_k, interleaved)
     return (
         _apply_expanded(q, tables_q[0], tables_q[1], interleaved=interleaved),
@@ -495,7 +515,7 @@ class _PhaseRotationPair(torch.autograd.Function):
     """:class:`_PhaseRotation` of ``q`` and of ``k`` as one node of autograd's graph (one
     Function's call and one backward's instead of two), for a call where both ask for a
     gradient; its constant phases held by the node, as :class:`_RotationPair` holds its
-    tables."""
+    tables (with the same backwards: each output's alone, none for an output not read)."""
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -26,6 +26,7 @@ from posenc import (
     T5RelativeBias,
     XPos,
 )
+from posenc._rotary_buffer import rotated
 from posenc.engine import Mask, attend, dispatch, kept, plans, tuning
 from posenc.indices import run_positions
 from tolerances import assert_close, logit_size
@@ -941,10 +942,15 @@ def test_a_write_past_the_version_counter_reaches_no_other_scheme():
             assert torch.equal(out, ref)
 
 
-def test_a_rotating_scheme_without_the_callers_rotation_computes_no_key(monkeypatch):
-    """``replay_unmasked`` handed no rotation turns a scheme that rotates away before the
-    route's key is computed: such a call pays no lookup."""
-    scheme = Rotary(D)
+def test_a_users_rotation_computes_no_key(monkeypatch):
+    """A rotation hook of the user's (which may change what the key holds) turns the call
+    away before the route's key is computed: such a call pays no lookup."""
+
+    class Turned(nn.Module):
+        def rotate(self, q, k, q_pos, k_pos):
+            return q.flip(-1), k.flip(-1)
+
+    scheme = Turned()
     q, k, v = _qkv()
     with torch.no_grad():
         for _ in range(2):
@@ -953,7 +959,7 @@ def test_a_rotating_scheme_without_the_callers_rotation_computes_no_key(monkeypa
         keys = []
         key = kept._key
         monkeypatch.setattr(kept, "_key", lambda *a: keys.append(a) or key(*a))
-        assert kept.replay_unmasked(q, k, v, scheme, "auto", None) is None
+        assert kept.replay_unmasked(q, k, v, scheme, "auto", None, rotation=rotated) is None
     assert not keys
 
 

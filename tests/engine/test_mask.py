@@ -220,8 +220,11 @@ def test_filled_takes_the_float_form_from_its_size_on(float_form, monkeypatch):
     mask = Mask(8, 8, causal=True)
     keep = mask.shared_keep(device=CPU)
     x = _scores((2, 2, 8, 8), torch.float32)
-    for limit, taken in ((x.numel() + 1, 0), (x.numel(), 1)):
-        monkeypatch.setattr(tuning, "FILLED_ELEMENTS", limit)
-        got = mask.filled(x, keep, float("-inf"), in_place=False)
-        assert len(float_form) == taken
-        assert torch.equal(_bits(got), _bits(x.masked_fill(~keep, float("-inf"))))
+    expected = x.masked_fill(~keep, float("-inf"))
+    for in_place in (False, True):
+        float_form.clear()
+        for limit, taken in ((x.numel() + 1, 0), (x.numel(), 1)):
+            monkeypatch.setattr(tuning, "FILLED_ELEMENTS", limit)
+            got = mask.filled(x.clone(), keep, float("-inf"), in_place=in_place)
+            assert len(float_form) == taken
+            assert torch.equal(_bits(got), _bits(expected))

@@ -57,8 +57,9 @@ up before anything else (:func:`replay_unmasked`): the call's checks that the ke
 not hold are made on the tensors, and the hooks of a route that calls them get default
 positions kept with the scheme's routes (at most :data:`.tuning.KEPT_ROUTES` pairs of
 ``[1, n]`` int64 tensors per scheme, built anew once written into), not positions built
-for the call. A scheme whose rotation is posenc's own is rotated at those positions by
-the caller's rotation first (which keeps the shapes, dtypes and grad flags the key holds).
+for the call. A scheme whose rotation is posenc's own, and whose route is SDPA's kernel on
+``q, k, v`` (no bias read), is rotated at those positions by the caller's rotation first
+(which keeps the shapes, dtypes, device and grad flags the key holds).
 
 The signature does not hold the engine's own functions: code that replaces one of them
 (a test's spy, a patched path) calls :func:`clear` first, or its calls may replay a route
@@ -334,7 +335,8 @@ def replay_unmasked(
     backend: str,
     scale: float | None,
     validate: bool = True,
-    rotation: Rotation | None = None,
+    *,
+    rotation: Rotation,
 ) -> Tensor | None:
     """The route kept for a call of ``q, k, v`` alone, run on it before the caller builds
     anything: the call :func:`posenc.attention` or a module makes with default positions
@@ -353,27 +355,26 @@ def replay_unmasked(
     (:func:`_default_positions`); elsewhere positions built for the call.
 
     A scheme that rotates replays where its ``rotate`` hook is posenc's own (defined on a
-    class of posenc's: it keeps the shapes, dtypes and grad flags of ``q`` and ``k``, which
-    the key holds), the caller hands in its ``rotation`` (``posenc.attention``'s, which
-    may lend the kept buffer, given back once the route has read it) and the route is
-    SDPA's kernel on ``q, k, v`` (one that reads a bias may decline it after the rotation:
-    such a call takes the full call): ``q`` and ``k`` are rotated at those default
-    positions, as the full call rotates them, and the kernel runs on them. A rotation that
-    changed what the key holds all the same (a method patched in) takes the full call,
-    which rotates again.
+    class of posenc's: it keeps the shapes, dtypes, device and grad flags of ``q`` and
+    ``k``, which the key holds) and the route is SDPA's kernel on ``q, k, v`` (one that
+    reads a bias may decline it after the rotation: such a call takes the full call):
+    ``q`` and ``k`` are rotated at those default positions by ``rotation``, the caller's
+    (``posenc.attention``'s, which may lend the kept buffer, given back once the route has
+    read it), as the full call rotates them, and the kernel runs on them; what the
+    scheme's ``rotate`` raises at those positions is raised, as in the full call. A
+    rotation that changed what the key holds all the same (a method patched in) takes the
+    full call, which rotates again.
 
     Raises:
         ValueError: with ``validate``, heads or a head dim the scheme was not built for.
-        Whatever the scheme's ``rotate`` raises at the default positions, as in the full
-        call.
     """
-    if torch.compiler.is_compiling():
+    if not eager():  # (before the checks: a traced size compared would be recorded)
         return None
     routes = _routes(scheme)
     if not routes:
         return None
     rotates = attribute(scheme, "rotate") is not None
-    if rotates and (rotation is None or not own_hook(scheme, "rotate")):
+    if rotates and not own_hook(scheme, "rotate"):
         return None  # (a user's rotation may change what the key holds: before the key)
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         return None

@@ -111,15 +111,15 @@ class Mask:
         the bit.
 
         Where ``keep`` is the causal or window band alone that :meth:`shared_keep` keeps
-        (the tensor it returned for every row; on the CPU, eager, no graph recorded for
-        ``x``, at least :data:`~.tuning.FILLED_ELEMENTS` elements of it), ``fill`` is
-        ``-inf`` or the dtype's lowest and every element of ``x`` is
-        finite (its sum is: one reduction), it is one ``addcmul`` with float forms of the
-        band kept between calls: ``-0.0 + x * 1`` where it keeps (``x``, each bit:
-        ``-0.0`` is the sum's identity) and ``fill + x * 0`` where it hides (``fill``).
-        The bool form reads its mask one element at a time: 46-82 us for ``[2, 8, 64,
-        64]`` on a 2-core CPU, against 7-11 us for ``addcmul`` and the sum together 22
-        us. A sum that is not finite (a NaN or infinite score, or finite ones past the
+        (the tensor it returned for every row; at most :data:`_KEPT_BAND_FLOATS` pairs;
+        on the CPU, eager, no graph recorded for ``x``, at least
+        :data:`~.tuning.FILLED_ELEMENTS` elements of it), ``fill`` is ``-inf`` or the
+        dtype's lowest and every element of ``x`` is finite (its sum is: one reduction),
+        it is one ``addcmul`` with float forms of the band kept between calls: ``-0.0 + x
+        * 1`` where it keeps (``x``, each bit: ``-0.0`` is the sum's identity) and ``fill
+        + x * 0`` where it hides (``fill``). The bool form reads its mask one element at
+        a time, several times slower on the CPU (docs/performance.md, "Twenty-fifth
+        pass"). A sum that is not finite (a NaN or infinite score, or finite ones past the
         dtype's range together) takes ``masked_fill``."""
         floats = self._band_floats(x, keep, fill)
         if floats is not None and math.isfinite(x.sum().item()):
@@ -269,7 +269,7 @@ _KEPT_BAND = 1 << 18
 _kept_band = memo(maxsize=16)(_band)
 
 #: query-key pairs at most of a band kept in float form (:func:`_kept_band_floats`: 512 KiB
-#: in float32; the materialised path's pairs per head, ``tuning.MATERIALISED_PAIRS``)
+#: in float32, 1 MiB in float64)
 _KEPT_BAND_FLOATS = 1 << 16
 
 
