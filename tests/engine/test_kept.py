@@ -942,9 +942,10 @@ def test_a_write_past_the_version_counter_reaches_no_other_scheme():
             assert torch.equal(out, ref)
 
 
-def test_a_users_rotation_computes_no_key(monkeypatch):
-    """A rotation hook of the user's (which may change what the key holds) turns the call
-    away before the route's key is computed: such a call pays no lookup."""
+def test_a_users_rotation_takes_the_full_call_and_computes_no_key(monkeypatch, full_calls):
+    """A rotation hook of the user's (which may change what the key holds) takes the full
+    call in each call, turned away before the route's key is computed: such a call pays
+    no lookup."""
 
     class Turned(nn.Module):
         def rotate(self, q, k, q_pos, k_pos):
@@ -953,9 +954,9 @@ def test_a_users_rotation_computes_no_key(monkeypatch):
     scheme = Turned()
     q, k, v = _qkv()
     with torch.no_grad():
-        for _ in range(2):
-            posenc.attention(q, k, v, position=scheme)
-        assert kept._routes(scheme)
+        outs = [posenc.attention(q, k, v, position=scheme) for _ in range(2)]
+        assert len(full_calls) == 2 and kept._routes(scheme)
+        assert torch.equal(outs[0], outs[1])
         keys = []
         key = kept._key
         monkeypatch.setattr(kept, "_key", lambda *a: keys.append(a) or key(*a))
@@ -1106,22 +1107,6 @@ def test_a_rotation_beside_a_bias_rotates_once_per_call(monkeypatch, full_calls)
             explicit = posenc.attention(q, k, v, position=scheme, positions=torch.arange(512))
     assert len(full_calls) == 4 and len(rotations) == 4
     assert torch.equal(outs[1], explicit) and outs[0].shape == explicit.shape
-
-
-def test_a_users_rotation_takes_the_full_call(full_calls):
-    """A rotation hook outside posenc's classes (it may change what the key holds) takes
-    the full call in each call."""
-
-    class Turned(nn.Module):
-        def rotate(self, q, k, q_pos, k_pos):
-            return q.flip(-1), k.flip(-1)
-
-    scheme = Turned()
-    q, k, v = _qkv()
-    with torch.no_grad():
-        outs = [posenc.attention(q, k, v, position=scheme) for _ in range(2)]
-    assert len(full_calls) == 2 and kept._routes(scheme)
-    assert torch.equal(outs[0], outs[1])
 
 
 def test_a_replayed_rotation_raises_as_the_full_call_at_its_positions(full_calls):
