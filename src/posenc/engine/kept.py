@@ -411,7 +411,7 @@ def replay_unmasked(
         k_pos = q_pos if n_k == n_q else run_positions(0, n_k, q.device)  # [1, n_k]
     if not rotates:
         return _run(route, q, k, v, scheme, q_pos, k_pos, scale)
-    q_r, k_r, lent = rotation(scheme, q, k, q_pos, k_pos, True)  # type: ignore[misc]
+    q_r, k_r, lent = rotation(scheme, q, k, q_pos, k_pos, True)
     try:
         if _kept_alike(q_r, q) and _kept_alike(k_r, k):
             return _run(route, q_r, k_r, v, scheme, q_pos, k_pos, scale)
