@@ -691,6 +691,36 @@ def test_offset_term_of_a_run_equals_the_score_term_by_the_skew():
     torch.testing.assert_close(term, scheme.score_term(q, q_pos, k_pos), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("heads", [None, 3])
+def test_offset_term_of_a_run_is_a_view_of_the_tables_rows(heads):
+    """The rows of a run (queries at 4 .. 8, keys at 0 .. 10: offsets -8 .. 6) are the
+    table's rows read in place (a view: no copy per call), the rows the family's form
+    gathers from the offsets, and their gradient reaches the table as the copy's does;
+    positions that are not one run give None; a run past the table raises as
+    ``check_positions`` does."""
+    from posenc.families import OffsetTerm
+
+    torch.manual_seed(0)
+    scheme = RelativeQueryEmbedding(10, 4, heads=heads)
+    q_pos, k_pos = torch.arange(4, 9)[None], torch.arange(11)[None]
+    rows = scheme.offset_term(q_pos, k_pos)
+    assert rows._base is scheme.weight
+    assert rows.data_ptr() == scheme.weight[..., 1, :].data_ptr()  # offset -8: row -8 + 9
+    copied = OffsetTerm.offset_term(scheme, q_pos, k_pos)
+    assert torch.equal(rows, copied)
+    grad = torch.randn(rows.shape)
+    (got,) = torch.autograd.grad(rows, scheme.weight, grad)
+    (expected,) = torch.autograd.grad(copied, scheme.weight, grad)
+    assert torch.equal(got, expected)
+    assert scheme.offset_term(torch.tensor([[0, 2, 1]]), k_pos) is None
+    with pytest.raises(
+        ValueError, match=r"offsets k_pos - q_pos range from -13 to 6.*max_len >= 14"
+    ):
+        scheme.offset_term(torch.arange(4, 14)[None], k_pos)
+    with pytest.raises(ValueError, match=r"range from 0 to 12.*max_len >= 13"):
+        scheme.offset_term(torch.arange(1)[None], torch.arange(13)[None])
+
+
 def test_the_2d_map_size_follows_the_tables_and_only_resize_changes_it():
     """Setting a larger ``size`` would read offsets past the tables, clamped to their last
     rows: a silently other attention. The size is read-only; ``resize`` moves it with them."""

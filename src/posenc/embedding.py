@@ -44,6 +44,7 @@ from .families import (
 )
 from .indices import (
     _known_run,
+    offset_run,
     position_extremes,
     relative_to_absolute,
     select_rows,
@@ -481,6 +482,25 @@ class RelativeQueryEmbedding(OffsetTerm):
             ``[*S, head_dim]`` (shared table) or ``[heads, *S, head_dim]``.
         """
         return relative_rows(self.weight, offsets)
+
+    def offset_term(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | tuple[Tensor, Tensor] | None:
+        """The rows the term uses when the positions are one consecutive run, so that
+        ``score_term(q) == skew_rows(q @ rows^T, n_k)`` (the hook of
+        :class:`~posenc.families.OffsetTerm`): the table's rows of the offsets ``k_pos[0, 0]
+        - q_pos[0, -1]`` on, ``[(h,) n_q + n_k - 1, head_dim]``, a view of ``weight`` (the
+        engine reads it and never writes into it); None for other positions.
+
+        Raises:
+            ValueError: an offset ``|j - i| >= max_len``.
+        """
+        first = offset_run(q_pos, k_pos)
+        if first is None:
+            return None
+        width = q_pos.shape[-1] + k_pos.shape[-1] - 1
+        start = first + self.max_len - 1  # the row of the first offset
+        if start < 0 or start + width > self.weight.shape[-2]:
+            self.check_positions(q_pos, k_pos)  # an offset with no row: raises
+        return self.weight[..., start : start + width, :]  # [(h,) W, d]
 
     def check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
         """Raise for an offset ``|j - i| >= max_len`` (checked when the values can be read;

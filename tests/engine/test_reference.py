@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import posenc
+from posenc.diagonals import pad_rows, skew_rows
 from posenc.engine import Mask, attend, plans, reference, tuning
 from posenc.engine.reference import _forward_in_place, _math, _plus
+from posenc.families.terms import table_logits
 from posenc.hooks import Hooks
 
 
@@ -207,6 +209,120 @@ def test_the_softmax_writes_into_the_scores_only_for_rows_of_whole_vectors(
     assert softmaxes == [in_place]
     expected = torch.softmax(q @ k.transpose(-1, -2) * 0.5, dim=-1) @ v
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def _offset_hooks(h, d, per_head, dtype, calls):
+    """A term per offset ``j - i`` (offsets -20 .. 20), as :class:`~posenc.hooks.Hooks`
+    with its ``score_term`` written out by a gather and its ``offset_term`` (the rows of a
+    run), each call of either named in ``calls``."""
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(*((h,) if per_head else ()), 41, d, dtype=dtype, generator=gen)
+
+    def score_term(q, q_pos, k_pos):
+        calls.append("score_term")
+        rows = table[..., (k_pos[0][None, :] - q_pos[0][:, None]) + 20, :]  # [(h,) n_q, n_k, d]
+        return torch.einsum("bhid,hijd->bhij" if per_head else "bhid,ijd->bhij", q, rows)
+
+    def offset_term(q_pos, k_pos):
+        calls.append("offset_term")
+        first = int(k_pos[0, 0] - q_pos[0, -1])
+        return table[..., first + 20 : first + 20 + q_pos.shape[-1] + k_pos.shape[-1] - 1, :]
+
+    return Hooks(score_term=score_term, offset_term=offset_term)
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("masked", ["none", "causal"])
+def test_the_forward_in_one_buffer_writes_an_offset_terms_logits_into_it(per_head, dtype, masked):
+    """A scheme with an ``offset_term`` gives the rows of a run of positions: the queries
+    against them are written into the buffer and skewed from there, ``score_term`` is not
+    called, and the output has the bits of the same call through ``score_term`` (the
+    same product, then the same skew and scale); in float64 the formula's values, and
+    a float64 reference's, the slow obvious way."""
+    b, h, n_q, n_k, d = 2, 3, 6, 9, 8
+    torch.manual_seed(0)
+    q = torch.randn(b, n_q, h, d, dtype=dtype).transpose(1, 2)  # [b, h, n_q, d], strided
+    k, v = torch.randn(b, h, n_k, d, dtype=dtype), torch.randn(b, h, n_k, 5, dtype=dtype)
+    q_pos, k_pos = torch.arange(3, 3 + n_q)[None], torch.arange(n_k)[None]
+    mask = Mask(n_q, n_k, causal=masked == "causal")
+    calls = []
+    hooks = _offset_hooks(h, d, per_head, dtype, calls)
+
+    def skewed(q, q_pos, k_pos):  # the families' score_term of a run (offset_term_logits)
+        rows = pad_rows(hooks.offset_term(q_pos, k_pos), tuning.GEMM_COLUMNS)
+        return skew_rows(table_logits(q, rows), k_pos.shape[-1])
+
+    with torch.no_grad():
+        out = _forward_in_place(q, k, v, hooks, q_pos, k_pos, mask, 0.3, 0.0)
+        assert calls == ["offset_term"]
+        alone = Hooks(score_term=skewed)
+        expected = _forward_in_place(q, k, v, alone, q_pos, k_pos, mask, 0.3, 0.0)
+        gathered = Hooks(score_term=hooks.score_term)
+        formula = _math(q, k, v, gathered, q_pos, k_pos, mask, 0.3, 0.0, reference=False)[0]
+    assert torch.equal(out, expected)
+    wide = tuple(x.double() for x in (q, k, v))
+    table = hooks.offset_term(torch.tensor([[20]]), torch.arange(41)[None]).double()  # -20 .. 20
+    scores = torch.zeros(b, h, n_q, n_k, dtype=torch.float64)
+    for i in range(n_q):
+        for j in range(n_k):
+            row = table[..., k_pos[0, j] - q_pos[0, i] + 20, :]  # the offset's row
+            scores[:, :, i, j] = (wide[0][:, :, i] * (wide[1][:, :, j] + row)).sum(-1) * 0.3
+            if masked == "causal" and j > i + n_k - n_q:
+                scores[:, :, i, j] = float("-inf")
+    reference_out = torch.softmax(scores, -1) @ wide[2]
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out.double(), reference_out, rtol=tol, atol=tol)
+    if dtype == torch.float64:
+        torch.testing.assert_close(out, formula, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["none", "table and index", "another width", "other heads"])
+def test_the_forward_in_one_buffer_takes_the_score_term_where_the_rows_do_not_fit(form):
+    """``offset_term`` giving None (positions not one run), a table with an index (a
+    clipped term), rows of another width or of other heads: ``score_term`` runs, its
+    values stand (a wrong ``offset_term`` never reaches the buffer)."""
+    b, h, n, d = 1, 2, 5, 4
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(n)[None]
+    calls = []
+    hooks = _offset_hooks(h, d, True, torch.float64, calls)
+    rows = hooks.offset_term(pos, pos)  # [h, 2n - 1, d]
+    given = {
+        "none": None,
+        "table and index": (rows, torch.arange(2 * n - 1)),
+        "another width": rows[:, 1:],
+        "other heads": rows[:1],
+    }[form]
+    calls.clear()
+    wrong = Hooks(score_term=hooks.score_term, offset_term=lambda q_pos, k_pos: given)
+    with torch.no_grad():
+        out = _forward_in_place(q, k, v, wrong, pos, pos, Mask(n, n), 0.5, 0.0)
+        expected = _math(q, k, v, hooks, pos, pos, Mask(n, n), 0.5, 0.0, reference=False)[0]
+    assert calls == ["score_term", "score_term"]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_rows_that_require_grad_in_grad_mode_take_the_formula():
+    """Grad mode with a table that requires grad: the formula op by op (the buffer's
+    ``out=`` product has no graph), and the table gets its gradient."""
+    b, h, n, d = 1, 2, 5, 4
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(n)[None]
+    table = torch.randn(2 * n - 1, d, dtype=torch.float64, requires_grad=True)
+
+    def score_term(q, q_pos, k_pos):
+        return torch.einsum("bhid,ijd->bhij", q, table[(pos[0][None, :] - pos[0][:, None]) + n - 1])
+
+    hooks = Hooks(score_term=score_term, offset_term=lambda q_pos, k_pos: table)
+    out = _forward_in_place(q, k, v, hooks, pos, pos, Mask(n, n), 0.5, 0.0)
+    assert out.grad_fn is not None
+    (grad,) = torch.autograd.grad(out.sum(), table)
+    expected = _math(q, k, v, hooks, pos, pos, Mask(n, n), 0.5, 0.0, reference=False)[0]
+    (expected_grad,) = torch.autograd.grad(expected.sum(), table)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("shared", ["batch", "heads"])

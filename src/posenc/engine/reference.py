@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..diagonals import pad_rows, skew_rows
 from ..hooks import Hooks
 from . import tuning
 from .mask import Mask
@@ -65,6 +66,27 @@ def _fold_scores(
         added = added.to(torch.promote_types(added.dtype, _wide(q.dtype)))
         extra = added if extra is None else extra + added
     return extra
+
+
+def _run_rows(hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+    """The rows of the scheme's query term per offset at these positions, for a caller
+    that writes ``q`` against them into a buffer of its own: ``offset_term``'s rows ``[(h,)
+    n_q + n_k - 1, d]`` (``score_term`` is then ``skew_rows(q @ rows^T, n_k)``: the form of
+    :func:`~posenc.families.terms.offset_term_logits` for one run of positions), padded
+    with zero rows as that pads them (:func:`~posenc.diagonals.pad_rows`), in ``q``'s
+    dtype: ``[(h,) W', d]``. None where the scheme has no such form here: no
+    ``offset_term``, positions that are not one run, a table and an index (a clipped
+    term), rows of another shape (``score_term`` then runs, and raises what it raises)."""
+    if hooks.offset_term is None:
+        return None
+    rows = hooks.offset_term(q_pos, k_pos)
+    if not isinstance(rows, Tensor):  # None, or (table, index)
+        return None
+    _, h, n_q, d = q.shape
+    shape = rows.shape
+    if shape[-2:] != (n_q + k_pos.shape[-1] - 1, d) or shape[:-2] not in ((), (h,)):
+        return None
+    return pad_rows(rows, tuning.GEMM_COLUMNS).to(q.dtype)  # [(h,) W', d]
 
 
 def _contextual(
@@ -215,12 +237,17 @@ def _forward_in_place(
     Returns:
         ``[b, h, n_q, d_v]``.
     """
-    term = None if hooks.score_term is None else hooks.score_term(q, q_pos, k_pos)
+    rows = _run_rows(hooks, q, q_pos, k_pos)  # [(h,) W', d] or None
+    term = None
+    if rows is None and hooks.score_term is not None:
+        term = hooks.score_term(q, q_pos, k_pos)  # [b|1, h|1, n_q, n_k]
     if hooks.score_bias is None:
         bias = None
     elif bias is None:
         bias = _dense_bias(hooks, q_pos, k_pos)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (term, bias)):
+    if torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (rows, term, bias)
+    ):
         # grad mode, and the hooks read a tensor that requires grad (not a parameter of the
         # scheme, which the plan saw): the formula in autograd ops differentiates it
         return _math(
@@ -230,14 +257,21 @@ def _forward_in_place(
     n_k, d_v = k.shape[2], v.shape[3]
     count = b * h * n_q * n_k
     in_place = n_k % tuning.SOFTMAX_IN_PLACE_COLUMNS == 0
+    used = count if in_place else 2 * count  # the scores, and the weights apart
+    wide = 0 if rows is None else b * h * n_q * rows.shape[-2]  # the term's logits
     # in grad mode a value term may read a tensor that requires grad (one the plan did not
     # see), and its graph then saves the weights: a buffer of the call's own
     keep = not (torch.is_grad_enabled() and hooks.value_term is not None)
-    with borrowed(count if in_place else 2 * count, q.dtype, q.device, keep=keep) as flat:
+    with borrowed(used + wide, q.dtype, q.device, keep=keep) as flat:
         scores = flat[:count].view(b * h, n_q, n_k)  # [b h, n_q, n_k]
         full = scores.view(b, h, n_q, n_k)
         start = False  # whether the buffer holds what the GEMM adds to
-        if term is not None:  # [b|1, h|1, n_q, n_k]
+        if rows is not None:  # the term's logits against each offset's row, then the skew
+            logits = flat[used : used + wide].view(b, h, n_q, rows.shape[-2])  # [b, h, n_q, W']
+            torch.matmul(q, rows.transpose(-2, -1), out=logits)  # as table_logits
+            torch.mul(skew_rows(logits, n_k), scale, out=full)  # [b, h, n_q, n_k]
+            start = True
+        elif term is not None:  # [b|1, h|1, n_q, n_k]
             if term.shape == full.shape:
                 torch.mul(term, scale, out=full)
             else:  # shared by the batch or the heads: broadcast into the buffer
