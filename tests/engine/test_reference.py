@@ -278,6 +278,41 @@ def test_the_forward_in_one_buffer_writes_an_offset_terms_logits_into_it(per_hea
         torch.testing.assert_close(out, formula, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_the_formula_with_fast_hooks_reads_an_offset_terms_rows(per_head):
+    """``_math`` with the fast hooks takes ``offset_term``'s rows for a run of positions
+    (``score_term`` not called): the values and the gradients of ``q``, ``k``, ``v`` and the
+    table have the bits of the same call through the families' ``score_term`` of a run;
+    the reference hooks (``reference=True``) call ``score_term`` itself."""
+    b, h, n_q, n_k, d = 2, 3, 6, 9, 8
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for n in (n_q, n_k, n_k))
+    q_pos, k_pos = torch.arange(3, 3 + n_q)[None], torch.arange(n_k)[None]
+    calls = []
+    hooks = _offset_hooks(h, d, per_head, torch.float32, calls)
+    table = hooks.offset_term(torch.tensor([[20]]), torch.arange(41)[None])._base
+    table.requires_grad_()
+    calls.clear()
+
+    def skewed(q, q_pos, k_pos):  # the families' score_term of a run (offset_term_logits)
+        rows = pad_rows(hooks.offset_term(q_pos, k_pos), tuning.GEMM_COLUMNS)
+        return skew_rows(table_logits(q, rows), k_pos.shape[-1])
+
+    mask = Mask(n_q, n_k, causal=True)
+    out = _math(q, k, v, hooks, q_pos, k_pos, mask, 0.3, 0.0, reference=False)[0]
+    assert calls == ["offset_term"]
+    alone = Hooks(score_term=skewed)
+    expected = _math(q, k, v, alone, q_pos, k_pos, mask, 0.3, 0.0, reference=False)[0]
+    assert torch.equal(out, expected)
+    grad = torch.randn(out.shape)
+    got = torch.autograd.grad(out, (q, k, v, table), grad)
+    want = torch.autograd.grad(expected, (q, k, v, table), grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    calls.clear()
+    _math(q, k, v, hooks, q_pos, k_pos, mask, 0.3, 0.0, reference=True)
+    assert calls == ["score_term"]
+
+
 @pytest.mark.parametrize("form", ["none", "table and index", "another width", "other heads"])
 def test_the_forward_in_one_buffer_takes_the_score_term_where_the_rows_do_not_fit(form):
     """``offset_term`` giving None (positions not one run), a table with an index (a
@@ -299,7 +334,8 @@ def test_the_forward_in_one_buffer_takes_the_score_term_where_the_rows_do_not_fi
     wrong = Hooks(score_term=hooks.score_term, offset_term=lambda q_pos, k_pos: given)
     with torch.no_grad():
         out = _forward_in_place(q, k, v, wrong, pos, pos, Mask(n, n), 0.5, 0.0)
-        expected = _math(q, k, v, hooks, pos, pos, Mask(n, n), 0.5, 0.0, reference=False)[0]
+        gathered = Hooks(score_term=hooks.score_term)
+        expected = _math(q, k, v, gathered, pos, pos, Mask(n, n), 0.5, 0.0, reference=False)[0]
     assert calls == ["score_term", "score_term"]
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 

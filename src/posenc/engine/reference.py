@@ -149,7 +149,8 @@ def _math(
 ) -> tuple[Tensor, Tensor]:
     """The attention formula, one autograd op at a time: ``(out [b, h, n_q, d], weights
     [b, h, n_q, n_k])``. ``reference``: the scheme's literal hooks where it has them (Shaw's
-    ``[n_q, n_k, d]`` relation tensors); False: its fast hooks, the same values, and
+    ``[n_q, n_k, d]`` relation tensors); False: its fast hooks, the same values (a term
+    per offset of a run of positions from ``offset_term``'s rows: :func:`_run_rows`), and
     ``bias`` the scheme's bias for these positions where the caller has it."""
     # the scores are this function's own until the softmax (nothing saves them for a
     # backward but a contextual term, which gets a tensor no later step writes into), so
@@ -157,7 +158,10 @@ def _math(
     own = not torch._C._are_functorch_transforms_active()  # vmap cannot write in place
     scores = q @ k.transpose(-2, -1)  # [b, h, n_q, n_k]
     term = (hooks.reference_score_term if reference else None) or hooks.score_term
-    if term is not None:
+    rows = None if reference else _run_rows(hooks, q, q_pos, k_pos)  # [(h,) W', d] or None
+    if rows is not None:  # score_term's form for a run: the skew of q against the rows
+        scores = _plus(scores, skew_rows(q @ rows.transpose(-2, -1), k.shape[2]), own)
+    elif term is not None:
         scores = _plus(scores, term(q, q_pos, k_pos), own)
     scores = scores.mul_(scale) if own else scores * scale
     if hooks.score_bias is not None:
@@ -211,7 +215,10 @@ def _forward_in_place(
     same values in one ``[b, h, n_q, n_k]`` buffer (in grad mode, where the
     score term or bias requires grad, :func:`_math` itself).
 
-    The buffer starts as ``score_term * scale + score_bias`` plus the float mask, one GEMM
+    The buffer starts as ``score_term * scale + score_bias`` plus the float mask (a term
+    per offset of a run of positions from ``offset_term``'s rows, :func:`_run_rows`: the
+    queries against them written into the buffer past the scores, skewed and scaled from
+    there, with the bits of ``score_term``'s product and skew), one GEMM
     adds ``scale * q k^T`` to it (``baddbmm_``: no pass of its own for the scale or the
     bias), and the masked fill and the softmax write into it (the softmax only for rows of
     a multiple of :data:`~.tuning.SOFTMAX_IN_PLACE_COLUMNS` keys; others get a second
