@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import posenc
 import posenc.embedding as embedding
 from posenc import MultiHeadAttention, resize_relative_position_table
 from posenc.embedding import (
@@ -21,6 +22,7 @@ from posenc.embedding import (
     relative_query_logits_2d,
     relative_query_term,
     relative_query_term_2d,
+    relative_rows,
     resize_relative_rows,
 )
 from posenc.indices import relative_to_absolute
@@ -692,33 +694,92 @@ def test_offset_term_of_a_run_equals_the_score_term_by_the_skew():
 
 
 @pytest.mark.parametrize("heads", [None, 3])
-def test_offset_term_of_a_run_is_a_view_of_the_tables_rows(heads):
-    """The rows of a run (queries at 4 .. 8, keys at 0 .. 10: offsets -8 .. 6) are the
-    table's rows read in place (a view: no copy per call), the rows the family's form
-    gathers from the offsets, and their gradient reaches the table as the copy's does;
-    positions that are not one run give None; a run past the table raises as
-    ``check_positions`` does."""
+def test_offset_term_of_a_run_reads_the_tables_rows_in_place_without_a_graph(heads):
+    """The rows of a run (queries at 4 .. 8, keys at 0 .. 10: offsets -8 .. 6) are the rows
+    the family's form gathers from the offsets; where no graph is recorded they are the
+    table's rows read in place (a view: no copy per call), in grad mode the family's copy
+    (a graph may save it while the table changes). Positions that are not one run give
+    None; a run past the table raises as ``check_positions`` does."""
     from posenc.families import OffsetTerm
 
     torch.manual_seed(0)
     scheme = RelativeQueryEmbedding(10, 4, heads=heads)
     q_pos, k_pos = torch.arange(4, 9)[None], torch.arange(11)[None]
-    rows = scheme.offset_term(q_pos, k_pos)
-    assert rows._base is scheme.weight
-    assert rows.data_ptr() == scheme.weight[..., 1, :].data_ptr()  # offset -8: row -8 + 9
     copied = OffsetTerm.offset_term(scheme, q_pos, k_pos)
+    with torch.no_grad():
+        rows = scheme.offset_term(q_pos, k_pos)
+        assert rows._base is scheme.weight
+        assert rows.data_ptr() == scheme.weight[..., 1, :].data_ptr()  # offset -8: row 1
+        assert scheme.offset_term(torch.tensor([[0, 2, 1]]), k_pos) is None
+        with pytest.raises(ValueError, match=r"range from -13 to 6.*max_len >= 14"):
+            scheme.offset_term(torch.arange(4, 14)[None], k_pos)
+        with pytest.raises(ValueError, match=r"range from 0 to 12.*max_len >= 13"):
+            scheme.offset_term(torch.arange(1)[None], torch.arange(13)[None])
     assert torch.equal(rows, copied)
-    grad = torch.randn(rows.shape)
-    (got,) = torch.autograd.grad(rows, scheme.weight, grad)
-    (expected,) = torch.autograd.grad(copied, scheme.weight, grad)
-    assert torch.equal(got, expected)
-    assert scheme.offset_term(torch.tensor([[0, 2, 1]]), k_pos) is None
-    with pytest.raises(
-        ValueError, match=r"offsets k_pos - q_pos range from -13 to 6.*max_len >= 14"
-    ):
-        scheme.offset_term(torch.arange(4, 14)[None], k_pos)
-    with pytest.raises(ValueError, match=r"range from 0 to 12.*max_len >= 13"):
-        scheme.offset_term(torch.arange(1)[None], torch.arange(13)[None])
+    in_grad_mode = scheme.offset_term(q_pos, k_pos)
+    assert in_grad_mode._base is not scheme.weight and torch.equal(in_grad_mode, copied)
+
+
+def _rows_doubled(module, offsets):
+    return 2 * relative_rows(module.weight, offsets)
+
+
+def _no_check(module, q_pos, k_pos):
+    return None
+
+
+@pytest.mark.parametrize("override", ["rows", "rows on the instance", "a lenient check"])
+@pytest.mark.parametrize("no_grad", [False, True])
+def test_a_subclass_rows_or_check_reach_the_fast_paths(override, no_grad):
+    """A subclass (or an instance) that replaces ``rows`` gets its own rows on every path
+    (not the table's read in place); one whose ``check_positions`` lets offsets past the
+    table read its edge rows (as under ``torch.compile``) gets the family's clamped rows:
+    ``auto`` (the materialised path at this size) equals ``backend="math"``."""
+    overrides = {"rows": _rows_doubled} if override == "rows" else {}
+    if override == "a lenient check":
+        overrides = {"check_positions": _no_check}
+    cls = type("Custom", (RelativeQueryEmbedding,), overrides)
+    torch.manual_seed(0)
+    scheme = cls(8, 16)
+    if override == "rows on the instance":
+        scheme.rows = lambda offsets: 2 * relative_rows(scheme.weight, offsets)
+    n = 12 if override == "a lenient check" else 8  # offsets past +-7 read the edge rows
+    q, k, v = (torch.randn(1, 2, n, 16) for _ in range(3))
+    with torch.set_grad_enabled(not no_grad):
+        out = posenc.attention(q, k, v, position=scheme)
+        expected = posenc.attention(q, k, v, position=scheme, backend="math")
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_table_changed_between_forward_and_backward_as_before():
+    """In grad mode the rows are the family's copy, as before: an optimizer step between a
+    forward and a second backward through it raises nothing (a view saved by the graph
+    would), and the gradient is the one of the table as it was."""
+    torch.manual_seed(0)
+    scheme = RelativeQueryEmbedding(64, 16)
+    q = torch.randn(2, 4, 17, 16, requires_grad=True)
+    k, v = torch.randn(2, 4, 17, 16), torch.randn(2, 4, 17, 16)
+    out = posenc.attention(q, k, v, position=scheme)
+    (before,) = torch.autograd.grad(out.sum(), q, retain_graph=True)
+    with torch.no_grad():
+        scheme.weight.add_(1.0)
+    (after,) = torch.autograd.grad(out.sum(), q)
+    assert torch.equal(before, after)
+
+
+def test_a_table_built_in_inference_mode_serves_a_call_with_gradients():
+    """A table made under ``torch.inference_mode`` and queries that ask for a gradient: the
+    rows the graph saves are a copy, not an inference tensor (which autograd cannot save)."""
+    with torch.inference_mode():
+        scheme = RelativeQueryEmbedding(32, 16)
+    q = torch.randn(2, 4, 17, 16, requires_grad=True)
+    k, v = torch.randn(2, 4, 17, 16), torch.randn(2, 4, 17, 16)
+    out = posenc.attention(q, k, v, position=scheme)
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    expected = posenc.attention(q, k, v, position=scheme, backend="math")
+    (expected_grad,) = torch.autograd.grad(expected.sum(), q)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_the_2d_map_size_follows_the_tables_and_only_resize_changes_it():

@@ -398,6 +398,10 @@ class AbsoluteQueryEmbedding(nn.Module):
         return f"max_len={self.max_len}, head_dim={self.head_dim}"
 
 
+#: what :meth:`RelativeQueryEmbedding.offset_term` reads, set on an instance instead
+_ROWS_ATTRIBUTES = frozenset({"rows", "check_positions", "reach", "offset_form"})
+
+
 class RelativeQueryEmbedding(OffsetTerm):
     """``s_ij += q_i . R_(j - i)``: the query against a learned embedding of the offset.
 
@@ -487,20 +491,40 @@ class RelativeQueryEmbedding(OffsetTerm):
         """The rows the term uses when the positions are one consecutive run, so that
         ``score_term(q) == skew_rows(q @ rows^T, n_k)`` (the hook of
         :class:`~posenc.families.OffsetTerm`): the table's rows of the offsets ``k_pos[0, 0]
-        - q_pos[0, -1]`` on, ``[(h,) n_q + n_k - 1, head_dim]``, a view of ``weight`` (the
-        engine reads it and never writes into it); None for other positions.
+        - q_pos[0, -1]`` on, ``[(h,) n_q + n_k - 1, head_dim]``; None for other positions.
+        Where no graph is recorded (grad mode off) they are a view of ``weight``, which the
+        engine reads at once and never writes into; in grad mode a copy of that view, as
+        :meth:`rows` gives (a graph may save them while the table changes); where
+        :meth:`rows`, :meth:`check_positions` or :attr:`reach` is another class's or the
+        instance's, the family's form (:meth:`~posenc.families.OffsetTerm.offset_form`).
 
         Raises:
             ValueError: an offset ``|j - i| >= max_len``.
         """
+        if not self._own_rows():
+            return super().offset_term(q_pos, k_pos)
         first = offset_run(q_pos, k_pos)
         if first is None:
             return None
         width = q_pos.shape[-1] + k_pos.shape[-1] - 1
         start = first + self.max_len - 1  # the row of the first offset
         if start < 0 or start + width > self.weight.shape[-2]:
-            self.check_positions(q_pos, k_pos)  # an offset with no row: raises
-        return self.weight[..., start : start + width, :]  # [(h,) W, d]
+            return super().offset_term(q_pos, k_pos)  # an offset with no row: raises
+        rows = self.weight[..., start : start + width, :]  # [(h,) W, d]
+        return rows.clone() if torch.is_grad_enabled() else rows  # (as rows() copies them)
+
+    def _own_rows(self) -> bool:
+        """Whether the rows of an offset are this class's: :meth:`rows`,
+        :meth:`check_positions`, :attr:`reach` and ``offset_form`` as defined here (none
+        replaced by a subclass or set on the instance)."""
+        cls = type(self)
+        return (
+            cls.rows is RelativeQueryEmbedding.rows
+            and cls.check_positions is RelativeQueryEmbedding.check_positions
+            and cls.reach is RelativeQueryEmbedding.reach
+            and cls.offset_form is OffsetTerm.offset_form
+            and _ROWS_ATTRIBUTES.isdisjoint(vars(self))
+        )
 
     def check_positions(self, q_pos: Tensor, k_pos: Tensor) -> None:
         """Raise for an offset ``|j - i| >= max_len`` (checked when the values can be read;

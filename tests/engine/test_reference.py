@@ -340,6 +340,23 @@ def test_the_forward_in_one_buffer_takes_the_score_term_where_the_rows_do_not_fi
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_an_offset_term_without_a_score_term_adds_nothing():
+    """``offset_term`` is another form of ``score_term``: a scheme that gives rows but no
+    term (here beside a bias) gets no term added, op by op or in one buffer."""
+    b, h, n, d = 1, 2, 5, 4
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(n)[None]
+    rows = torch.randn(2 * n - 1, d, dtype=torch.float64)
+    bias = torch.randn(1, h, n, n, dtype=torch.float64)
+    hooks = Hooks(score_bias=lambda q_pos, k_pos: bias, offset_term=lambda q_pos, k_pos: rows)
+    expected = torch.softmax(q @ k.transpose(-1, -2) * 0.5 + bias, -1) @ v
+    with torch.no_grad():
+        out = _forward_in_place(q, k, v, hooks, pos, pos, Mask(n, n), 0.5, 0.0)
+    formula = _math(q, k, v, hooks, pos, pos, Mask(n, n), 0.5, 0.0, reference=False)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(formula, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_rows_that_require_grad_in_grad_mode_take_the_formula():
     """Grad mode with a table that requires grad: the formula op by op (the buffer's
     ``out=`` product has no graph), and the table gets its gradient."""

@@ -77,8 +77,8 @@ def _run_rows(hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor |
     dtype: ``[(h,) W', d]``. None where the scheme has no such form here: no
     ``offset_term``, positions that are not one run, a table and an index (a clipped
     term), rows of another shape (``score_term`` then runs, and raises what it raises)."""
-    if hooks.offset_term is None:
-        return None
+    if hooks.offset_term is None or hooks.score_term is None:
+        return None  # (an offset_term without a score_term adds nothing)
     rows = hooks.offset_term(q_pos, k_pos)
     if not isinstance(rows, Tensor):  # None, or (table, index)
         return None
