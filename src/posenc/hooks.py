@@ -367,11 +367,15 @@ def hooks_of(scheme: Any) -> Hooks:
 def hooks_signature(scheme: Any) -> tuple[Any, ...] | None:
     """What :func:`hooks_of` reads of ``scheme``, as a hashable key: its class, and for each
     hook name the class of the MRO whose dict holds it and what that dict holds. Two calls
-    with equal keys collect the same hooks. None where no such key says it: a class with
-    its own attribute lookup; a hook name whose class entry is not a plain function (a
-    property, a staticmethod or another descriptor, which may answer otherwise for
-    another instance or call; a class attribute set to None); a hook set on the instance
-    or named by a submodule. No descriptor is run."""
+    with equal keys collect the same hooks. A hook held as a ``property`` (a hook present
+    only for some instances, as Shaw's value hooks) is keyed by its getter's answer for
+    this instance (:func:`_answered`: the function of the bound method it gives, or
+    absent where it raises ``AttributeError``). None where no such key says it: a class
+    with its own attribute lookup; a hook name whose class entry is neither a plain
+    function nor such a property (a staticmethod or another descriptor, which may answer
+    otherwise for another instance or call; a property that answers anything else; a
+    class attribute set to None); a hook set on the instance or named by a submodule. No
+    descriptor but a property's getter is run."""
     cls = type(scheme)  # (as _hook_owners, in one pass that keeps each owner's entry)
     if (
         getattr(cls, "__getattr__", _MODULE_GETATTR) is not _MODULE_GETATTR
@@ -394,8 +398,43 @@ def hooks_signature(scheme: Any) -> tuple[Any, ...] | None:
                 owners[name] = c
                 entries.append(held[name])
     if entries and set(map(type, entries)) != _FUNCTIONS:
-        return None
+        answered = _answered(scheme, entries)
+        if answered is None:
+            return None
+        entries = answered
     return (cls, tuple(owners.items()), tuple(entries))
+
+
+def _answered(scheme: Any, entries: list[Any]) -> list[Any] | None:
+    """``entries`` (the class entries of a scheme's hooks) with each ``property`` replaced
+    by its getter's answer for ``scheme``, as :func:`hooks_of`'s ``getattr`` gets it: the
+    pair of the property and the plain function of the bound method of ``scheme`` it
+    gives, or of the property and None where it raises ``AttributeError`` (no hook); None
+    for another descriptor, or another answer (a closure, a callable object, another
+    instance's method: nothing says the next call's is the same)."""
+    answered = []
+    for entry in entries:
+        kind = type(entry)
+        if kind is _FUNCTION:
+            answered.append(entry)
+            continue
+        if kind is not property:
+            return None
+        try:
+            answer = entry.__get__(scheme, type(scheme))
+        except AttributeError:
+            answered.append((entry, None))
+            continue
+        except Exception:  # hooks_of's getattr raises it: no key
+            return None
+        if not (
+            type(answer) is _METHOD
+            and answer.__self__ is scheme
+            and type(answer.__func__) is _FUNCTION
+        ):
+            return None
+        answered.append((entry, answer.__func__))
+    return answered
 
 
 #: an empty mapping, for a scheme without an instance dict or submodules
@@ -404,6 +443,8 @@ _NO_HOOKS_HERE: dict[str, Any] = {}
 
 #: the type of a plain function, alone
 _FUNCTIONS = {type(hooks_signature)}
+#: the type of a plain function, and of a bound method
+_FUNCTION, _METHOD = type(hooks_signature), type(Hooks().__eq__)
 
 
 def bias_fits(bias: Tensor, b: int, h: int, q_pos: Tensor, k_pos: Tensor) -> bool:

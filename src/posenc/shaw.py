@@ -392,11 +392,12 @@ class ShawRelativePosition(OffsetTerm):
         absent when ``values=False``."""
         if not self.has_values:
             raise AttributeError("offset_value: built with values=False (relative keys only)")
+        return self._offset_value
 
-        def rows(q_pos: Tensor, k_pos: Tensor) -> Tensor | tuple[Tensor, Tensor] | None:
-            return self.offset_form(self.value_rows, q_pos, k_pos)
-
-        return rows
+    def _offset_value(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | tuple[Tensor, Tensor] | None:
+        """:attr:`offset_value`'s hook: ``a^V``'s rows for a run of positions, or its table and
+        an index (:meth:`~posenc.families.OffsetTerm.offset_form`), or None."""
+        return self.offset_form(self.value_rows, q_pos, k_pos)
 
     def validate_attention(self, heads: int, head_dim: int) -> None:
         """Reject an attention whose head dim differs from ``head_dim`` (tables are shared
