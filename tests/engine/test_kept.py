@@ -262,6 +262,67 @@ def test_calls_whose_hooks_or_modes_have_no_key_keep_no_route(where, walks):
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("values", [True, False])
+def test_hooks_a_property_gives_as_the_schemes_methods_keep_a_route(values, walks):
+    """Shaw's value hooks are properties that give the scheme's own bound methods, or are
+    absent (``values=False``): the key holds the answer, so its calls keep a route and
+    replay it (one walk), with the first call's bits and the definition's values. Setting
+    ``has_values`` on the instance changes the answer, so the next call walks again and
+    computes what the scheme now says (no value term)."""
+    scheme = posenc.ShawRelativePosition(D, 3, values=values)
+    q, k, v = _qkv()
+    with torch.no_grad():
+        outs = [_call(scheme, q, k, v) for _ in range(3)]
+        assert len(walks) == 1
+        assert torch.equal(outs[0], outs[2])
+        ref = _math(scheme.double(), *(x.double() for x in (q, k, v)))
+        torch.testing.assert_close(outs[2].double(), ref, atol=1e-5, rtol=0)
+        if values:
+            scheme.has_values = False  # now keys only: value_term is absent
+            out = _call(scheme, q, k, v)
+            assert len(walks) == 2
+            keys_only = posenc.ShawRelativePosition(D, 3, values=False).double()
+            keys_only.keys.copy_(scheme.keys)
+            ref = _math(keys_only, *(x.double() for x in (q, k, v)))
+            torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+class _Lent(nn.Module):
+    """A bias hook given by a property as another module's bound method."""
+
+    def __init__(self, other: nn.Module) -> None:
+        super().__init__()
+        self.other = [other]  # (not a submodule)
+
+    @property
+    def score_bias(self):
+        return self.other[0].score_bias
+
+
+class _Broken(nn.Module):
+    """A bias hook given by a property that raises what is not an AttributeError."""
+
+    @property
+    def score_bias(self):
+        raise RuntimeError("this property fails")
+
+
+def test_a_property_that_answers_otherwise_keeps_no_route(walks):
+    """A property that gives another object's method (which that object may replace) keeps
+    no route: each call walks, and reads the method given then; one that raises what is
+    not an ``AttributeError`` keeps none either, and the call raises it."""
+    scheme = _Lent(ALiBi(H))
+    q, k, v = _qkv()
+    with torch.no_grad():
+        for _ in range(2):
+            out = _call(scheme, q, k, v)
+        assert len(walks) == 2 and not kept._ROUTES
+        torch.testing.assert_close(out, _call(ALiBi(H), q, k, v), atol=1e-6, rtol=0)
+        with pytest.raises(RuntimeError, match="this property fails"):
+            _call(_Broken(), q, k, v)
+    assert not kept._ROUTES
+
+
 def test_routes_go_with_their_scheme_and_are_bounded(monkeypatch):
     """Routes live in a weak dictionary (a scheme collected takes them along) and at most
     KEPT_ROUTES per scheme (one more empties the scheme's)."""

@@ -12,6 +12,7 @@ from posenc.engine import Mask, attend, plans, reference, tuning
 from posenc.engine.reference import _forward_in_place, _math, _plus
 from posenc.families.terms import table_logits
 from posenc.hooks import Hooks
+from posenc.indices import gather_logits, relative_distance
 
 
 def test_plus_writes_into_the_scores_only_where_the_sum_is_the_same_tensor():
@@ -211,24 +212,72 @@ def test_the_softmax_writes_into_the_scores_only_for_rows_of_whole_vectors(
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
-def _offset_hooks(h, d, per_head, dtype, calls):
-    """A term per offset ``j - i`` (offsets -20 .. 20), as :class:`~posenc.hooks.Hooks`
-    with its ``score_term`` written out by a gather and its ``offset_term`` (the rows of a
-    run), each call of either named in ``calls``."""
+def _offset_hooks(h, d, per_head, dtype, calls, clip=None):
+    """A term per offset ``j - i`` (offsets -20 .. 20, or clipped to ``+-clip`` as Shaw's),
+    as :class:`~posenc.hooks.Hooks` with its ``score_term`` written out by a gather and
+    its ``offset_term`` (the rows of a run, or with ``clip`` the table of ``2 clip + 1``
+    rows and each offset's row), each call of either named in ``calls``."""
     gen = torch.Generator().manual_seed(3)
     table = torch.randn(*((h,) if per_head else ()), 41, d, dtype=dtype, generator=gen)
+    reach = 20 if clip is None else clip
 
     def score_term(q, q_pos, k_pos):
         calls.append("score_term")
-        rows = table[..., (k_pos[0][None, :] - q_pos[0][:, None]) + 20, :]  # [(h,) n_q, n_k, d]
+        offsets = (k_pos[0][None, :] - q_pos[0][:, None]).clamp(-reach, reach)  # [n_q, n_k]
+        rows = table[..., offsets + 20, :]  # [(h,) n_q, n_k, d]
         return torch.einsum("bhid,hijd->bhij" if per_head else "bhid,ijd->bhij", q, rows)
 
     def offset_term(q_pos, k_pos):
         calls.append("offset_term")
         first = int(k_pos[0, 0] - q_pos[0, -1])
-        return table[..., first + 20 : first + 20 + q_pos.shape[-1] + k_pos.shape[-1] - 1, :]
+        width = q_pos.shape[-1] + k_pos.shape[-1] - 1
+        if clip is None:
+            return table[..., first + 20 : first + 20 + width, :]
+        index = torch.arange(first, first + width).clamp(-clip, clip) + clip  # [W]
+        return table[..., 20 - clip : 21 + clip, :], index
 
     return Hooks(score_term=score_term, offset_term=offset_term)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_clipped_offset_term_is_gathered_from_its_tables_logits(per_head, grad):
+    """``offset_term`` giving a clipped table and each offset's row (Shaw's keys): the
+    queries against the table's rows, read at each pair's row (the skew of the index), in
+    one buffer without gradients and op by op with them; ``score_term`` is not called, and
+    the values (and gradients) have the bits of the families' gather of the same product."""
+    b, h, n_q, n_k, d = 2, 3, 6, 9, 8
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=grad) for n in (n_q, n_k, n_k))
+    q_pos, k_pos = torch.arange(3, 3 + n_q)[None], torch.arange(n_k)[None]
+    calls = []
+    hooks = _offset_hooks(h, d, per_head, torch.float32, calls, clip=2)
+    table, _ = hooks.offset_term(q_pos, k_pos)
+    calls.clear()
+
+    def gathered(q, q_pos, k_pos):  # the families' score_term of a clipped run
+        index = relative_distance(q_pos, k_pos).clamp(-2, 2) + 2  # [1, n_q, n_k]
+        return gather_logits(table_logits(q, pad_rows(table, tuning.GEMM_COLUMNS)), index)
+
+    mask = Mask(n_q, n_k, causal=True)
+    alone = Hooks(score_term=gathered)
+    with torch.set_grad_enabled(grad):
+        if grad:
+            out = _math(q, k, v, hooks, q_pos, k_pos, mask, 0.3, 0.0, reference=False)[0]
+            expected = _math(q, k, v, alone, q_pos, k_pos, mask, 0.3, 0.0, reference=False)[0]
+        else:
+            out = _forward_in_place(q, k, v, hooks, q_pos, k_pos, mask, 0.3, 0.0)
+            expected = _forward_in_place(q, k, v, alone, q_pos, k_pos, mask, 0.3, 0.0)
+    assert calls == ["offset_term"]
+    assert torch.equal(out, expected)
+    literal = Hooks(score_term=hooks.score_term)
+    with torch.no_grad():
+        formula = _math(q, k, v, literal, q_pos, k_pos, mask, 0.3, 0.0, reference=False)[0]
+    torch.testing.assert_close(out.detach(), formula, rtol=1e-5, atol=1e-6)
+    if grad:
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        want = torch.autograd.grad(expected.sum(), (q, k, v))
+        assert all(torch.equal(a, b) for a, b in zip(grads, want, strict=True))
 
 
 @pytest.mark.numerical
@@ -313,10 +362,12 @@ def test_the_formula_with_fast_hooks_reads_an_offset_terms_rows(per_head):
     assert calls == ["score_term"]
 
 
-@pytest.mark.parametrize("form", ["none", "table and index", "another width", "other heads"])
+@pytest.mark.parametrize(
+    "form", ["none", "an index of another length", "a float index", "another width", "other heads"]
+)
 def test_the_forward_in_one_buffer_takes_the_score_term_where_the_rows_do_not_fit(form):
-    """``offset_term`` giving None (positions not one run), a table with an index (a
-    clipped term), rows of another width or of other heads: ``score_term`` runs, its
+    """``offset_term`` giving None (positions not one run), a table with an index of another
+    length or dtype, rows of another width or of other heads: ``score_term`` runs, its
     values stand (a wrong ``offset_term`` never reaches the buffer)."""
     b, h, n, d = 1, 2, 5, 4
     q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
@@ -326,7 +377,8 @@ def test_the_forward_in_one_buffer_takes_the_score_term_where_the_rows_do_not_fi
     rows = hooks.offset_term(pos, pos)  # [h, 2n - 1, d]
     given = {
         "none": None,
-        "table and index": (rows, torch.arange(2 * n - 1)),
+        "an index of another length": (rows, torch.arange(2 * n - 2)),
+        "a float index": (rows, torch.arange(2 * n - 1.0)),
         "another width": rows[:, 1:],
         "other heads": rows[:1],
     }[form]

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..diagonals import pad_rows, skew_rows
 from ..hooks import Hooks
+from ..indices import gather_logits
 from . import tuning
 from .mask import Mask
 from .workspace import borrowed
@@ -68,25 +69,47 @@ def _fold_scores(
     return extra
 
 
-def _run_rows(hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+def _run_rows(
+    hooks: Hooks, q: Tensor, q_pos: Tensor, k_pos: Tensor
+) -> tuple[Tensor, Tensor | None] | None:
     """The rows of the scheme's query term per offset at these positions, for a caller
-    that writes ``q`` against them into a buffer of its own: ``offset_term``'s rows ``[(h,)
-    n_q + n_k - 1, d]`` (``score_term`` is then ``skew_rows(q @ rows^T, n_k)``: the form of
-    :func:`~posenc.families.terms.offset_term_logits` for one run of positions), padded
-    with zero rows as that pads them (:func:`~posenc.diagonals.pad_rows`), in ``q``'s
-    dtype: ``[(h,) W', d]``. None where the scheme has no such form here: no
-    ``offset_term``, positions that are not one run, a table and an index (a clipped
-    term), rows of another shape (``score_term`` then runs, and raises what it raises)."""
+    that computes ``q`` against them itself: ``offset_term``'s rows ``[(h,) n_q + n_k - 1,
+    d]``, or its table ``[(h,) R, d]`` and the index of each offset's row ``[n_q + n_k -
+    1]`` (a clipped term), padded with zero rows as
+    :func:`~posenc.families.terms.offset_term_logits` pads them
+    (:func:`~posenc.diagonals.pad_rows`), in ``q``'s dtype: ``(rows or table, index or
+    None)``. ``score_term`` is then the skew (``skew_rows(x, n_k)``) of ``x = q @ rows^T``,
+    or of ``x = (q @ table^T)[..., index]``: the values of that form's product and skew,
+    or gather. None where the scheme has no such form here: no ``offset_term``, positions
+    that are not one run, rows, a table or an index of another shape (``score_term``
+    then runs, and raises what it raises)."""
     if hooks.offset_term is None or hooks.score_term is None:
         return None  # (an offset_term without a score_term adds nothing)
     rows = hooks.offset_term(q_pos, k_pos)
-    if not isinstance(rows, Tensor):  # None, or (table, index)
+    index = None
+    if isinstance(rows, tuple) and len(rows) == 2:
+        rows, index = rows
+        if not (
+            isinstance(index, Tensor)
+            and index.shape == (q_pos.shape[-1] + k_pos.shape[-1] - 1,)
+            and index.dtype == torch.int64
+        ):
+            return None
+    if not isinstance(rows, Tensor):
         return None
     _, h, n_q, d = q.shape
     shape = rows.shape
-    if shape[-2:] != (n_q + k_pos.shape[-1] - 1, d) or shape[:-2] not in ((), (h,)):
+    width = n_q + k_pos.shape[-1] - 1 if index is None else shape[-2]
+    if shape[-2:] != (width, d) or shape[:-2] not in ((), (h,)):
         return None
-    return pad_rows(rows, tuning.GEMM_COLUMNS).to(q.dtype)  # [(h,) W', d]
+    return pad_rows(rows, tuning.GEMM_COLUMNS).to(q.dtype), index  # [(h,) W' | R', d]
+
+
+def _pair_index(index: Tensor, n_q: int, n_k: int) -> Tensor:
+    """Each pair's row of a clipped term, ``index[j - i + n_q - 1]``, from the row of each
+    offset of a run, ``index [n_q + n_k - 1]``: ``[1, n_q, n_k]`` (the skew of the index
+    repeated for each query, a view)."""
+    return skew_rows(index.expand(n_q, index.shape[0]), n_k)[None]  # [1, n_q, n_k]
 
 
 def _contextual(
@@ -158,9 +181,15 @@ def _math(
     own = not torch._C._are_functorch_transforms_active()  # vmap cannot write in place
     scores = q @ k.transpose(-2, -1)  # [b, h, n_q, n_k]
     term = (hooks.reference_score_term if reference else None) or hooks.score_term
-    rows = None if reference else _run_rows(hooks, q, q_pos, k_pos)  # [(h,) W', d] or None
+    rows = None if reference else _run_rows(hooks, q, q_pos, k_pos)
     if rows is not None:  # score_term's form for a run: the skew of q against the rows
-        scores = _plus(scores, skew_rows(q @ rows.transpose(-2, -1), k.shape[2]), own)
+        table, index = rows  # [(h,) W' | R', d], [W] or None
+        logits = q @ table.transpose(-2, -1)  # [b, h, n_q, W' | R']
+        if index is None:
+            term_of_rows = skew_rows(logits, k.shape[2])  # [b, h, n_q, n_k]
+        else:  # each pair's row: the skew of the offsets' index, gathered
+            term_of_rows = gather_logits(logits, _pair_index(index, q.shape[2], k.shape[2]))
+        scores = _plus(scores, term_of_rows, own)
     elif term is not None:
         scores = _plus(scores, term(q, q_pos, k_pos), own)
     scores = scores.mul_(scale) if own else scores * scale
@@ -244,7 +273,7 @@ def _forward_in_place(
     Returns:
         ``[b, h, n_q, d_v]``.
     """
-    rows = _run_rows(hooks, q, q_pos, k_pos)  # [(h,) W', d] or None
+    rows = _run_rows(hooks, q, q_pos, k_pos)  # ([(h,) W' | R', d], [W] or None) or None
     term = None
     if rows is None and hooks.score_term is not None:
         term = hooks.score_term(q, q_pos, k_pos)  # [b|1, h|1, n_q, n_k]
@@ -253,7 +282,7 @@ def _forward_in_place(
     elif bias is None:
         bias = _dense_bias(hooks, q_pos, k_pos)
     if torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (rows, term, bias)
+        x is not None and x.requires_grad for x in (rows and rows[0], term, bias)
     ):
         # grad mode, and the hooks read a tensor that requires grad (not a parameter of the
         # scheme, which the plan saw): the formula in autograd ops differentiates it
@@ -265,7 +294,7 @@ def _forward_in_place(
     count = b * h * n_q * n_k
     in_place = n_k % tuning.SOFTMAX_IN_PLACE_COLUMNS == 0
     used = count if in_place else 2 * count  # the scores, and the weights apart
-    wide = 0 if rows is None else b * h * n_q * rows.shape[-2]  # the term's logits
+    wide = 0 if rows is None else b * h * n_q * rows[0].shape[-2]  # the term's logits
     # in grad mode a value term may read a tensor that requires grad (one the plan did not
     # see), and its graph then saves the weights: a buffer of the call's own
     keep = not (torch.is_grad_enabled() and hooks.value_term is not None)
@@ -274,9 +303,14 @@ def _forward_in_place(
         full = scores.view(b, h, n_q, n_k)
         start = False  # whether the buffer holds what the GEMM adds to
         if rows is not None:  # the term's logits against each offset's row, then the skew
-            logits = flat[used : used + wide].view(b, h, n_q, rows.shape[-2])  # [b, h, n_q, W']
-            torch.matmul(q, rows.transpose(-2, -1), out=logits)  # as table_logits
-            torch.mul(skew_rows(logits, n_k), scale, out=full)  # [b, h, n_q, n_k]
+            table, index = rows
+            logits = flat[used : used + wide].view(b, h, n_q, table.shape[-2])  # [.., W' | R']
+            torch.matmul(q, table.transpose(-2, -1), out=logits)  # as table_logits
+            if index is None:
+                torch.mul(skew_rows(logits, n_k), scale, out=full)  # [b, h, n_q, n_k]
+            else:  # each pair's row's logit
+                pairs = _pair_index(index, n_q, n_k).expand(b, h, n_q, n_k)
+                torch.gather(logits, -1, pairs, out=full).mul_(scale)  # [b, h, n_q, n_k]
             start = True
         elif term is not None:  # [b|1, h|1, n_q, n_k]
             if term.shape == full.shape:
