@@ -5,6 +5,7 @@ dispatcher again whenever anything the choice read differs."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import weakref
 
@@ -700,11 +701,13 @@ def test_the_grad_flags_are_in_the_signature(walks):
     assert len(walks) == 1 + 2 * len(flags)
 
 
-def test_a_learned_or_probed_scheme_keeps_no_route_with_gradients(walks):
-    """In grad mode no route is kept for a scheme whose parameters ask for a gradient (the
-    materialised path runs them op by op), nor for a scheme that may read another tensor
-    asking for one (the dispatcher probes its hooks in every call): each call walks, and
-    the tensor read gets its gradient."""
+def test_a_learned_scheme_replays_its_formula_and_a_probed_one_keeps_no_route(walks):
+    """In grad mode a scheme of posenc's whose parameters ask for a gradient keeps the
+    materialised path's formula op by op (the key holds which of its parameters do): the
+    second call replays it (one walk) with the first call's values and gradients, the
+    parameters' included. A scheme that may read another tensor asking for a gradient (the
+    dispatcher probes its hooks in every call) keeps none: each call walks, and the tensor
+    read gets its gradient."""
     learned = T5RelativeBias(H, num_buckets=8, max_distance=16)
     weight = torch.tensor(0.5, requires_grad=True)
 
@@ -712,12 +715,80 @@ def test_a_learned_or_probed_scheme_keeps_no_route_with_gradients(walks):
         def score_bias(self, q_pos, k_pos):
             return -weight * (k_pos[:, None, None, :] - q_pos[:, None, :, None]).abs().float()
 
-    for scheme in (learned, Steep()):
-        for _ in range(2):
-            out = _call(scheme, *_qkv())
-            out.sum().backward()
-    assert len(walks) == 4 and not kept._ROUTES
-    assert weight.grad is not None and all(p.grad is not None for p in learned.parameters())
+    grads = []
+    for _ in range(2):
+        q, k, v = (x.requires_grad_() for x in _qkv())
+        out = _call(learned, q, k, v)
+        grads.append((out, *torch.autograd.grad(out.sum(), (q, k, v, *learned.parameters()))))
+    assert len(walks) == 1 and list(kept._ROUTES[learned].values()) == [plans._MATH_ROUTE]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    for _ in range(2):
+        _call(Steep(), *_qkv()).sum().backward()
+    assert len(walks) == 3 and len(kept._ROUTES) == 1
+    assert weight.grad is not None
+
+
+@pytest.mark.parametrize("name", ["t5", "swin-2d", "relative"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_learned_tables_formula_is_replayed_with_its_gradients(name, causal, walks):
+    """With gradients for ``q, k, v`` and the table, the replayed formula op by op gives the
+    dispatcher's values and gradients (the table's included) to the bit, and a float64
+    definition's; ``posenc.attention`` with ``q, k, v`` alone replays it too."""
+    scheme = _learned(name)
+    mask = Mask(N, N, causal=causal)
+
+    def run():
+        q, k, v = (x.requires_grad_() for x in _qkv())
+        out = _call(scheme, q, k, v, mask=mask)
+        grads = torch.autograd.grad(out, (q, k, v, *scheme.parameters()), torch.ones_like(out))
+        return out, *grads
+
+    first = run()
+    replayed = run()
+    assert len(walks) == 1 and list(kept._ROUTES[scheme].values()) == [plans._MATH_ROUTE]
+    walked = _walked(run)
+    assert all(torch.equal(a, b) for a, b in zip(replayed, walked, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(first, walked, strict=True))
+    wide = copy.deepcopy(scheme).double()
+    q, k, v = (x.double().requires_grad_() for x in _qkv())
+    ref = _call(wide, q, k, v, mask=mask, backend="math")
+    grads = torch.autograd.grad(ref, (q, k, v, *wide.parameters()), torch.ones_like(ref))
+    for got, want in zip(replayed, (ref, *grads), strict=True):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
+    if not causal:
+        q, k, v = (x.requires_grad_() for x in _qkv())
+        assert posenc.explain(q, k, v, position=scheme).replayed
+        out = posenc.attention(q, k, v, position=scheme)
+        assert torch.equal(out, replayed[0])
+
+
+def test_a_table_frozen_thawed_or_replaced_reads_as_it_is_now(walks):
+    """The key holds which of the table's parameters ask for a gradient: frozen after its
+    formula was kept, a call walks again (the constant bias then goes to SDPA's kernel) and
+    the table gets no gradient; thawed again, the kept formula replays and the table gets
+    its gradient. A table replaced by a new parameter is read as it is now."""
+    scheme = _learned("t5")
+    q, k, v = (x.requires_grad_() for x in _qkv())
+    for _ in range(2):
+        _call(scheme, q, k, v).sum().backward()
+    assert len(walks) == 1
+    scheme.requires_grad_(False)
+    scheme.zero_grad(set_to_none=True)
+    frozen = _call(scheme, q, k, v)
+    frozen.sum().backward()
+    assert len(walks) == 2 and all(p.grad is None for p in scheme.parameters())
+    scheme.requires_grad_(True)
+    again = _call(scheme, q, k, v)
+    again.sum().backward()
+    assert len(walks) == 2 and all(p.grad is not None for p in scheme.parameters())
+    torch.testing.assert_close(again, frozen, atol=1e-6, rtol=0)
+    table = scheme.embedding.weight
+    scheme.embedding.weight = nn.Parameter(2 * table.detach())
+    out = _call(scheme, q, k, v)
+    assert len(walks) == 2  # the same key: replayed, on the new table
+    torch.testing.assert_close(out, _walked(lambda: _call(scheme, q, k, v)), atol=0, rtol=0)
+    ref = _call(scheme, q, k, v, backend="math")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(("name", "walked"), [("swin-1d", 2), ("rotary-mixed", 3)])
@@ -789,8 +860,8 @@ def test_no_route_is_replayed_under_saved_tensor_hooks(walks):
 def test_explain_says_whether_the_route_is_replayed(walks):
     """``posenc.explain`` reports ``replayed`` exactly where calls keep their route (in the
     grad mode it is called in): the second call then walks no path; a mask other than the
-    causal one alone, a learned table with gradients or a scheme of a user's own with
-    gradients keep none."""
+    causal one alone or a scheme of a user's own with gradients keep none (a learned
+    table of posenc's keeps the formula op by op)."""
     q, k, v = _qkv()
     grad_q = q.clone().requires_grad_()
     learned = T5RelativeBias(H, num_buckets=8, max_distance=16)
@@ -800,7 +871,7 @@ def test_explain_says_whether_the_route_is_replayed(walks):
         (None, {}, True, True),
         (ALiBi(H), {"causal": True}, False, True),
         (ALiBi(H), {"causal": True, "window": 3}, False, False),
-        (learned, {}, True, False),
+        (learned, {}, True, True),
         (learned, {}, False, True),
         (TableBias(H), {}, True, False),
         (TableBias(H), {}, False, True),
@@ -1250,10 +1321,12 @@ def test_a_hook_that_writes_into_its_positions_spoils_no_later_call(full_calls):
     assert torch.equal(outs[2], explicit) and torch.equal(outs[1], explicit)
 
 
-def test_a_term_in_place_is_replayed_without_gradients_only(walks):
+def test_a_term_is_replayed_in_one_buffer_without_gradients_and_op_by_op_with_them(walks):
     """A score term without gradients runs op by op in one buffer; its route is kept and
     replayed (with the hooks checked as the path checks them), bit for bit; in grad mode
-    the same call keeps no route (the choice reads what the hooks' tensors ask for)."""
+    the same call keeps a route of its own (the formula op by op, the key holding which of
+    the table's parameters ask for a gradient): one walk more, then replayed, with the
+    formula's values."""
     scheme = _learned("relative")
     q, k, v = _qkv()
     with torch.no_grad():
@@ -1266,7 +1339,8 @@ def test_a_term_in_place_is_replayed_without_gradients_only(walks):
     before = len(walks)
     for _ in range(2):
         out = _call(scheme, q, k, v)
-    assert len(walks) == before + 2
+    assert len(walks) == before + 1
+    assert plans._MATH_ROUTE in kept._ROUTES[scheme].values()
     torch.testing.assert_close(out, outs[0], atol=1e-6, rtol=0)
 
 

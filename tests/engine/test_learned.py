@@ -12,9 +12,8 @@ import posenc
 from posenc.engine import Mask, attend, explain_call
 from posenc.engine.learned import (
     _reads_own_only,
-    frozen_own,
     learned_inputs,
-    scheme_parameters,
+    own_learning,
     substituted,
 )
 from posenc.hooks import hooks_of
@@ -400,44 +399,52 @@ def test_posenc_s_own_modules_are_those_of_its_package_as_imported():
     assert not own_module("myproject.schemes") and not own_module("torch.nn")
 
 
-def test_frozen_own_is_reads_own_only_without_a_parameter_that_requires_grad():
-    """``frozen_own`` (one walk) answers as ``_reads_own_only`` and an empty
-    ``scheme_parameters`` do, for posenc's schemes learned and frozen, a submodule's
-    parameter, a parametrised table, a user's class, a function or a learned tensor set
-    on the instance, None and a non-module."""
+def test_own_learning_gives_the_grad_flags_of_a_scheme_that_reads_its_own_only():
+    """``own_learning`` (one walk) is None for a scheme that may read other tensors (a
+    user's class, a function or a learned tensor set on the instance, a parametrised
+    table, a non-module) and otherwise gives the grad flag of each of its parameters (a
+    submodule's too): for posenc's schemes learned and frozen, one with a frozen and one
+    with a learning submodule, and None (no parameter)."""
     from posenc import ALiBi, T5RelativeBias
 
     class Mine(T5RelativeBias):
         def bias(self, buckets):
             return super().bias(buckets)
 
-    class Holder(ALiBi):  # posenc's class, with a frozen table in a submodule
+    class Holder(ALiBi):  # posenc's class, with a table in a submodule
         def __init__(self):
             super().__init__(2)
             self.inner = nn.Linear(1, 1)
 
-    cases = [None, object(), HeldBias(torch.zeros(1)), Mine(2)]
+    own = [None]
     for entry in SCHEMES.values():
         learned = entry.build(2, 8, 16, (4, 4))
         frozen = entry.build(2, 8, 16, (4, 4))
         if isinstance(frozen, nn.Module):
             frozen.requires_grad_(False)
-        cases += [learned, frozen]
+        own += [learned, frozen]
     holder, thawed = Holder(), Holder()
     holder.requires_grad_(False)
+    thawed.inner.bias.requires_grad_(False)
+    own += [holder, thawed]
     with_function, with_tensor = ALiBi(2), ALiBi(2)
     with_function.slopes = lambda: torch.ones(2)
     with_tensor.extra = torch.zeros(2, requires_grad=True)
     parametrised = Table()
     parametrize.register_parametrization(parametrised, "table", Scale())
     parametrised.requires_grad_(False)
-    cases += [holder, thawed, with_function, with_tensor, parametrised]
+    for scheme in (object(), HeldBias(torch.zeros(1)), Mine(2), with_function, with_tensor):
+        assert own_learning(scheme) is None and not _reads_own_only(scheme), scheme
+    assert own_learning(parametrised) is None
     seen = set()
-    for scheme in cases:
-        expected = _reads_own_only(scheme) and not scheme_parameters(scheme)
-        assert frozen_own(scheme) == expected, scheme
-        seen.add(expected)
+    for scheme in own:
+        flags = own_learning(scheme)
+        params = [] if not isinstance(scheme, nn.Module) else list(scheme.parameters())
+        assert sorted(flags) == sorted(p.requires_grad for p in params), scheme
+        assert _reads_own_only(scheme)
+        seen.add(any(flags))
     assert seen == {True, False}
+    assert sorted(own_learning(thawed)) == [False, True]
 
 
 def test_a_cycle_of_modules_is_walked_once():
@@ -452,7 +459,7 @@ def test_a_cycle_of_modules_is_walked_once():
     scheme, holder = ALiBi(2), Holder()
     scheme.owner = holder
     holder.scheme = scheme
-    assert _reads_own_only(scheme) and frozen_own(scheme)  # Holder defines no method
+    assert _reads_own_only(scheme) and own_learning(scheme) == ()  # Holder defines no method
     q = torch.randn(1, 2, 6, 4, dtype=torch.float64, requires_grad=True)
     out = posenc.attention(q, q, q, position=scheme)
     ref = posenc.attention(q, q, q, position=scheme, backend="math")

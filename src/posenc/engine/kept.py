@@ -10,9 +10,9 @@ the scheme's hooks (which it defines, and where), the queries' shape, dtype and 
 the keys' count, the backend, the modes of torch (``torch.compile``, ``torch.jit.trace``,
 a dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), the
 thread count and the tuning constants (:mod:`.tuning`) alone; in grad mode also on which
-of ``q, k, v`` ask for a gradient, and on what the scheme's hooks may read that asks for
-one, which the key holds only for a scheme that can read nothing such (posenc's own
-modules with no parameter that requires grad: :func:`_grad_flags`). The
+of ``q, k, v`` and of the scheme's parameters ask for a gradient, and on what the
+scheme's hooks may read that asks for one, which the key holds only for a scheme that can
+read nothing but its parameters (posenc's own modules: :func:`_grad_flags`). The
 :func:`signature` of the call holds all of them, and the shapes of ``k``, ``v`` and the
 positions and the dtypes of ``k`` and ``v`` besides. (The lean paths after them read the
 positions' and the bias's values, and keep no route; a path placed before the
@@ -31,6 +31,11 @@ one of
   (:func:`~.reference._forward_in_place`: a score or value term op by op; its choice
   reads the shapes, the device, the thread count and the tuning constants alone), with
   the scheme's hooks checked as the dispatcher checks them (:data:`~.plans._IN_PLACE_ROUTE`),
+  or
+- the materialised path's formula op by op with the fast hooks (:func:`~.reference._math`:
+  a learned table's or term's call with gradients, whose choice reads which of the
+  scheme's parameters ask for one, which the key holds), its hooks checked likewise
+  (:data:`~.plans._MATH_ROUTE`),
 
 run by the dispatcher with no wrapper (with gradients: where the path's own graph is
 differentiable twice), the route is kept per scheme and signature (:func:`record`), and a
@@ -83,9 +88,9 @@ from ..hooks import HOOK_NAMES, attribute, bias_fits, checked_hooks, hooks_of, h
 from ..indices import run_positions
 from . import plans, sdpa, tuning
 from .inputs import default_scale, finite
-from .learned import frozen_own, own_hook
+from .learned import own_hook, own_learning
 from .mask import Mask
-from .reference import _forward_in_place
+from .reference import _forward_in_place, _math
 
 #: a route: the bias hooks to read in turn, ``()`` for none (SDPA's kernel on q, k, v),
 #: ``("score_bias",)`` or ``("kept_score_bias", "score_bias")`` (the first that gives a
@@ -189,27 +194,31 @@ def _key(
     )  # fmt: skip
 
 
-def _grad_flags(q: Tensor, k: Tensor, v: Tensor, scheme: Any) -> tuple[bool, bool, bool] | None:
-    """In grad mode, the grad flags of ``q, k, v`` that the choice reads besides what
-    :func:`signature` holds (whether the call computes gradients, and whether the path's
-    own graph is differentiable twice, so that the dispatcher runs it with no wrapper);
-    None where the choice reads more than the key could hold: a scheme that may read a
-    tensor requiring grad other than its parameters (the dispatcher probes its hooks in
-    every call: :func:`~.learned.learned_inputs`), a parameter of the scheme that requires
-    grad (a learned bias, or a learned rotation: their paths keep no route, and a thawed
-    one must not replay the route kept while it was frozen), a call where SDPA's fused
+def _grad_flags(
+    q: Tensor, k: Tensor, v: Tensor, scheme: Any
+) -> tuple[bool, bool, bool, tuple[bool, ...]] | None:
+    """In grad mode, the grad flags of ``q, k, v`` and of the scheme's parameters that the
+    choice reads besides what :func:`signature` holds (whether the call computes
+    gradients, whether a bias or term asks for one, and whether the path's own graph is
+    differentiable twice, so that the dispatcher runs it with no wrapper; a thawed
+    table's call must not replay the route kept while it was frozen: a learned bias or
+    term keeps the formula op by op, :data:`~.plans._MATH_ROUTE`, a learned rotation's
+    wrapper no route); None where the choice reads more than the key could hold: a
+    scheme that may read a tensor requiring grad other than its parameters (the
+    dispatcher probes its hooks in every call: :func:`~.learned.learned_inputs`), a call where SDPA's fused
     kernel has no second derivative of its own (saved-tensor hooks in force:
     :func:`~.sdpa.differentiable_twice`, which the dispatcher reads), and a constant bias
     that the limit of :data:`.tuning.OPS_GRAD_BIAS_SCORES` may run op by op (that choice
     weighs the bias the scheme keeps against SDPA's)."""
-    if not frozen_own(scheme):  # (_reads_own_only, and scheme_parameters empty)
+    learning = own_learning(scheme)  # which of its parameters require grad
+    if learning is None:
         return None
     if not sdpa.differentiable_twice():  # saved-tensor hooks: the dispatcher wraps the route
         return None
     b, h, n_q, d = q.shape
     if d == v.shape[-1] and b * h * n_q * k.shape[2] <= tuning.OPS_GRAD_BIAS_SCORES:
         return None
-    return q.requires_grad, k.requires_grad, v.requires_grad
+    return q.requires_grad, k.requires_grad, v.requires_grad, learning
 
 
 def _routes(scheme: Any) -> _Routes | None:
@@ -292,10 +301,13 @@ def _run(
     None where the scheme's bias does not fit it. A causal call runs the path's own SDPA
     call (:func:`~.sdpa._sdpa`, which folds the mask into the bias, or takes SDPA's
     ``is_causal`` where there is none)."""
-    if route == plans._IN_PLACE_ROUTE:  # the path's call, its hooks checked as it checks them
+    if route in (plans._IN_PLACE_ROUTE, plans._MATH_ROUTE):  # the path's call, its hooks
+        # checked as it checks them
         hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
         mask = Mask(q.shape[2], k.shape[2]) if mask is None else mask
         scale = default_scale(q.shape[-1]) if scale is None else scale
+        if route == plans._MATH_ROUTE:
+            return _math(q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0, reference=False)[0]  # type: ignore[arg-type]
         return _forward_in_place(q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0)  # type: ignore[arg-type]
     bias = None
     kept_bias = False

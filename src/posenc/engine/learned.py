@@ -109,42 +109,39 @@ def _reads_own_only(scheme: Any) -> bool:
     posenc's class in ``__init__`` counts as posenc's), and that has no function or tensor
     requiring grad set on the instance (a hook or method replaced there, a learned tensor
     kept as a plain attribute). Called once per call in grad mode: a few microseconds."""
-    return _own(scheme, frozen=False)
+    return own_learning(scheme) is not None
 
 
-def frozen_own(scheme: Any) -> bool:
-    """:func:`_reads_own_only` with no parameter that requires grad (:func:`scheme_parameters`
-    empty), in one walk over the modules: what a call with gradients reads to key its
-    route (:func:`~.kept._grad_flags`)."""
-    return _own(scheme, frozen=True)
-
-
-def _own(scheme: Any, frozen: bool) -> bool:
-    """:func:`_reads_own_only`, and with ``frozen`` no parameter requiring grad either."""
+def own_learning(scheme: Any) -> tuple[bool, ...] | None:
+    """Where :func:`_reads_own_only` holds, which of the scheme's parameters require grad,
+    in the order of one walk over its modules (``()`` for no scheme); None where it does
+    not hold: what a call with gradients reads to key its route
+    (:func:`~.kept._grad_flags`: a thawed table's call must not replay the route kept
+    while it was frozen, nor the reverse)."""
     if scheme is None:
-        return True
+        return ()
     if not isinstance(scheme, nn.Module):
-        return False
+        return None
+    learning: list[bool] = []
     stack, seen = [scheme], {id(scheme)}
     while stack:
         module = stack.pop()
         modules = module._modules
         if not _own_class(type(module)) or "parametrizations" in modules:
-            return False
-        if frozen:
-            for p in module._parameters.values():
-                if p is not None and p.requires_grad:
-                    return False
+            return None
+        for p in module._parameters.values():
+            if p is not None:
+                learning.append(p.requires_grad)
         state = module.__dict__
         for name in state.keys() - _MODULE_STATE:  # what was set on the instance
             value = state[name]
             if callable(value) or (isinstance(value, Tensor) and value.requires_grad):
-                return False
+                return None
         for m in modules.values():  # each once: a module shared, or a cycle of modules
             if m is not None and id(m) not in seen:
                 seen.add(id(m))
                 stack.append(m)
-    return True
+    return tuple(learning)
 
 
 #: the attributes every ``nn.Module`` instance has

@@ -551,10 +551,11 @@ def _plan_materialised(call: Call) -> Plan:
             # kept in no-grad mode (the choice then reads what the key holds; in grad mode
             # it reads which of the hooks' tensors ask for a gradient)
             return in_place if torch.is_grad_enabled() else routed(in_place, _IN_PLACE_ROUTE)
-        return lambda: _math(
+        ops = lambda: _math(  # noqa: E731
             call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
             call.dropout_p, reference=False, bias=call.known_bias,
         )[0]  # fmt: skip
+        return routed(ops, _MATH_ROUTE)
     run = lambda: _sdpa(  # noqa: E731
         call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
         call.dropout_p, bias=None if hooks.score_bias is None else call.dense_bias,
@@ -606,6 +607,11 @@ _KEPT_FUSED_ROUTE = ("kept_score_bias",)
 #: (:func:`~.reference._forward_in_place`): the scheme's hooks as the path calls them, no
 #: SDPA call
 _IN_PLACE_ROUTE = ("op by op, in place",)
+
+
+#: the route of the materialised path's formula op by op with the fast hooks
+#: (:func:`~.reference._math`): a learned table's or a value term's call with gradients
+_MATH_ROUTE = ("op by op",)
 
 
 def routed(run: Callable[[], Tensor], route: tuple[str, ...]) -> Callable[[], Tensor]:
