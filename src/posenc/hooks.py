@@ -409,9 +409,10 @@ def _answered(scheme: Any, entries: list[Any]) -> list[Any] | None:
     """``entries`` (the class entries of a scheme's hooks) with each ``property`` replaced
     by its getter's answer for ``scheme``, as :func:`hooks_of`'s ``getattr`` gets it: the
     pair of the property and the plain function of the bound method of ``scheme`` it
-    gives, or of the property and None where it raises ``AttributeError`` (no hook); None
-    for another descriptor, or another answer (a closure, a callable object, another
-    instance's method: nothing says the next call's is the same)."""
+    gives (a function the class holds: :func:`_on_class`), or of the property and None
+    where it raises ``AttributeError`` (no hook); None for another descriptor, or another
+    answer (a closure, a callable object, another instance's method, a function made for
+    this instance: nothing says the next call's is the same)."""
     answered = []
     for entry in entries:
         kind = type(entry)
@@ -430,11 +431,35 @@ def _answered(scheme: Any, entries: list[Any]) -> list[Any] | None:
         if not (
             type(answer) is _METHOD
             and answer.__self__ is scheme
-            and type(answer.__func__) is _FUNCTION
+            and _on_class(type(scheme), answer.__func__)
         ):
             return None
         answered.append((entry, answer.__func__))
     return answered
+
+
+def signature_defines(signature: tuple[Any, ...], names: frozenset[str]) -> bool:
+    """Whether a :func:`hooks_signature` (not None) says the scheme defines one of ``names``
+    (a property that answered ``AttributeError`` defines none)."""
+    _, owners, entries = signature
+    return any(
+        name in names and not (type(entry) is tuple and entry[1] is None)
+        for (name, _), entry in zip(owners, entries, strict=True)
+    )
+
+
+def _on_class(cls: type, fn: Any) -> bool:
+    """Whether ``fn`` is a plain function that ``cls`` holds under its name (found in its
+    MRO's dicts, as a method is): a function made for one instance (a closure over it) is
+    not, and a key holding it would keep the instance alive in its routes."""
+    if type(fn) is not _FUNCTION:
+        return False
+    name = fn.__name__
+    for c in cls.__mro__:
+        held = c.__dict__
+        if name in held:
+            return held[name] is fn
+    return False
 
 
 #: an empty mapping, for a scheme without an instance dict or submodules

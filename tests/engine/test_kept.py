@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import types
 import weakref
 
 import pytest
@@ -272,6 +273,15 @@ def test_hooks_a_property_gives_as_the_schemes_methods_keep_a_route(values, walk
     computes what the scheme now says (no value term)."""
     scheme = posenc.ShawRelativePosition(D, 3, values=values)
     q, k, v = _qkv()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, tuning.OPS_FORWARD_THREADS))  # (op by op: a route)
+    try:
+        _shaw_calls(scheme, q, k, v, values, walks)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _shaw_calls(scheme, q, k, v, values, walks):
     with torch.no_grad():
         outs = [_call(scheme, q, k, v) for _ in range(3)]
         assert len(walks) == 1
@@ -322,6 +332,87 @@ def test_a_property_that_answers_otherwise_keeps_no_route(walks):
         with pytest.raises(RuntimeError, match="this property fails"):
             _call(_Broken(), q, k, v)
     assert not kept._ROUTES
+
+
+class _Toggle(nn.Module):
+    """A bias hook given by a property as the scheme's own method, or absent when off."""
+
+    def __init__(self):
+        super().__init__()
+        self.on = True
+
+    def _bias(self, q_pos, k_pos):
+        return -(k_pos[:, None, None, :] - q_pos[:, None, :, None]).abs().float()
+
+    @property
+    def score_bias(self):
+        if not self.on:
+            raise AttributeError("off")
+        return self._bias
+
+
+def test_a_property_that_defines_no_hook_is_not_a_hook_in_a_replay():
+    """A property that raises ``AttributeError`` defines no hook: a call of ``q, k, v``
+    alone raises the full call's ``TypeError`` (no hook at all), also where a module's call
+    (which does not check the hooks) kept the route of SDPA's kernel for it."""
+    scheme = _Toggle()
+    mha = posenc.MultiHeadAttention(H * D, H, position=scheme)
+    scheme.on = False
+    q = torch.randn(B, H, N, D)
+    with torch.no_grad():
+        mha(torch.randn(B, N, H * D))
+        assert list(kept._ROUTES[scheme].values()) == [()]
+        with pytest.raises(TypeError, match="defines none of the attention hooks"):
+            posenc.attention(q, q, q, position=scheme)
+        scheme.on = True
+        out = posenc.attention(q, q, q, position=scheme)
+    ref = _math(scheme.double(), *(q.double() for _ in range(3)))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_a_method_made_for_the_instance_keeps_no_route_and_the_scheme_goes():
+    """A property giving a method whose function was made for the instance (a closure over
+    it) keeps no route: a key holding that function would keep the scheme alive."""
+
+    class Closing(nn.Module):
+        @property
+        def score_bias(self):
+            def bias(module, q_pos, k_pos):
+                return torch.zeros(1, H, q_pos.shape[-1], k_pos.shape[-1]) * len(str(self))
+
+            return types.MethodType(bias, self)
+
+    scheme = Closing()
+    gone = weakref.ref(scheme)
+    with torch.no_grad():
+        for _ in range(2):
+            _call(scheme, *_qkv())
+    assert not kept._ROUTES
+    del scheme
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_buffer_that_asks_for_a_gradient_is_in_the_key():
+    """A table kept as a buffer that requires grad: the formula op by op is kept; frozen,
+    the call walks again (its bias is constant now: SDPA's kernel) and gives the
+    dispatcher's values and gradients to the bit."""
+    scheme = _learned("t5")
+    table = scheme.embedding.weight.detach().clone()
+    del scheme.embedding.weight
+    scheme.embedding.register_buffer("weight", table.requires_grad_())
+
+    def run():
+        q, k, v = (x.requires_grad_() for x in _qkv())
+        out = _call(scheme, q, k, v)
+        return out, *torch.autograd.grad(out.sum(), (q, k, v))
+
+    run()
+    assert list(kept._ROUTES[scheme].values()) == [plans._MATH_ROUTE]
+    table.requires_grad_(False)
+    got = run()
+    assert len(kept._ROUTES[scheme]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(got, _walked(run), strict=True))
 
 
 def test_routes_go_with_their_scheme_and_are_bounded(monkeypatch):

@@ -402,9 +402,9 @@ def test_posenc_s_own_modules_are_those_of_its_package_as_imported():
 def test_own_learning_gives_the_grad_flags_of_a_scheme_that_reads_its_own_only():
     """``own_learning`` (one walk) is None for a scheme that may read other tensors (a
     user's class, a function or a learned tensor set on the instance, a parametrised
-    table, a non-module) and otherwise gives the grad flag of each of its parameters (a
-    submodule's too): for posenc's schemes learned and frozen, one with a frozen and one
-    with a learning submodule, and None (no parameter)."""
+    table, a non-module) and otherwise gives the grad flag of each of its parameters and
+    buffers (a submodule's too): for posenc's schemes learned and frozen, one with a
+    frozen and one with a learning submodule, and None (no parameter)."""
     from posenc import ALiBi, T5RelativeBias
 
     class Mine(T5RelativeBias):
@@ -439,8 +439,9 @@ def test_own_learning_gives_the_grad_flags_of_a_scheme_that_reads_its_own_only()
     seen = set()
     for scheme in own:
         flags = own_learning(scheme)
-        params = [] if not isinstance(scheme, nn.Module) else list(scheme.parameters())
-        assert sorted(flags) == sorted(p.requires_grad for p in params), scheme
+        tensors = [] if not isinstance(scheme, nn.Module) else [*scheme.parameters()]
+        tensors += [] if not isinstance(scheme, nn.Module) else [*scheme.buffers()]
+        assert sorted(flags) == sorted(t.requires_grad for t in tensors), scheme
         assert _reads_own_only(scheme)
         seen.add(any(flags))
     assert seen == {True, False}

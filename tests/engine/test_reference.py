@@ -10,9 +10,8 @@ import posenc
 from posenc.diagonals import pad_rows, skew_rows
 from posenc.engine import Mask, attend, plans, reference, tuning
 from posenc.engine.reference import _forward_in_place, _math, _plus
-from posenc.families.terms import table_logits
+from posenc.families.terms import offset_term_logits, table_logits
 from posenc.hooks import Hooks
-from posenc.indices import gather_logits, relative_distance
 
 
 def test_plus_writes_into_the_scores_only_where_the_sum_is_the_same_tensor():
@@ -241,23 +240,30 @@ def _offset_hooks(h, d, per_head, dtype, calls, clip=None):
 
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("grad", [False, True])
-def test_a_clipped_offset_term_is_gathered_from_its_tables_logits(per_head, grad):
+@pytest.mark.parametrize("positions", ["both sides", "decoding"])
+def test_a_clipped_offset_term_is_gathered_from_its_tables_logits(per_head, grad, positions):
     """``offset_term`` giving a clipped table and each offset's row (Shaw's keys): the
-    queries against the table's rows, read at each pair's row (the skew of the index), in
-    one buffer without gradients and op by op with them; ``score_term`` is not called, and
-    the values (and gradients) have the bits of the families' gather of the same product."""
-    b, h, n_q, n_k, d = 2, 3, 6, 9, 8
+    queries against the rows the offsets meet, read at each pair's row (the skew of the
+    index), in one buffer without gradients and op by op with them; ``score_term`` is not
+    called, and the values (and gradients) have the bits of the families' form
+    (``offset_term_logits``: the product over the offsets met, gathered), also where the
+    offsets meet one side of the clip alone (a decoding step: one query after 199 keys)."""
+    b, h, d, clip = 2, 3, 32, 8
+    n_q, n_k = (6, 9) if positions == "both sides" else (1, 200)
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, requires_grad=grad) for n in (n_q, n_k, n_k))
-    q_pos, k_pos = torch.arange(3, 3 + n_q)[None], torch.arange(n_k)[None]
+    first = 3 if positions == "both sides" else 199
+    q_pos, k_pos = torch.arange(first, first + n_q)[None], torch.arange(n_k)[None]
     calls = []
-    hooks = _offset_hooks(h, d, per_head, torch.float32, calls, clip=2)
-    table, _ = hooks.offset_term(q_pos, k_pos)
+    hooks = _offset_hooks(h, d, per_head, torch.float32, calls, clip=clip)
+    full, _ = hooks.offset_term(q_pos, k_pos)  # [(h,) 2 clip + 1, d]
     calls.clear()
 
-    def gathered(q, q_pos, k_pos):  # the families' score_term of a clipped run
-        index = relative_distance(q_pos, k_pos).clamp(-2, 2) + 2  # [1, n_q, n_k]
-        return gather_logits(table_logits(q, pad_rows(table, tuning.GEMM_COLUMNS)), index)
+    def rows(offsets):  # the primitive: the row of each clipped offset
+        return full[..., offsets.clamp(-clip, clip) + clip, :]
+
+    def gathered(q, q_pos, k_pos):  # the families' score_term
+        return offset_term_logits(q, rows, q_pos, k_pos, clip)
 
     mask = Mask(n_q, n_k, causal=True)
     alone = Hooks(score_term=gathered)

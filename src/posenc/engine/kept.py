@@ -10,7 +10,7 @@ the scheme's hooks (which it defines, and where), the queries' shape, dtype and 
 the keys' count, the backend, the modes of torch (``torch.compile``, ``torch.jit.trace``,
 a dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), the
 thread count and the tuning constants (:mod:`.tuning`) alone; in grad mode also on which
-of ``q, k, v`` and of the scheme's parameters ask for a gradient, and on what the
+of ``q, k, v`` and of the scheme's parameters and buffers ask for a gradient, and on what the
 scheme's hooks may read that asks for one, which the key holds only for a scheme that can
 read nothing but its parameters (posenc's own modules: :func:`_grad_flags`). The
 :func:`signature` of the call holds all of them, and the shapes of ``k``, ``v`` and the
@@ -34,7 +34,7 @@ one of
   or
 - the materialised path's formula op by op with the fast hooks (:func:`~.reference._math`:
   a learned table's or term's call with gradients, whose choice reads which of the
-  scheme's parameters ask for one, which the key holds), its hooks checked likewise
+  scheme's parameters and buffers ask for one, which the key holds), its hooks checked likewise
   (:data:`~.plans._MATH_ROUTE`),
 
 run by the dispatcher with no wrapper (with gradients: where the path's own graph is
@@ -84,7 +84,15 @@ import torch
 from torch import Tensor
 
 from .._memo import eager
-from ..hooks import HOOK_NAMES, attribute, bias_fits, checked_hooks, hooks_of, hooks_signature
+from ..hooks import (
+    HOOK_NAMES,
+    attribute,
+    bias_fits,
+    checked_hooks,
+    hooks_of,
+    hooks_signature,
+    signature_defines,
+)
 from ..indices import run_positions
 from . import plans, sdpa, tuning
 from .inputs import default_scale, finite
@@ -94,7 +102,8 @@ from .reference import _forward_in_place, _math
 
 #: a route: the bias hooks to read in turn, ``()`` for none (SDPA's kernel on q, k, v),
 #: ``("score_bias",)`` or ``("kept_score_bias", "score_bias")`` (the first that gives a
-#: tensor); or :data:`~.plans._IN_PLACE_ROUTE` (the forward op by op in one buffer)
+#: tensor); or :data:`~.plans._IN_PLACE_ROUTE` (the forward op by op in one buffer), or
+#: :data:`~.plans._MATH_ROUTE` (the formula op by op)
 Route = tuple[str, ...]
 
 #: the rotation of ``posenc.attention`` (``posenc._rotary_buffer.rotated``): ``(scheme, q,
@@ -197,7 +206,8 @@ def _key(
 def _grad_flags(
     q: Tensor, k: Tensor, v: Tensor, scheme: Any
 ) -> tuple[bool, bool, bool, tuple[bool, ...]] | None:
-    """In grad mode, the grad flags of ``q, k, v`` and of the scheme's parameters that the
+    """In grad mode, the grad flags of ``q, k, v`` and of the scheme's parameters and buffers
+    (:func:`~.learned.own_learning`) that the
     choice reads besides what :func:`signature` holds (whether the call computes
     gradients, whether a bias or term asks for one, and whether the path's own graph is
     differentiable twice, so that the dispatcher runs it with no wrapper; a thawed
@@ -408,8 +418,8 @@ def replay_unmasked(
     if rotates and route:
         return None  # a bias route may decline after the rotation: the full call rotates once
     if scheme is not None:
-        if _MAIN_HOOKS.isdisjoint(dict(key[0][1])):  # the hook names the scheme defines
-            return None
+        if not signature_defines(key[0], _MAIN_HOOKS):  # none of the hooks: the full call
+            return None  # raises
         if validate:
             check = attribute(scheme, "validate_attention")
             if callable(check):

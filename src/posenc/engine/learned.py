@@ -113,11 +113,12 @@ def _reads_own_only(scheme: Any) -> bool:
 
 
 def own_learning(scheme: Any) -> tuple[bool, ...] | None:
-    """Where :func:`_reads_own_only` holds, which of the scheme's parameters require grad,
-    in the order of one walk over its modules (``()`` for no scheme); None where it does
-    not hold: what a call with gradients reads to key its route
-    (:func:`~.kept._grad_flags`: a thawed table's call must not replay the route kept
-    while it was frozen, nor the reverse)."""
+    """Where :func:`_reads_own_only` holds, which of the scheme's parameters and buffers
+    require grad, in the order of one walk over its modules (``()`` for no scheme); None
+    where it does not hold: what a call with gradients reads to key its route
+    (:func:`~.kept._grad_flags`: whether a bias or term asks for a gradient follows from
+    them, and a thawed table's call must not replay the route kept while it was frozen,
+    nor the reverse)."""
     if scheme is None:
         return ()
     if not isinstance(scheme, nn.Module):
@@ -132,6 +133,9 @@ def own_learning(scheme: Any) -> tuple[bool, ...] | None:
         for p in module._parameters.values():
             if p is not None:
                 learning.append(p.requires_grad)
+        for buffer in module._buffers.values():  # (a buffer may ask for a gradient too)
+            if buffer is not None:
+                learning.append(buffer.requires_grad)
         state = module.__dict__
         for name in state.keys() - _MODULE_STATE:  # what was set on the instance
             value = state[name]

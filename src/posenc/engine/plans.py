@@ -616,7 +616,7 @@ _MATH_ROUTE = ("op by op",)
 
 def routed(run: Callable[[], Tensor], route: tuple[str, ...]) -> Callable[[], Tensor]:
     """``run``, marked with the route :mod:`.kept` may replay for calls of its signature:
-    SDPA's kernel on ``q, k, v`` with the bias of the hooks named (``()``: none), or
-    :data:`_IN_PLACE_ROUTE`."""
+    SDPA's kernel on ``q, k, v`` with the bias of the hooks named (``()``: none),
+    :data:`_IN_PLACE_ROUTE` or :data:`_MATH_ROUTE`."""
     run.route = route  # type: ignore[attr-defined]
     return run

@@ -75,7 +75,9 @@ def _run_rows(
     """The rows of the scheme's query term per offset at these positions, for a caller
     that computes ``q`` against them itself: ``offset_term``'s rows ``[(h,) n_q + n_k - 1,
     d]``, or its table ``[(h,) R, d]`` and the index of each offset's row ``[n_q + n_k -
-    1]`` (a clipped term), padded with zero rows as
+    1]`` (a clipped term; the table cut to the rows the index reads, as
+    :func:`~posenc.families.terms.offset_term_logits` tabulates the offsets met), padded
+    with zero rows as
     :func:`~posenc.families.terms.offset_term_logits` pads them
     (:func:`~posenc.diagonals.pad_rows`), in ``q``'s dtype: ``(rows or table, index or
     None)``. ``score_term`` is then the skew (``skew_rows(x, n_k)``) of ``x = q @ rows^T``,
@@ -90,11 +92,17 @@ def _run_rows(
     if isinstance(rows, tuple) and len(rows) == 2:
         rows, index = rows
         if not (
-            isinstance(index, Tensor)
+            isinstance(rows, Tensor)
+            and isinstance(index, Tensor)
             and index.shape == (q_pos.shape[-1] + k_pos.shape[-1] - 1,)
             and index.dtype == torch.int64
         ):
             return None
+        low, high = (int(x) for x in torch.aminmax(index))
+        if low < 0 or high >= rows.shape[-2]:
+            return None  # (score_term raises what it raises)
+        if low or high + 1 < rows.shape[-2]:  # the rows the offsets meet, as score_term's
+            rows, index = rows[..., low : high + 1, :], index - low
     if not isinstance(rows, Tensor):
         return None
     _, h, n_q, d = q.shape
@@ -108,7 +116,7 @@ def _run_rows(
 def _pair_index(index: Tensor, n_q: int, n_k: int) -> Tensor:
     """Each pair's row of a clipped term, ``index[j - i + n_q - 1]``, from the row of each
     offset of a run, ``index [n_q + n_k - 1]``: ``[1, n_q, n_k]`` (the skew of the index
-    repeated for each query, a view)."""
+    repeated for each query)."""
     return skew_rows(index.expand(n_q, index.shape[0]), n_k)[None]  # [1, n_q, n_k]
 
 
