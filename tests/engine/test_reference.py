@@ -398,6 +398,29 @@ def test_the_forward_in_one_buffer_takes_the_score_term_where_the_rows_do_not_fi
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_outside_eager_code_the_formula_calls_the_score_term():
+    """Under a torch function mode (as under ``torch.compile``, a ``torch.func`` transform
+    or forward-mode AD, where reading the index's values would break the graph or meet a
+    batched tensor) the formula calls ``score_term``, not ``offset_term``."""
+
+    class Passing(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    b, h, n, d = 1, 2, 5, 4
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(n)[None]
+    calls = []
+    hooks = _offset_hooks(h, d, False, torch.float64, calls, clip=2)
+    with Passing():
+        out = _math(q, k, v, hooks, pos, pos, Mask(n, n), 0.5, 0.0, reference=False)[0]
+    assert calls == ["score_term"]
+    calls.clear()
+    expected = _math(q, k, v, hooks, pos, pos, Mask(n, n), 0.5, 0.0, reference=False)[0]
+    assert calls == ["offset_term"]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_an_offset_term_without_a_score_term_adds_nothing():
     """``offset_term`` is another form of ``score_term``: a scheme that gives rows but no
     term (here beside a bias) gets no term added, op by op or in one buffer."""

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._memo import eager
 from ..diagonals import pad_rows, skew_rows
 from ..hooks import Hooks
 from ..indices import gather_logits
@@ -83,10 +84,14 @@ def _run_rows(
     None)``. ``score_term`` is then the skew (``skew_rows(x, n_k)``) of ``x = q @ rows^T``,
     or of ``x = (q @ table^T)[..., index]``: the values of that form's product and skew,
     or gather. None where the scheme has no such form here: no ``offset_term``, positions
-    that are not one run, rows, a table or an index of another shape (``score_term``
-    then runs, and raises what it raises)."""
+    that are not one run, rows, a table or an index of another shape or an empty index
+    (``score_term`` then runs, and raises what it raises), and outside eager code
+    (``torch.compile``, ``torch.jit.trace``, a ``torch.func`` transform, a dispatch or
+    function mode, forward-mode AD: ``score_term``'s own forms, which read no value)."""
     if hooks.offset_term is None or hooks.score_term is None:
         return None  # (an offset_term without a score_term adds nothing)
+    if not eager():
+        return None
     rows = hooks.offset_term(q_pos, k_pos)
     index = None
     if isinstance(rows, tuple) and len(rows) == 2:
@@ -96,6 +101,7 @@ def _run_rows(
             and isinstance(index, Tensor)
             and index.shape == (q_pos.shape[-1] + k_pos.shape[-1] - 1,)
             and index.dtype == torch.int64
+            and index.numel()
         ):
             return None
         low, high = (int(x) for x in torch.aminmax(index))
