@@ -36,6 +36,17 @@ from tolerances import assert_close, logit_size
 B, H, N, D = 2, 4, 12, 8
 
 
+@pytest.fixture(autouse=True)
+def _threads_for_op_by_op():
+    """At least ``OPS_FORWARD_THREADS`` threads, as on the machines the routes below were
+    chosen for: with fewer (a 1-core machine) the materialised path runs a term through
+    SDPA with a float mask, which keeps no route. Restored after each test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, tuning.OPS_FORWARD_THREADS))
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def walks(monkeypatch):
     """A list that grows by one each time the dispatcher walks its paths."""
@@ -273,15 +284,6 @@ def test_hooks_a_property_gives_as_the_schemes_methods_keep_a_route(values, walk
     computes what the scheme now says (no value term)."""
     scheme = posenc.ShawRelativePosition(D, 3, values=values)
     q, k, v = _qkv()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(threads, tuning.OPS_FORWARD_THREADS))  # (op by op: a route)
-    try:
-        _shaw_calls(scheme, q, k, v, values, walks)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _shaw_calls(scheme, q, k, v, values, walks):
     with torch.no_grad():
         outs = [_call(scheme, q, k, v) for _ in range(3)]
         assert len(walks) == 1
