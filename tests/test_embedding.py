@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import posenc
-import posenc.embedding as embedding
+import posenc._query_terms as query_terms
 from posenc import MultiHeadAttention, resize_relative_position_table
 from posenc.embedding import (
     AbsoluteQueryEmbedding,
@@ -188,7 +188,7 @@ def test_relative_forward_is_the_skew_of_the_offset_logits(monkeypatch):
         seen.append(tuple(x.shape))
         return relative_to_absolute(x)
 
-    monkeypatch.setattr(embedding, "relative_to_absolute", spy)
+    monkeypatch.setattr(query_terms, "relative_to_absolute", spy)
     got = module(q)
     assert seen == [(2, 3, 4, 7)]  # [b, h, n, 2n-1]: offsets -(n-1)..n-1 only
     rows = module.weight[6 - 4 : 6 + 4 - 1]  # rows of offsets -3..3
@@ -651,8 +651,8 @@ def test_the_rows_of_a_run_of_offsets_are_a_slice_of_the_table(monkeypatch, head
     offsets = run_offsets(q_pos, k_pos)  # -4 .. 3
     assert offsets.tolist() == list(range(-4, 4))
     selected = []
-    original = embedding.select_rows
-    monkeypatch.setattr(embedding, "select_rows", lambda *a: selected.append(1) or original(*a))
+    original = query_terms.select_rows
+    monkeypatch.setattr(query_terms, "select_rows", lambda *a: selected.append(1) or original(*a))
     rows = relative_rows(weight, offsets)
     assert selected == [] and torch.equal(rows, weight[..., 3:11, :])  # rows -4 + 7 on
     assert rows.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
