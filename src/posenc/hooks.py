@@ -61,6 +61,7 @@ to the next). Masks are the attention's job, never a hook's.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -466,10 +467,10 @@ def _on_class(cls: type, fn: Any) -> bool:
 _NO_HOOKS_HERE: dict[str, Any] = {}
 
 
-#: the type of a plain function, alone
-_FUNCTIONS = {type(hooks_signature)}
 #: the type of a plain function, and of a bound method
-_FUNCTION, _METHOD = type(hooks_signature), type(Hooks().__eq__)
+_FUNCTION, _METHOD = types.FunctionType, types.MethodType
+#: the type of a plain function, alone
+_FUNCTIONS = {_FUNCTION}
 
 
 def bias_fits(bias: Tensor, b: int, h: int, q_pos: Tensor, k_pos: Tensor) -> bool:

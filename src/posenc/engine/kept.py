@@ -220,7 +220,7 @@ def _grad_flags(
     :func:`~.sdpa.differentiable_twice`, which the dispatcher reads), and a constant bias
     that the limit of :data:`.tuning.OPS_GRAD_BIAS_SCORES` may run op by op (that choice
     weighs the bias the scheme keeps against SDPA's)."""
-    learning = own_learning(scheme)  # which of its parameters require grad
+    learning = own_learning(scheme)  # which of its parameters and buffers require grad
     if learning is None:
         return None
     if not sdpa.differentiable_twice():  # saved-tensor hooks: the dispatcher wraps the route
@@ -311,8 +311,8 @@ def _run(
     None where the scheme's bias does not fit it. A causal call runs the path's own SDPA
     call (:func:`~.sdpa._sdpa`, which folds the mask into the bias, or takes SDPA's
     ``is_causal`` where there is none)."""
-    if route in (plans._IN_PLACE_ROUTE, plans._MATH_ROUTE):  # the path's call, its hooks
-        # checked as it checks them
+    if route in (plans._IN_PLACE_ROUTE, plans._MATH_ROUTE):  # the path's call, op by op
+        # (its hooks checked as the path checks them)
         hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
         mask = Mask(q.shape[2], k.shape[2]) if mask is None else mask
         scale = default_scale(q.shape[-1]) if scale is None else scale

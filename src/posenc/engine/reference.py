@@ -76,12 +76,10 @@ def _run_rows(
     """The rows of the scheme's query term per offset at these positions, for a caller
     that computes ``q`` against them itself: ``offset_term``'s rows ``[(h,) n_q + n_k - 1,
     d]``, or its table ``[(h,) R, d]`` and the index of each offset's row ``[n_q + n_k -
-    1]`` (a clipped term; the table cut to the rows the index reads, as
-    :func:`~posenc.families.terms.offset_term_logits` tabulates the offsets met), padded
-    with zero rows as
-    :func:`~posenc.families.terms.offset_term_logits` pads them
-    (:func:`~posenc.diagonals.pad_rows`), in ``q``'s dtype: ``(rows or table, index or
-    None)``. ``score_term`` is then the skew (``skew_rows(x, n_k)``) of ``x = q @ rows^T``,
+    1]`` (a clipped term, the table cut to the rows the index reads), as
+    :func:`~posenc.families.terms.offset_term_logits` tabulates the offsets met and pads
+    them with zero rows (:func:`~posenc.diagonals.pad_rows`), in ``q``'s dtype: ``(rows or
+    table, index or None)``. ``score_term`` is then the skew (``skew_rows(x, n_k)``) of ``x = q @ rows^T``,
     or of ``x = (q @ table^T)[..., index]``: the values of that form's product and skew,
     or gather. None where the scheme has no such form here: no ``offset_term``, positions
     that are not one run, rows, a table or an index of another shape or an empty index
@@ -296,7 +294,7 @@ def _forward_in_place(
     elif bias is None:
         bias = _dense_bias(hooks, q_pos, k_pos)
     if torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (rows and rows[0], term, bias)
+        x is not None and x.requires_grad for x in (None if rows is None else rows[0], term, bias)
     ):
         # grad mode, and the hooks read a tensor that requires grad (not a parameter of the
         # scheme, which the plan saw): the formula in autograd ops differentiates it
