@@ -1,13 +1,6 @@
-"""The maths of place 4's query terms (:mod:`posenc.embedding`): pure functions of the
-queries and the tables, and the checks of their inputs, which the modules there call.
-
-Shaw et al. 2018; Huang et al. 2018, "Music Transformer" (the skew); Ramachandran et al.
-2019 (SASA) and Srinivas et al. 2021 (BoTNet) for the 2-D factorised form.
-
-Shape legend: ``b`` batch, ``h`` heads, ``n`` sequence length (``n_q`` queries, ``n_k``
-keys), ``d`` head dim, ``B'`` the batch of the positions (1 when shared, else ``b``),
-``L`` ``max_len``, ``H, W`` feature-map height and width (``n = H * W`` tokens, row-major).
-"""
+"""The maths of place 4's query terms (:mod:`posenc.embedding`, whose docstring gives the
+papers and the shape legend): pure functions of the queries and the tables, and the checks
+of their inputs, which the modules there call."""
 
 from __future__ import annotations
 
