@@ -256,6 +256,52 @@ def test_a_value_term_has_its_own_crossover(monkeypatch):
     )
 
 
+def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
+    """Shaw's keys beyond their reach (a table of 2k + 1 rows that most offsets share) take
+    the path op by op with gradients up to MATERIALISED_CLIPPED_TERM_SCORES
+    (MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES under a causal mask), past the crossover of
+    other score terms; without gradients, within its reach, or where the rows met are more
+    than half the offsets, the term's own crossover holds."""
+    monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**12)
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12)
+    q = torch.randn(2, 2, 64, 8)  # 2^14 scores, 127 offsets
+    clipped = posenc.ShawRelativePosition(8, 16, values=False)  # 33 rows
+    assert posenc.explain(q, q, q, position=clipped).path == "materialised"  # its keys learn
+    assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
+    with torch.no_grad():  # no gradient: the crossover of a score term
+        _refused(
+            posenc.explain(q, q, q, position=clipped),
+            "offset-term",
+            "16384 scores [b, h, n_q, n_k], above the crossover 4096 (MATERIALISED_TERM_SCORES) "
+            "from which the lean paths run a score term faster",
+        )
+    frozen = copy.deepcopy(clipped).requires_grad_(False)
+    assert posenc.explain(q, q, q, position=frozen).path == "offset-term"
+    assert posenc.explain(q.requires_grad_(), q, q, position=frozen).path == "materialised"
+    q = q.detach()
+    # every offset its own row; 81 rows met of 127, more than half; 63 rows, at most half
+    for reach, path in ((63, "offset-term"), (40, "offset-term"), (31, "materialised")):
+        keys = posenc.ShawRelativePosition(8, reach, values=False)
+        assert posenc.explain(q, q, q, position=keys).path == path, reach
+    monkeypatch.setattr(tuning, "MATERIALISED_CLIPPED_TERM_SCORES", 2**13)
+    _refused(
+        posenc.explain(q, q, q, position=clipped),
+        "offset-term",
+        "16384 scores [b, h, n_q, n_k], above the crossover 8192 "
+        "(MATERIALISED_CLIPPED_TERM_SCORES) from which the lean paths run a clipped score term "
+        "with gradients faster",
+    )
+    assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES", 2**13)
+    _refused(
+        posenc.explain(q, q, q, position=clipped, causal=True),
+        "offset-term",
+        "16384 scores [b, h, n_q, n_k], above the crossover 8192 "
+        "(MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES) from which the lean paths run a causal "
+        "clipped score term with gradients faster",
+    )
+
+
 def test_what_the_materialised_path_refuses_and_why():
     """A contextual term (CoPE) never takes it; half precision does not (SDPA would round
     the bias); neither does a call with nothing positional."""

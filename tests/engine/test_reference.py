@@ -286,6 +286,30 @@ def test_a_clipped_offset_term_is_gathered_from_its_tables_logits(per_head, grad
         assert all(torch.equal(a, b) for a, b in zip(grads, want, strict=True))
 
 
+def test_a_clipped_terms_graph_keeps_each_pairs_row_not_the_logits():
+    """With gradients, the gathered term's node keeps the index of each pair's row, not
+    the logits ``[b, h, n_q, R']`` (gather's own node keeps its input until the backward,
+    which reads its shape alone); its first and second-order gradients match finite
+    differences (float64), as the table's and the queries' do through the whole formula."""
+    b, h, d, clip, n = 2, 2, 4, 2, 7
+    calls = []
+    hooks = _offset_hooks(h, d, False, torch.float64, calls, clip=clip)
+    torch.manual_seed(0)
+    q = torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True)
+    pos = torch.arange(n)[None]
+    table, index = reference._run_rows(hooks, q, pos, pos)  # [2 clip + 1, d], [2n - 1]
+    term = reference._term_of_rows(q, table, index, n)  # [b, h, n, n]
+    saved = term.grad_fn.saved_tensors
+    assert [(t.dtype, t.shape) for t in saved] == [(torch.int64, (b, h, n, n))]
+    table = table.clone().requires_grad_()
+
+    def term_of(q, table):
+        return reference._term_of_rows(q, table, index, n)
+
+    assert torch.autograd.gradcheck(term_of, (q, table))
+    assert torch.autograd.gradgradcheck(term_of, (q, table))
+
+
 @pytest.mark.numerical
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -27,7 +27,7 @@ from .learned import learned_inputs, scheme_parameters
 from .mask import Mask
 from .offset_bias import _offset_kernel_values, _OffsetFusedAttention
 from .offset_term import _expand_rows, _offset_rows, _OffsetTermAttention, _same_index
-from .reference import _forward_in_place, _math
+from .reference import _forward_in_place, _math, _run_rows
 from .sdpa import _sdpa, fused_cpu_runs
 
 
@@ -455,6 +455,20 @@ def materialised_size(call: Call) -> str | None:
     return None
 
 
+def _clipped_term(call: Call) -> bool:
+    """Whether the call's score term is a clipped table whose rows most offsets share
+    (Shaw's keys beyond their reach): its ``offset_term`` gives a table and the row of each
+    offset (:func:`~.reference._run_rows`), and the rows the offsets meet are at most half
+    of them. The materialised path multiplies ``q`` by those rows alone and gathers each
+    pair's logit, a product narrower than the scores, where the lean path works per strip
+    of offsets; with gradients its crossover lies higher."""
+    rows = _run_rows(call.hooks, call.q, call.q_pos, call.k_pos)
+    if rows is None or rows[1] is None:
+        return False
+    index = rows[1]  # [n_q + n_k - 1], from 0 (the table cut to the rows met, then padded)
+    return 2 * (int(index.max()) + 1) <= index.shape[0]
+
+
 def _plan_materialised(call: Call) -> Plan:
     """The bias, term and value term written out over the ``[b, h, n_q, n_k]`` scores, where
     they are few enough that the lean paths' fixed costs (blocks in Python, many small
@@ -487,7 +501,9 @@ def _plan_materialised(call: Call) -> Plan:
     (:data:`tuning.MATERIALISED_CAUSAL_VALUE_SCORES` under a causal mask),
     :data:`tuning.MATERIALISED_TERM_SCORES` for a score term
     (:data:`tuning.MATERIALISED_CAUSAL_TERM_SCORES` under a causal mask, whose hidden pairs
-    the lean paths skip),
+    the lean paths skip), past it :data:`tuning.MATERIALISED_CLIPPED_TERM_SCORES`
+    (:data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES`) for a clipped term in a call
+    that asks for gradients (:func:`_clipped_term`),
     :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients;
     for a bias without, the budget alone, and under a causal mask
     :data:`tuning.MATERIALISED_CAUSAL_PAIRS` pairs per head (the lean forward skips the
@@ -521,6 +537,12 @@ def _plan_materialised(call: Call) -> Plan:
         )
     elif term:
         name = "MATERIALISED_CAUSAL_TERM_SCORES" if call.mask.causal else "MATERIALISED_TERM_SCORES"
+        clipped = grad and scores > getattr(tuning, name) and _clipped_term(call)
+        if clipped:
+            name = (
+                "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES" if call.mask.causal
+                else "MATERIALISED_CLIPPED_TERM_SCORES"
+            )  # fmt: skip
     else:
         name = "MATERIALISED_BIAS_SCORES" if grad else "MATERIALISED_SCORES"
     crossover = getattr(tuning, name)
@@ -532,6 +554,8 @@ def _plan_materialised(call: Call) -> Plan:
                 else ("a causal score term" if call.mask.causal else "a score term") if term
                 else "a bias with gradients"
             )  # fmt: skip
+            if term and not value and clipped:
+                what = what.replace("score term", "clipped score term with gradients")
             return (
                 f"{scores} scores [b, h, n_q, n_k], above the crossover {crossover} ({name}) "
                 f"from which the lean paths run {what} faster"

@@ -6,6 +6,8 @@ queries, ``n_k`` keys, ``d`` head dim; positions ``[B', n]`` with ``B'`` 1 or ``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -13,7 +15,6 @@ from torch import Tensor
 from .._memo import eager
 from ..diagonals import pad_rows, skew_rows
 from ..hooks import Hooks
-from ..indices import gather_logits
 from . import tuning
 from .mask import Mask
 from .workspace import borrowed
@@ -117,6 +118,39 @@ def _run_rows(
     return pad_rows(rows, tuning.GEMM_COLUMNS).to(q.dtype), index  # [(h,) W' | R', d]
 
 
+def _term_of_rows(q: Tensor, table: Tensor, index: Tensor | None, n_k: int) -> Tensor:
+    """``score_term`` from :func:`_run_rows`'s ``(table, index)``: the skew of ``q @
+    rows^T``, or each pair's logit gathered from ``q @ table^T``, ``[b, h, n_q, n_k]`` (a
+    function of its own, so that the logits and the term are freed once the caller has
+    added them to the scores, before the softmax)."""
+    logits = q @ table.transpose(-2, -1)  # [b, h, n_q, W' | R']
+    if index is None:
+        return skew_rows(logits, n_k)  # [b, h, n_q, n_k], a view
+    b, h, n_q, _ = logits.shape
+    pairs = _pair_index(index, n_q, n_k).expand(b, h, n_q, n_k)  # [1, n_q, n_k], a view
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _Gathered.apply(logits, pairs)  # [b, h, n_q, n_k], each pair's row
+    return logits.gather(-1, pairs)  # [b, h, n_q, n_k]
+
+
+class _Gathered(torch.autograd.Function):
+    """``logits.gather(-1, index)`` whose node keeps the index alone: gather's own node
+    keeps its input, the logits ``[b, h, n_q, R']``, until the backward, which reads only
+    their shape. The backward adds each pair's gradient into its row (differentiable:
+    second-order gradients go through it)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, index: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index)
+        ctx.shape = logits.shape
+        return logits.gather(-1, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.shape).scatter_add_(-1, index, grad), None
+
+
 def _pair_index(index: Tensor, n_q: int, n_k: int) -> Tensor:
     """Each pair's row of a clipped term, ``index[j - i + n_q - 1]``, from the row of each
     offset of a run, ``index [n_q + n_k - 1]``: ``[1, n_q, n_k]`` (the skew of the index
@@ -195,13 +229,7 @@ def _math(
     term = (hooks.reference_score_term if reference else None) or hooks.score_term
     rows = None if reference else _run_rows(hooks, q, q_pos, k_pos)
     if rows is not None:  # score_term's form for a run: the skew of q against the rows
-        table, index = rows  # [(h,) W' | R', d], [W] or None
-        logits = q @ table.transpose(-2, -1)  # [b, h, n_q, W' | R']
-        if index is None:
-            term_of_rows = skew_rows(logits, k.shape[2])  # [b, h, n_q, n_k]
-        else:  # each pair's row: the skew of the offsets' index, gathered
-            term_of_rows = gather_logits(logits, _pair_index(index, q.shape[2], k.shape[2]))
-        scores = _plus(scores, term_of_rows, own)
+        scores = _plus(scores, _term_of_rows(q, *rows, k.shape[2]), own)
     elif term is not None:
         scores = _plus(scores, term(q, q_pos, k_pos), own)
     scores = scores.mul_(scale) if own else scores * scale
