@@ -258,10 +258,11 @@ def test_a_value_term_has_its_own_crossover(monkeypatch):
 
 def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
     """Shaw's keys beyond their reach (a table of 2k + 1 rows that most offsets share) take
-    the path op by op with gradients up to MATERIALISED_CLIPPED_TERM_SCORES
-    (MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES under a causal mask), past the crossover of
-    other score terms; without gradients, within its reach, or where the rows met are more
-    than half the offsets, the term's own crossover holds."""
+    the path op by op with gradients up to MATERIALISED_CLIPPED_TERM_SCORES (under a causal
+    mask at most MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS pairs per head), past the crossover
+    of other score terms; without gradients, within its reach, or where the rows met are
+    more than half the offsets (the bound itself is clipped), the term's own crossover
+    holds."""
     monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**12)
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12)
     q = torch.randn(2, 2, 64, 8)  # 2^14 scores, 127 offsets
@@ -291,15 +292,61 @@ def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
         "(MATERIALISED_CLIPPED_TERM_SCORES) from which the lean paths run a clipped score term "
         "with gradients faster",
     )
-    assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
-    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES", 2**13)
     _refused(
         posenc.explain(q, q, q, position=clipped, causal=True),
         "offset-term",
         "16384 scores [b, h, n_q, n_k], above the crossover 8192 "
-        "(MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES) from which the lean paths run a causal "
-        "clipped score term with gradients faster",
+        "(MATERIALISED_CLIPPED_TERM_SCORES) from which the lean paths run a causal clipped "
+        "score term with gradients faster",
     )
+    monkeypatch.setattr(tuning, "MATERIALISED_CLIPPED_TERM_SCORES", 2**14)
+    assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
+    # causal, over more pairs per head: the crossover of a causal score term
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS", 64 * 64 - 1)
+    assert posenc.explain(q, q, q, position=clipped).path == "materialised"
+    _refused(
+        posenc.explain(q, q, q, position=clipped, causal=True),
+        "offset-term",
+        "16384 scores [b, h, n_q, n_k], above the crossover 4096 "
+        "(MATERIALISED_CAUSAL_TERM_SCORES) from which the lean paths run a causal score term "
+        "faster",
+    )
+    # the rows met (all 33) against the offsets, at the bound: 65 offsets, then 66
+    for n_k, path in ((33, "offset-term"), (34, "materialised")):
+        q, k = torch.randn(2, 2, 33, 8), torch.randn(2, 2, n_k, 8)
+        assert posenc.explain(q, k, k, position=clipped).path == path, n_k
+
+
+def test_a_call_the_clipped_crossover_chose_keeps_no_route(monkeypatch):
+    """Whether a term is clipped reads the positions' values (the offsets met), which a
+    kept route's key does not hold: a call that crossover put on the materialised path is
+    not replayed, and a later call of the same shapes at positions that meet most rows
+    takes the offset-term path again. Where the offset-term path would not take the call
+    (a key padding mask), the crossover is not asked, nor the scheme's ``offset_term``."""
+    monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**12)
+    asked = []
+    rows = plans._run_rows
+    monkeypatch.setattr(plans, "_run_rows", lambda *a: asked.append(1) or rows(*a))
+    shaw = posenc.ShawRelativePosition(8, 40, values=False)  # 81 rows for 127 offsets
+    q = torch.randn(2, 2, 64, 8, requires_grad=True)
+    far = torch.arange(1000, 1064)  # every offset clipped to -40: one row
+    assert posenc.explain(q, q, q, position=shaw).path == "offset-term"
+    told = posenc.explain(q, q, q, position=shaw, positions=far, key_positions=torch.arange(64))
+    assert told.path == "materialised" and not told.replayed, told
+    posenc.attention(q, q, q, position=shaw, positions=far, key_positions=torch.arange(64))
+    ran = []
+    lean = plans._OffsetTermAttention.apply
+    monkeypatch.setattr(plans._OffsetTermAttention, "apply", lambda *a: ran.append(1) or lean(*a))
+    posenc.attention(q, q, q, position=shaw)
+    assert ran == [1]
+    asked.clear()
+    padding = torch.zeros(2, 64, dtype=torch.bool)
+    padding[0, -3:] = True
+    told = posenc.explain(
+        q, q, q, position=shaw, positions=far, key_positions=torch.arange(64),
+        key_padding_mask=padding,
+    )  # fmt: skip
+    assert told.path == "lean-fused" and asked == [], told
 
 
 def test_what_the_materialised_path_refuses_and_why():

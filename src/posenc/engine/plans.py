@@ -459,9 +459,17 @@ def _clipped_term(call: Call) -> bool:
     """Whether the call's score term is a clipped table whose rows most offsets share
     (Shaw's keys beyond their reach): its ``offset_term`` gives a table and the row of each
     offset (:func:`~.reference._run_rows`), and the rows the offsets meet are at most half
-    of them. The materialised path multiplies ``q`` by those rows alone and gathers each
-    pair's logit, a product narrower than the scores, where the lean path works per strip
-    of offsets; with gradients its crossover lies higher."""
+    of them, in a call the offset-term path would take (no mask but a causal one; the
+    crossovers were measured against it). The materialised path multiplies ``q`` by those
+    rows alone and gathers each pair's logit, a product narrower than the scores, where
+    the lean path works per strip of offsets; with gradients its crossover lies higher.
+    The answer reads the positions' values (the offsets met), which a kept route's key
+    does not hold: a call it decides is not kept."""
+    why = _refusal(
+        call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True
+    )
+    if why is not None:  # the lean path is not the offset-term path: its crossover holds
+        return False  # (and the hook is not asked where that path would not ask it)
     rows = _run_rows(call.hooks, call.q, call.q_pos, call.k_pos)
     if rows is None or rows[1] is None:
         return False
@@ -501,9 +509,9 @@ def _plan_materialised(call: Call) -> Plan:
     (:data:`tuning.MATERIALISED_CAUSAL_VALUE_SCORES` under a causal mask),
     :data:`tuning.MATERIALISED_TERM_SCORES` for a score term
     (:data:`tuning.MATERIALISED_CAUSAL_TERM_SCORES` under a causal mask, whose hidden pairs
-    the lean paths skip), past it :data:`tuning.MATERIALISED_CLIPPED_TERM_SCORES`
-    (:data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES`) for a clipped term in a call
-    that asks for gradients (:func:`_clipped_term`),
+    the lean paths skip), past it :data:`tuning.MATERIALISED_CLIPPED_TERM_SCORES` for a
+    clipped term in a call that asks for gradients (:func:`_clipped_term`; under a causal
+    mask at most :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS` pairs per head),
     :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients;
     for a bias without, the budget alone, and under a causal mask
     :data:`tuning.MATERIALISED_CAUSAL_PAIRS` pairs per head (the lean forward skips the
@@ -531,18 +539,21 @@ def _plan_materialised(call: Call) -> Plan:
     grad = call.grad
     value = hooks.value_term is not None
     term = value or hooks.score_term is not None
+    clipped = False
     if value:
         name = (
             "MATERIALISED_CAUSAL_VALUE_SCORES" if call.mask.causal else "MATERIALISED_VALUE_SCORES"
         )
     elif term:
         name = "MATERIALISED_CAUSAL_TERM_SCORES" if call.mask.causal else "MATERIALISED_TERM_SCORES"
-        clipped = grad and scores > getattr(tuning, name) and _clipped_term(call)
+        clipped = (
+            grad
+            and scores > getattr(tuning, name)
+            and (not call.mask.causal or n_q * n_k <= tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS)
+            and _clipped_term(call)
+        )
         if clipped:
-            name = (
-                "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES" if call.mask.causal
-                else "MATERIALISED_CLIPPED_TERM_SCORES"
-            )  # fmt: skip
+            name = "MATERIALISED_CLIPPED_TERM_SCORES"
     else:
         name = "MATERIALISED_BIAS_SCORES" if grad else "MATERIALISED_SCORES"
     crossover = getattr(tuning, name)
@@ -579,7 +590,8 @@ def _plan_materialised(call: Call) -> Plan:
             call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
             call.dropout_p, reference=False, bias=call.known_bias,
         )[0]  # fmt: skip
-        return routed(ops, _MATH_ROUTE)
+        # kept, but not where the clipped term's crossover chose it (the positions' values)
+        return ops if clipped else routed(ops, _MATH_ROUTE)
     run = lambda: _sdpa(  # noqa: E731
         call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
         call.dropout_p, bias=None if hooks.score_bias is None else call.dense_bias,
