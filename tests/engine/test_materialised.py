@@ -259,7 +259,8 @@ def test_a_value_term_has_its_own_crossover(monkeypatch):
 def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
     """Shaw's keys beyond their reach (a table of 2k + 1 rows that most offsets share) take
     the path op by op with gradients up to MATERIALISED_CLIPPED_TERM_SCORES (under a causal
-    mask at most MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS pairs per head), past the crossover
+    mask MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES, at most MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS
+    pairs per head), past the crossover
     of other score terms; without gradients, within its reach, or where the rows met are
     more than half the offsets (the bound itself is clipped), the term's own crossover
     holds."""
@@ -292,14 +293,17 @@ def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
         "(MATERIALISED_CLIPPED_TERM_SCORES) from which the lean paths run a clipped score term "
         "with gradients faster",
     )
+    assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES", 2**13)
     _refused(
         posenc.explain(q, q, q, position=clipped, causal=True),
         "offset-term",
         "16384 scores [b, h, n_q, n_k], above the crossover 8192 "
-        "(MATERIALISED_CLIPPED_TERM_SCORES) from which the lean paths run a causal clipped "
-        "score term with gradients faster",
+        "(MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES) from which the lean paths run a causal "
+        "clipped score term with gradients faster",
     )
     monkeypatch.setattr(tuning, "MATERIALISED_CLIPPED_TERM_SCORES", 2**14)
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES", 2**14)
     assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
     # causal, over more pairs per head: the crossover of a causal score term
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS", 64 * 64 - 1)

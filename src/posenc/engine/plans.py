@@ -511,7 +511,8 @@ def _plan_materialised(call: Call) -> Plan:
     (:data:`tuning.MATERIALISED_CAUSAL_TERM_SCORES` under a causal mask, whose hidden pairs
     the lean paths skip), past it :data:`tuning.MATERIALISED_CLIPPED_TERM_SCORES` for a
     clipped term in a call that asks for gradients (:func:`_clipped_term`; under a causal
-    mask at most :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS` pairs per head),
+    mask :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES`, and only at most
+    :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS` pairs per head),
     :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients;
     for a bias without, the budget alone, and under a causal mask
     :data:`tuning.MATERIALISED_CAUSAL_PAIRS` pairs per head (the lean forward skips the
@@ -553,7 +554,10 @@ def _plan_materialised(call: Call) -> Plan:
             and _clipped_term(call)
         )
         if clipped:
-            name = "MATERIALISED_CLIPPED_TERM_SCORES"
+            name = (
+                "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES" if call.mask.causal
+                else "MATERIALISED_CLIPPED_TERM_SCORES"
+            )  # fmt: skip
     else:
         name = "MATERIALISED_BIAS_SCORES" if grad else "MATERIALISED_SCORES"
     crossover = getattr(tuning, name)

@@ -64,6 +64,8 @@ MATERIALISED_CAUSAL_TERM_SCORES = 1 << 18
 #: scores at most on the materialised path for a clipped score term (most offsets share a
 #: row of its table: Shaw's keys beyond their reach) in a call with gradients (the crossover)
 MATERIALISED_CLIPPED_TERM_SCORES = 3 << 21
+#: the same under a causal mask
+MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES = 3 << 20
 #: query-key pairs per head at most for which a causal call takes that crossover (past it
 #: the lean paths, which skip the hidden pairs, win at any size measured)
 MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS = 1 << 14
