@@ -46,6 +46,19 @@ def _refused(told, path: str, *reason: str) -> None:
     assert told.reasons["materialised"] == "".join(reason)
 
 
+def _past(monkeypatch, name, value, q, scheme, what, *, causal=False):
+    """The crossover ``name`` set to ``value``, below the call's scores: the call takes the
+    offset-term path, and the materialised path names the constant and ``what`` it runs."""
+    monkeypatch.setattr(tuning, name, value)
+    b, h, n, _ = q.shape
+    _refused(
+        posenc.explain(q, q, q, position=scheme, causal=causal),
+        "offset-term",
+        f"{b * h * n * n} scores [b, h, n_q, n_k], above the crossover {value} ({name}) from "
+        f"which the lean paths run {what} faster",
+    )
+
+
 def _randomised(scheme):
     torch.manual_seed(1)
     scheme = scheme.double()
@@ -236,24 +249,12 @@ def test_a_value_term_has_its_own_crossover(monkeypatch):
     q = torch.randn(2, 2, 16, 8)
     shaw = posenc.ShawRelativePosition(8, 3)
     assert posenc.explain(q, q, q, position=shaw).path == "materialised"
-    monkeypatch.setattr(tuning, "MATERIALISED_VALUE_SCORES", 2**9)
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
-            _refused(
-                posenc.explain(q, q, q, position=shaw),
-                "offset-term",
-                "1024 scores [b, h, n_q, n_k], above the crossover 512 (MATERIALISED_VALUE_SCORES) "
-                "from which the lean paths run a value term faster",
-            )
+            _past(monkeypatch, "MATERIALISED_VALUE_SCORES", 2**9, q, shaw, "a value term")
     assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
-    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_VALUE_SCORES", 2**9)
-    _refused(
-        posenc.explain(q, q, q, position=shaw, causal=True),
-        "offset-term",
-        "1024 scores [b, h, n_q, n_k], above the crossover 512 "
-        "(MATERIALISED_CAUSAL_VALUE_SCORES) from which the lean paths run a causal value term "
-        "faster",
-    )
+    what = "a causal value term"
+    _past(monkeypatch, "MATERIALISED_CAUSAL_VALUE_SCORES", 2**9, q, shaw, what, causal=True)
 
 
 def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
@@ -271,12 +272,7 @@ def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
     assert posenc.explain(q, q, q, position=clipped).path == "materialised"  # its keys learn
     assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
     with torch.no_grad():  # no gradient: the crossover of a score term
-        _refused(
-            posenc.explain(q, q, q, position=clipped),
-            "offset-term",
-            "16384 scores [b, h, n_q, n_k], above the crossover 4096 (MATERIALISED_TERM_SCORES) "
-            "from which the lean paths run a score term faster",
-        )
+        _past(monkeypatch, "MATERIALISED_TERM_SCORES", 2**12, q, clipped, "a score term")
     frozen = copy.deepcopy(clipped).requires_grad_(False)
     assert posenc.explain(q, q, q, position=frozen).path == "offset-term"
     assert posenc.explain(q.requires_grad_(), q, q, position=frozen).path == "materialised"
@@ -285,36 +281,19 @@ def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
     for reach, path in ((63, "offset-term"), (40, "offset-term"), (31, "materialised")):
         keys = posenc.ShawRelativePosition(8, reach, values=False)
         assert posenc.explain(q, q, q, position=keys).path == path, reach
-    monkeypatch.setattr(tuning, "MATERIALISED_CLIPPED_TERM_SCORES", 2**13)
-    _refused(
-        posenc.explain(q, q, q, position=clipped),
-        "offset-term",
-        "16384 scores [b, h, n_q, n_k], above the crossover 8192 "
-        "(MATERIALISED_CLIPPED_TERM_SCORES) from which the lean paths run a clipped score term "
-        "with gradients faster",
-    )
+    what = "a clipped score term with gradients"
+    _past(monkeypatch, "MATERIALISED_CLIPPED_TERM_SCORES", 2**13, q, clipped, what)
     assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
-    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES", 2**13)
-    _refused(
-        posenc.explain(q, q, q, position=clipped, causal=True),
-        "offset-term",
-        "16384 scores [b, h, n_q, n_k], above the crossover 8192 "
-        "(MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES) from which the lean paths run a causal "
-        "clipped score term with gradients faster",
-    )
+    name, what = "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES", f"a causal {what[2:]}"
+    _past(monkeypatch, name, 2**13, q, clipped, what, causal=True)
     monkeypatch.setattr(tuning, "MATERIALISED_CLIPPED_TERM_SCORES", 2**14)
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES", 2**14)
     assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
     # causal, over more pairs per head: the crossover of a causal score term
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS", 64 * 64 - 1)
     assert posenc.explain(q, q, q, position=clipped).path == "materialised"
-    _refused(
-        posenc.explain(q, q, q, position=clipped, causal=True),
-        "offset-term",
-        "16384 scores [b, h, n_q, n_k], above the crossover 4096 "
-        "(MATERIALISED_CAUSAL_TERM_SCORES) from which the lean paths run a causal score term "
-        "faster",
-    )
+    what = "a causal score term"
+    _past(monkeypatch, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12, q, clipped, what, causal=True)
     # the rows met (all 33) against the offsets, at the bound: 65 offsets, then 66
     for n_k, path in ((33, "offset-term"), (34, "materialised")):
         q, k = torch.randn(2, 2, 33, 8), torch.randn(2, 2, n_k, 8)
