@@ -265,10 +265,13 @@ def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
     of other score terms; without gradients, within its reach, or where the rows met are
     more than half the offsets (the bound itself is clipped), the term's own crossover
     holds."""
-    monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**12)
-    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12)
     q = torch.randn(2, 2, 64, 8)  # 2^14 scores, 127 offsets
     clipped = posenc.ShawRelativePosition(8, 16, values=False)  # 33 rows
+    posenc.attention(q, q, q, position=clipped)  # below the term's crossover: a kept route
+    told = posenc.explain(q, q, q, position=clipped)
+    assert told.path == "materialised" and told.replayed, told
+    monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**12)
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12)
     assert posenc.explain(q, q, q, position=clipped).path == "materialised"  # its keys learn
     assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
     with torch.no_grad():  # no gradient: the crossover of a score term
@@ -289,7 +292,9 @@ def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
     monkeypatch.setattr(tuning, "MATERIALISED_CLIPPED_TERM_SCORES", 2**14)
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES", 2**14)
     assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
-    # causal, over more pairs per head: the crossover of a causal score term
+    # causal, at most this many pairs per head; over more, the crossover of a causal term
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS", 64 * 64)
+    assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS", 64 * 64 - 1)
     assert posenc.explain(q, q, q, position=clipped).path == "materialised"
     what = "a causal score term"
