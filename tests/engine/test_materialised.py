@@ -299,10 +299,20 @@ def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
     assert posenc.explain(q, q, q, position=clipped).path == "materialised"
     what = "a causal score term"
     _past(monkeypatch, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12, q, clipped, what, causal=True)
-    # the rows met (all 33) against the offsets, at the bound: 65 offsets, then 66
-    for n_k, path in ((33, "offset-term"), (34, "materialised")):
-        q, k = torch.randn(2, 2, 33, 8), torch.randn(2, 2, n_k, 8)
-        assert posenc.explain(q, k, k, position=clipped).path == path, n_k
+    # the rows met against the offsets at the bound: 33 of 65, more than half; 33 of 67
+    for n, path in ((33, "offset-term"), (34, "materialised")):
+        q = torch.randn(2, 2, n, 8)
+        assert posenc.explain(q, q, q, position=clipped).path == path, n
+    # self-attention alone (a decoding step with gradients lost): one query, 34 keys
+    one, keys = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 34, 8)
+    monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**6)
+    kwargs = {"positions": torch.tensor([33]), "key_positions": torch.arange(34)}
+    _refused(
+        posenc.explain(one, keys, keys, position=clipped, **kwargs),
+        "offset-term",
+        "136 scores [b, h, n_q, n_k], above the crossover 64 (MATERIALISED_TERM_SCORES) from "
+        "which the lean paths run a score term faster",
+    )
 
 
 def test_a_call_the_clipped_crossover_chose_keeps_no_route(monkeypatch):

@@ -462,8 +462,8 @@ def _clipped_term(call: Call) -> bool:
     of them, in a call the offset-term path would take (no mask but a causal one; the
     crossovers were measured against it). The materialised path multiplies ``q`` by those
     rows alone and gathers each pair's logit, a product narrower than the scores, where
-    the lean path works per strip of offsets; with gradients its crossover lies higher.
-    The answer reads the positions' values (the offsets met), which a kept route's key
+    the lean path works per strip of offsets; in self-attention with gradients its
+    crossover lies higher. The answer reads the positions' values (the offsets met), which a kept route's key
     does not hold: a call it decides is not kept."""
     why = _refusal(
         call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True
@@ -510,7 +510,7 @@ def _plan_materialised(call: Call) -> Plan:
     :data:`tuning.MATERIALISED_TERM_SCORES` for a score term
     (:data:`tuning.MATERIALISED_CAUSAL_TERM_SCORES` under a causal mask, whose hidden pairs
     the lean paths skip), past it :data:`tuning.MATERIALISED_CLIPPED_TERM_SCORES` for a
-    clipped term in a call that asks for gradients (:func:`_clipped_term`; under a causal
+    clipped term in self-attention that asks for gradients (:func:`_clipped_term`; under a causal
     mask :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES`, and only at most
     :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS` pairs per head),
     :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients;
@@ -549,6 +549,7 @@ def _plan_materialised(call: Call) -> Plan:
         name = "MATERIALISED_CAUSAL_TERM_SCORES" if call.mask.causal else "MATERIALISED_TERM_SCORES"
         clipped = (
             grad
+            and n_q == n_k  # (self-attention: what was measured; a decoding step loses)
             and scores > getattr(tuning, name)
             and (not call.mask.causal or n_q * n_k <= tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS)
             and _clipped_term(call)

@@ -62,7 +62,8 @@ MATERIALISED_TERM_SCORES = 3 << 19
 #: scores at most on the materialised path for a score term under a causal mask
 MATERIALISED_CAUSAL_TERM_SCORES = 1 << 18
 #: scores at most on the materialised path for a clipped score term (most offsets share a
-#: row of its table: Shaw's keys beyond their reach) in a call with gradients (the crossover)
+#: row of its table: Shaw's keys beyond their reach) in self-attention with gradients (the
+#: crossover)
 MATERIALISED_CLIPPED_TERM_SCORES = 3 << 21
 #: the same under a causal mask
 MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES = 3 << 20
