@@ -257,14 +257,14 @@ def test_a_value_term_has_its_own_crossover(monkeypatch):
     _past(monkeypatch, "MATERIALISED_CAUSAL_VALUE_SCORES", 2**9, q, shaw, what, causal=True)
 
 
-def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
-    """Shaw's keys beyond their reach (a table of 2k + 1 rows that most offsets share) take
-    the path op by op with gradients up to MATERIALISED_CLIPPED_TERM_SCORES (under a causal
-    mask MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES, at most MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS
-    pairs per head), past the crossover
-    of other score terms; without gradients, within its reach, or where the rows met are
-    more than half the offsets (the bound itself is clipped), the term's own crossover
-    holds."""
+def test_a_clipped_term_in_self_attention_has_its_own_crossover(monkeypatch):
+    """Shaw's keys beyond their reach (a table of 2k + 1 rows that most offsets share) in
+    self-attention take the materialised path up to MATERIALISED_CLIPPED_TERM_SCORES (under
+    a causal mask, with gradients alone, MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES, at most
+    MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS pairs per head), past the crossover of other
+    score terms; causal without gradients, within its reach, where the rows met are more
+    than half the offsets (the bound itself is clipped) or in a decoding step, the term's
+    own crossover holds."""
     q = torch.randn(2, 2, 64, 8)  # 2^14 scores, 127 offsets
     clipped = posenc.ShawRelativePosition(8, 16, values=False)  # 33 rows
     posenc.attention(q, q, q, position=clipped)  # below the term's crossover: a kept route
@@ -274,18 +274,23 @@ def test_a_clipped_term_with_gradients_has_its_own_crossover(monkeypatch):
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12)
     assert posenc.explain(q, q, q, position=clipped).path == "materialised"  # its keys learn
     assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
-    with torch.no_grad():  # no gradient: the crossover of a score term
-        _past(monkeypatch, "MATERIALISED_TERM_SCORES", 2**12, q, clipped, "a score term")
+    with torch.no_grad():  # no gradient: causal, the crossover of a causal score term
+        assert posenc.explain(q, q, q, position=clipped).path == "materialised"
+        what = "a causal score term"
+        _past(monkeypatch, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12, q, clipped, what, causal=True)
     frozen = copy.deepcopy(clipped).requires_grad_(False)
-    assert posenc.explain(q, q, q, position=frozen).path == "offset-term"
-    assert posenc.explain(q.requires_grad_(), q, q, position=frozen).path == "materialised"
+    assert posenc.explain(q, q, q, position=frozen, causal=True).path == "offset-term"
+    told = posenc.explain(q.requires_grad_(), q, q, position=frozen, causal=True)
+    assert told.path == "materialised", told
     q = q.detach()
     # every offset its own row; 81 rows met of 127, more than half; 63 rows, at most half
     for reach, path in ((63, "offset-term"), (40, "offset-term"), (31, "materialised")):
         keys = posenc.ShawRelativePosition(8, reach, values=False)
         assert posenc.explain(q, q, q, position=keys).path == path, reach
-    what = "a clipped score term with gradients"
+    what = "a clipped score term"
     _past(monkeypatch, "MATERIALISED_CLIPPED_TERM_SCORES", 2**13, q, clipped, what)
+    with torch.no_grad():
+        _past(monkeypatch, "MATERIALISED_CLIPPED_TERM_SCORES", 2**13, q, clipped, what)
     assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
     name, what = "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES", f"a causal {what[2:]}"
     _past(monkeypatch, name, 2**13, q, clipped, what, causal=True)
@@ -331,12 +336,15 @@ def test_a_call_the_clipped_crossover_chose_keeps_no_route(monkeypatch):
     assert posenc.explain(q, q, q, position=shaw).path == "offset-term"
     told = posenc.explain(q, q, q, position=shaw, positions=far, key_positions=torch.arange(64))
     assert told.path == "materialised" and not told.replayed, told
-    posenc.attention(q, q, q, position=shaw, positions=far, key_positions=torch.arange(64))
     ran = []
     lean = plans._OffsetTermAttention.apply
     monkeypatch.setattr(plans._OffsetTermAttention, "apply", lambda *a: ran.append(1) or lean(*a))
-    posenc.attention(q, q, q, position=shaw)
-    assert ran == [1]
+    for grad in (True, False):  # the formula's route, or the forward in one buffer's
+        with torch.set_grad_enabled(grad):
+            posenc.attention(q, q, q, position=shaw, positions=far, key_positions=torch.arange(64))
+            ran.clear()
+            posenc.attention(q, q, q, position=shaw)
+            assert ran == [1], grad
     asked.clear()
     padding = torch.zeros(2, 64, dtype=torch.bool)
     padding[0, -3:] = True

@@ -462,8 +462,8 @@ def _clipped_term(call: Call) -> bool:
     of them, in a call the offset-term path would take (no mask but a causal one; the
     crossovers were measured against it). The materialised path multiplies ``q`` by those
     rows alone and gathers each pair's logit, a product narrower than the scores, where
-    the lean path works per strip of offsets; in self-attention with gradients its
-    crossover lies higher. The answer reads the positions' values (the offsets met), which a kept route's key
+    the lean path works per strip of offsets; in self-attention its crossover lies
+    higher. The answer reads the positions' values (the offsets met), which a kept route's key
     does not hold: a call it decides is not kept."""
     why = _refusal(
         call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True
@@ -510,8 +510,8 @@ def _plan_materialised(call: Call) -> Plan:
     :data:`tuning.MATERIALISED_TERM_SCORES` for a score term
     (:data:`tuning.MATERIALISED_CAUSAL_TERM_SCORES` under a causal mask, whose hidden pairs
     the lean paths skip), past it :data:`tuning.MATERIALISED_CLIPPED_TERM_SCORES` for a
-    clipped term in self-attention that asks for gradients (:func:`_clipped_term`; under a causal
-    mask :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES`, and only at most
+    clipped term in self-attention (:func:`_clipped_term`; under a causal mask, with
+    gradients alone, :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES` and at most
     :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS` pairs per head),
     :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients;
     for a bias without, the budget alone, and under a causal mask
@@ -548,8 +548,8 @@ def _plan_materialised(call: Call) -> Plan:
     elif term:
         name = "MATERIALISED_CAUSAL_TERM_SCORES" if call.mask.causal else "MATERIALISED_TERM_SCORES"
         clipped = (
-            grad
-            and n_q == n_k  # (self-attention: what was measured; a decoding step loses)
+            n_q == n_k  # (self-attention: what was measured; a decoding step loses)
+            and (grad or not call.mask.causal)  # (causal without gradients: the lean paths)
             and scores > getattr(tuning, name)
             and (not call.mask.causal or n_q * n_k <= tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS)
             and _clipped_term(call)
@@ -571,7 +571,7 @@ def _plan_materialised(call: Call) -> Plan:
                 else "a bias with gradients"
             )  # fmt: skip
             if term and not value and clipped:
-                what = what.replace("score term", "clipped score term with gradients")
+                what = what.replace("score term", "clipped score term")
             return (
                 f"{scores} scores [b, h, n_q, n_k], above the crossover {crossover} ({name}) "
                 f"from which the lean paths run {what} faster"
@@ -590,7 +590,10 @@ def _plan_materialised(call: Call) -> Plan:
             )  # fmt: skip
             # kept in no-grad mode (the choice then reads what the key holds; in grad mode
             # it reads which of the hooks' tensors ask for a gradient)
-            return in_place if torch.is_grad_enabled() else routed(in_place, _IN_PLACE_ROUTE)
+            # (nor where the clipped term's crossover chose it: the positions' values)
+            if torch.is_grad_enabled() or clipped:
+                return in_place
+            return routed(in_place, _IN_PLACE_ROUTE)
         ops = lambda: _math(  # noqa: E731
             call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
             call.dropout_p, reference=False, bias=call.known_bias,
