@@ -308,6 +308,14 @@ def test_a_clipped_term_in_self_attention_has_its_own_crossover(monkeypatch):
     for n, path in ((33, "offset-term"), (34, "materialised")):
         q = torch.randn(2, 2, n, 8)
         assert posenc.explain(q, q, q, position=clipped).path == path, n
+    # without gradients only where the forward runs in one buffer (on one thread it would
+    # be SDPA with the term as its mask, unmeasured): the crossover of a score term
+    monkeypatch.setattr(plans, "_threads", lambda: 1)
+    with torch.no_grad():
+        q = torch.randn(2, 2, 64, 8)
+        _past(monkeypatch, "MATERIALISED_TERM_SCORES", 2**12, q, clipped, "a score term")
+    monkeypatch.setattr(plans, "_threads", lambda: 2)
+    assert posenc.explain(q, q, q, position=clipped).path == "materialised"
     # self-attention alone (a decoding step with gradients lost): one query, 34 keys
     one, keys = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 34, 8)
     monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**6)

@@ -37,7 +37,8 @@ one of
   scheme's parameters and buffers ask for one, which the key holds), its hooks checked likewise
   (:data:`~.plans._MATH_ROUTE`),
 
-run by the dispatcher with no wrapper (with gradients: where the path's own graph is
+(but neither of the last two where a clipped term's crossover chose the path: that reads
+the offsets the positions meet, :func:`~.plans._clipped_term`) run by the dispatcher with no wrapper (with gradients: where the path's own graph is
 differentiable twice), the route is kept per scheme and signature (:func:`record`), and a
 later call of the same signature runs it at once (:func:`replay`): the hooks are called
 on the call's positions as the path calls them, and the bias's shape is checked as

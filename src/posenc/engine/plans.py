@@ -462,8 +462,9 @@ def _clipped_term(call: Call) -> bool:
     of them, in a call the offset-term path would take (no mask but a causal one; the
     crossovers were measured against it). The materialised path multiplies ``q`` by those
     rows alone and gathers each pair's logit, a product narrower than the scores, where
-    the lean path works per strip of offsets; in self-attention its crossover lies
-    higher. The answer reads the positions' values (the offsets met), which a kept route's key
+    the lean path works per strip of offsets; in self-attention with gradients, or
+    without them where nothing is masked and the forward runs in one buffer, its
+    crossover lies higher. The answer reads the positions' values (the offsets met), which a kept route's key
     does not hold: a call it decides is not kept."""
     why = _refusal(
         call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True
@@ -549,7 +550,8 @@ def _plan_materialised(call: Call) -> Plan:
         name = "MATERIALISED_CAUSAL_TERM_SCORES" if call.mask.causal else "MATERIALISED_TERM_SCORES"
         clipped = (
             n_q == n_k  # (self-attention: what was measured; a decoding step loses)
-            and (grad or not call.mask.causal)  # (causal without gradients: the lean paths)
+            # (without gradients, as measured: the forward in one buffer, nothing masked)
+            and (grad or (not call.mask.causal and call.op_by_op and _in_place(call)))
             and scores > getattr(tuning, name)
             and (not call.mask.causal or n_q * n_k <= tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS)
             and _clipped_term(call)
