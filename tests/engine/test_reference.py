@@ -211,6 +211,17 @@ def test_the_softmax_writes_into_the_scores_only_for_rows_of_whole_vectors(
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
+def _same(got, want, per_head):
+    """The bits of the families' form for a shared table; for a per-head one the engine
+    multiplies the queries head by head over the batch (one GEMM per head, the families'
+    product one per batch entry and head: another blocking of the same sums), equal to
+    rounding (``assert_close``'s tolerances for the dtype, values of order 1)."""
+    if per_head:
+        torch.testing.assert_close(got, want)
+    else:
+        assert torch.equal(got, want)
+
+
 def _offset_hooks(h, d, per_head, dtype, calls, clip=None):
     """A term per offset ``j - i`` (offsets -20 .. 20, or clipped to ``+-clip`` as Shaw's),
     as :class:`~posenc.hooks.Hooks` with its ``score_term`` written out by a gather and
@@ -245,9 +256,10 @@ def test_a_clipped_offset_term_is_gathered_from_its_tables_logits(per_head, grad
     """``offset_term`` giving a clipped table and each offset's row (Shaw's keys): the
     queries against the rows the offsets meet, read at each pair's row (the skew of the
     index), in one buffer without gradients and op by op with them; ``score_term`` is not
-    called, and the values (and gradients) have the bits of the families' form
-    (``offset_term_logits``: the product over the offsets met, gathered), also where the
-    offsets meet one side of the clip alone (a decoding step: one query after 199 keys)."""
+    called, and the values (and gradients) are the families' form's (``offset_term_logits``:
+    the product over the offsets met, gathered; their bits for a shared table,
+    :func:`_same`), also where the offsets meet one side of the clip alone (a decoding
+    step: one query after 199 keys)."""
     b, h, d, clip = 2, 3, 32, 8
     n_q, n_k = (6, 9) if positions == "both sides" else (1, 200)
     torch.manual_seed(0)
@@ -275,7 +287,7 @@ def test_a_clipped_offset_term_is_gathered_from_its_tables_logits(per_head, grad
             out = _forward_in_place(q, k, v, hooks, q_pos, k_pos, mask, 0.3, 0.0)
             expected = _forward_in_place(q, k, v, alone, q_pos, k_pos, mask, 0.3, 0.0)
     assert calls == ["offset_term"]
-    assert torch.equal(out, expected)
+    _same(out, expected, per_head)
     literal = Hooks(score_term=hooks.score_term)
     with torch.no_grad():
         formula = _math(q, k, v, literal, q_pos, k_pos, mask, 0.3, 0.0, reference=False)[0]
@@ -283,7 +295,33 @@ def test_a_clipped_offset_term_is_gathered_from_its_tables_logits(per_head, grad
     if grad:
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         want = torch.autograd.grad(expected.sum(), (q, k, v))
-        assert all(torch.equal(a, b) for a, b in zip(grads, want, strict=True))
+        for got, wanted in zip(grads, want, strict=True):
+            _same(got, wanted, per_head)
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_a_per_head_tables_product_runs_head_by_head_over_the_batch(b):
+    """``q @ table^T`` for a per-head table: with more than one batch entry one product per
+    head over the batch's queries, written head first (into the buffer where given), and
+    read through a view in ``[b, h, n_q, W']`` order; its skew is the skew of the same
+    values laid out batch first; against a float64 einsum."""
+    h, n_q, n_k, d = 4, 5, 7, 8
+    torch.manual_seed(0)
+    q = torch.randn(b, h, n_q, d, dtype=torch.float64)
+    table = torch.randn(h, n_q + n_k - 1 + 3, d, dtype=torch.float64)  # [h, W', d]
+    want = torch.einsum("bhnd,hwd->bhnw", q, table)
+    for flat in (None, torch.empty(b * h * n_q * table.shape[1], dtype=torch.float64)):
+        logits = reference._rows_product(q, table, out=flat)
+        torch.testing.assert_close(logits, want, rtol=1e-12, atol=1e-12)
+        first = logits.transpose(0, 1) if b > 1 else logits  # [h, b, ...] or [b, h, ...]
+        assert first.is_contiguous()
+        if flat is not None:
+            assert logits.data_ptr() == flat.data_ptr()
+        skewed = reference._skew(logits, n_k)
+        assert skewed.shape == (b, h, n_q, n_k)
+        assert torch.equal(skewed, skew_rows(logits.contiguous(), n_k))
+    shared = torch.randn(n_q + n_k - 1, d, dtype=torch.float64)  # a shared table: as it was
+    assert reference._rows_product(q, shared).is_contiguous()
 
 
 def test_a_clipped_terms_graph_keeps_each_pairs_row_not_the_logits():
@@ -317,9 +355,9 @@ def test_a_clipped_terms_graph_keeps_each_pairs_row_not_the_logits():
 def test_the_forward_in_one_buffer_writes_an_offset_terms_logits_into_it(per_head, dtype, masked):
     """A scheme with an ``offset_term`` gives the rows of a run of positions: the queries
     against them are written into the buffer and skewed from there, ``score_term`` is not
-    called, and the output has the bits of the same call through ``score_term`` (the
-    same product, then the same skew and scale); in float64 the formula's values, and
-    a float64 reference's, the slow obvious way."""
+    called, and the output is the same call's through ``score_term`` (for a shared table
+    its bits: the same product, then the same skew and scale; :func:`_same`); in float64
+    the formula's values, and a float64 reference's, the slow obvious way."""
     b, h, n_q, n_k, d = 2, 3, 6, 9, 8
     torch.manual_seed(0)
     q = torch.randn(b, n_q, h, d, dtype=dtype).transpose(1, 2)  # [b, h, n_q, d], strided
@@ -340,7 +378,7 @@ def test_the_forward_in_one_buffer_writes_an_offset_terms_logits_into_it(per_hea
         expected = _forward_in_place(q, k, v, alone, q_pos, k_pos, mask, 0.3, 0.0)
         gathered = Hooks(score_term=hooks.score_term)
         formula = _math(q, k, v, gathered, q_pos, k_pos, mask, 0.3, 0.0, reference=False)[0]
-    assert torch.equal(out, expected)
+    _same(out, expected, per_head)
     wide = tuple(x.double() for x in (q, k, v))
     table = hooks.offset_term(torch.tensor([[20]]), torch.arange(41)[None]).double()  # -20 .. 20
     scores = torch.zeros(b, h, n_q, n_k, dtype=torch.float64)
@@ -361,8 +399,9 @@ def test_the_forward_in_one_buffer_writes_an_offset_terms_logits_into_it(per_hea
 def test_the_formula_with_fast_hooks_reads_an_offset_terms_rows(per_head):
     """``_math`` with the fast hooks takes ``offset_term``'s rows for a run of positions
     (``score_term`` not called): the values and the gradients of ``q``, ``k``, ``v`` and the
-    table have the bits of the same call through the families' ``score_term`` of a run;
-    the reference hooks (``reference=True``) call ``score_term`` itself."""
+    table are the same call's through the families' ``score_term`` of a run (for a shared
+    table their bits, :func:`_same`); the reference hooks (``reference=True``) call
+    ``score_term`` itself."""
     b, h, n_q, n_k, d = 2, 3, 6, 9, 8
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for n in (n_q, n_k, n_k))
@@ -382,11 +421,12 @@ def test_the_formula_with_fast_hooks_reads_an_offset_terms_rows(per_head):
     assert calls == ["offset_term"]
     alone = Hooks(score_term=skewed)
     expected = _math(q, k, v, alone, q_pos, k_pos, mask, 0.3, 0.0, reference=False)[0]
-    assert torch.equal(out, expected)
+    _same(out, expected, per_head)
     grad = torch.randn(out.shape)
     got = torch.autograd.grad(out, (q, k, v, table), grad)
     want = torch.autograd.grad(expected, (q, k, v, table), grad)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for mine, wanted in zip(got, want, strict=True):
+        _same(mine, wanted, per_head)
     calls.clear()
     _math(q, k, v, hooks, q_pos, k_pos, mask, 0.3, 0.0, reference=True)
     assert calls == ["score_term"]

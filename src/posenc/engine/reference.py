@@ -123,14 +123,45 @@ def _term_of_rows(q: Tensor, table: Tensor, index: Tensor | None, n_k: int) -> T
     rows^T``, or each pair's logit gathered from ``q @ table^T``, ``[b, h, n_q, n_k]`` (a
     function of its own, so that the logits and the term are freed once the caller has
     added them to the scores, before the softmax)."""
-    logits = q @ table.transpose(-2, -1)  # [b, h, n_q, W' | R']
+    logits = _rows_product(q, table)  # [b, h, n_q, W' | R']
     if index is None:
-        return skew_rows(logits, n_k)  # [b, h, n_q, n_k], a view
+        return _skew(logits, n_k)  # [b, h, n_q, n_k], a view
     b, h, n_q, _ = logits.shape
     pairs = _pair_index(index, n_q, n_k).expand(b, h, n_q, n_k)  # [1, n_q, n_k], a view
     if torch.is_grad_enabled() and logits.requires_grad:
         return _Gathered.apply(logits, pairs)  # [b, h, n_q, n_k], each pair's row
     return logits.gather(-1, pairs)  # [b, h, n_q, n_k]
+
+
+def _rows_product(q: Tensor, table: Tensor, out: Tensor | None = None) -> Tensor:
+    """``q [b, h, n_q, d] @ table^T``, ``[b, h, n_q, W']``, for a shared ``[W', d]`` or a
+    per-head ``[h, W', d]`` table (written into ``out``, a contiguous buffer of as many
+    elements, where given). A per-head table with more than one batch entry is one product
+    per head over the batch's queries, ``[h, b n_q, d] @ [h, d, W']``: ``q`` copied head
+    first, where the product broadcast over the batch copies the table for each batch entry
+    (``[b, h, W', d]``, larger than ``q`` from ``W' > n_q``); the result is then a view of
+    the ``[h, b, n_q, W']`` logits (:func:`_skew` reads it as it is)."""
+    b, h, n_q, d = q.shape
+    if table.dim() == 3 and b > 1:
+        width = table.shape[-2]
+        q_heads = q.transpose(0, 1).reshape(h, b * n_q, d)  # [h, b n_q, d]
+        if out is None:
+            logits = torch.bmm(q_heads, table.transpose(-2, -1))  # [h, b n_q, W']
+        else:
+            logits = torch.bmm(q_heads, table.transpose(-2, -1), out=out.view(h, b * n_q, width))
+        return logits.view(h, b, n_q, width).transpose(0, 1)  # [b, h, n_q, W'], a view
+    if out is None:
+        return q @ table.transpose(-2, -1)  # [b, h, n_q, W']
+    return torch.matmul(q, table.transpose(-2, -1), out=out.view(b, h, n_q, table.shape[-2]))
+
+
+def _skew(logits: Tensor, n_k: int) -> Tensor:
+    """:func:`~posenc.diagonals.skew_rows` of :func:`_rows_product`'s logits ``[b, h, n_q,
+    W']``, contiguous or the view of head-first ones: ``[b, h, n_q, n_k]``, a view (no
+    copy)."""
+    if logits.is_contiguous() or logits.shape[-2] == 1:
+        return skew_rows(logits, n_k)
+    return skew_rows(logits.transpose(0, 1), n_k).transpose(0, 1)  # via [h, b, n_q, W']
 
 
 class _Gathered(torch.autograd.Function):
@@ -344,10 +375,9 @@ def _forward_in_place(
         start = False  # whether the buffer holds what the GEMM adds to
         if rows is not None:  # the term's logits against each offset's row, then the skew
             table, index = rows
-            logits = flat[used : used + wide].view(b, h, n_q, table.shape[-2])  # [.., W' | R']
-            torch.matmul(q, table.transpose(-2, -1), out=logits)  # as table_logits
+            logits = _rows_product(q, table, out=flat[used : used + wide])  # [.., W' | R']
             if index is None:
-                torch.mul(skew_rows(logits, n_k), scale, out=full)  # [b, h, n_q, n_k]
+                torch.mul(_skew(logits, n_k), scale, out=full)  # [b, h, n_q, n_k]
             else:  # each pair's row's logit
                 pairs = _pair_index(index, n_q, n_k).expand(b, h, n_q, n_k)
                 torch.gather(logits, -1, pairs, out=full).mul_(scale)  # [b, h, n_q, n_k]
