@@ -299,15 +299,20 @@ def test_a_clipped_offset_term_is_gathered_from_its_tables_logits(per_head, grad
             _same(got, wanted, per_head)
 
 
-@pytest.mark.parametrize("b", [1, 3])
-def test_a_per_head_tables_product_runs_head_by_head_over_the_batch(b):
+@pytest.mark.parametrize(("b", "h", "n_q", "layout"), [
+    (1, 4, 5, "bhnd"), (3, 4, 5, "bhnd"), (3, 4, 5, "bnhd"), (3, 1, 5, "bhnd"), (3, 4, 1, "bhnd"),
+])  # fmt: skip
+def test_a_per_head_tables_product_runs_head_by_head_over_the_batch(b, h, n_q, layout):
     """``q @ table^T`` for a per-head table: with more than one batch entry one product per
     head over the batch's queries, written head first (into the buffer where given), and
     read through a view in ``[b, h, n_q, W']`` order; its skew is the skew of the same
-    values laid out batch first; against a float64 einsum."""
-    h, n_q, n_k, d = 4, 5, 7, 8
+    values laid out batch first; against a float64 einsum, for ``q`` laid out as a
+    projection's output too (``[b, n_q, h, d]`` transposed), one head, one query."""
+    n_k, d = 7, 8
     torch.manual_seed(0)
     q = torch.randn(b, h, n_q, d, dtype=torch.float64)
+    if layout == "bnhd":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [b, h, n_q, d], strided
     table = torch.randn(h, n_q + n_k - 1 + 3, d, dtype=torch.float64)  # [h, W', d]
     want = torch.einsum("bhnd,hwd->bhnw", q, table)
     for flat in (None, torch.empty(b * h * n_q * table.shape[1], dtype=torch.float64)):

@@ -137,8 +137,9 @@ def _rows_product(q: Tensor, table: Tensor, out: Tensor | None = None) -> Tensor
     """``q [b, h, n_q, d] @ table^T``, ``[b, h, n_q, W']``, for a shared ``[W', d]`` or a
     per-head ``[h, W', d]`` table (written into ``out``, a contiguous buffer of as many
     elements, where given). A per-head table with more than one batch entry is one product
-    per head over the batch's queries, ``[h, b n_q, d] @ [h, d, W']``: ``q`` copied head
-    first, where the product broadcast over the batch copies the table for each batch entry
+    per head over the batch's queries, ``[h, b n_q, d] @ [h, d, W']``: ``q`` read head
+    first (a copy, but a view for ``q`` laid out ``[b, n_q, h, d]``, as a projection's
+    output is), where the product broadcast over the batch copies the table for each batch entry
     (``[b, h, W', d]``, larger than ``q`` from ``W' > n_q``); the result is then a view of
     the ``[h, b, n_q, W']`` logits (:func:`_skew` reads it as it is)."""
     b, h, n_q, d = q.shape
@@ -318,7 +319,8 @@ def _forward_in_place(
     The buffer starts as ``score_term * scale + score_bias`` plus the float mask (a term
     per offset of a run of positions from ``offset_term``'s rows, :func:`_run_rows`: the
     queries against them written into the buffer past the scores, skewed and scaled from
-    there, with the bits of ``score_term``'s product and skew), one GEMM
+    there, with the values of ``score_term``'s product and skew: its bits for a shared
+    table), one GEMM
     adds ``scale * q k^T`` to it (``baddbmm_``: no pass of its own for the scale or the
     bias), and the masked fill and the softmax write into it (the softmax only for rows of
     a multiple of :data:`~.tuning.SOFTMAX_IN_PLACE_COLUMNS` keys; others get a second
