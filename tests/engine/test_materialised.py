@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import posenc
-from posenc.engine import plans, tuning
+from posenc.engine import lean_plans, plans, tuning
 
 
 def _spy_kernels(monkeypatch):
@@ -345,8 +345,10 @@ def test_a_call_the_clipped_crossover_chose_keeps_no_route(monkeypatch):
     told = posenc.explain(q, q, q, position=shaw, positions=far, key_positions=torch.arange(64))
     assert told.path == "materialised" and not told.replayed, told
     ran = []
-    lean = plans._OffsetTermAttention.apply
-    monkeypatch.setattr(plans._OffsetTermAttention, "apply", lambda *a: ran.append(1) or lean(*a))
+    lean = lean_plans._OffsetTermAttention.apply
+    monkeypatch.setattr(
+        lean_plans._OffsetTermAttention, "apply", lambda *a: ran.append(1) or lean(*a)
+    )
     for grad in (True, False):  # the formula's route, or the forward in one buffer's
         with torch.set_grad_enabled(grad):
             posenc.attention(q, q, q, position=shaw, positions=far, key_positions=torch.arange(64))

@@ -227,11 +227,11 @@ def test_offset_bias_path_reads_q_and_k_for_the_span_only_when_a_head_spreads(
 ):
     """The span (a pass over every query and key) is asked for only when some head's
     values spread over more than ``BIAS_SPAN``: ALiBi at 300 tokens, not a T5 table."""
-    from posenc.engine import plans
+    from posenc.engine import lean_plans
 
     spans = []
-    span = plans._bias_span
-    monkeypatch.setattr(plans, "_bias_span", lambda *a: spans.append(1) or span(*a))
+    span = lean_plans._bias_span
+    monkeypatch.setattr(lean_plans, "_bias_span", lambda *a: spans.append(1) or span(*a))
     calls = spy_on(monkeypatch, offset_bias._OffsetFusedAttention)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 8, n, 8) for _ in range(3))

@@ -23,23 +23,17 @@ from . import compiled, kept, sdpa
 from .blocks import _by_blocks, _mask_blocks
 from .flex import _flex
 from .inputs import default_scale, finite, repeat_heads, sees_any, zeroed_non_finite
-from .learned import own_hook, substituted
-from .mask import Mask
-from .plans import (
-    _CONTEXTUAL,
-    Call,
-    Path,
-    Plan,
+from .lean_plans import (
     _plan_grid_bias,
     _plan_grid_term,
     _plan_lean,
     _plan_lean_fused,
-    _plan_materialised,
     _plan_offset_bias,
     _plan_offset_term,
-    materialised_size,
-    routed,
 )
+from .learned import own_hook, substituted
+from .mask import Mask
+from .plans import _CONTEXTUAL, Call, Path, Plan, _plan_materialised, materialised_size, routed
 from .reference import _math
 from .sdpa import _sdpa
 from .twice import _reference, _TwiceDifferentiable
