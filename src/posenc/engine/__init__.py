@@ -11,13 +11,14 @@ Every path computes, for queries ``q`` and keys ``k`` already rotated by the sch
 and returns ``out [b, h, n_q, d]``. One module per path; :mod:`.dispatch` walks them in
 order (:data:`~posenc.engine.dispatch.PATHS`; the lean paths' plans are in
 :mod:`.lean_plans`, the materialised path's in :mod:`.plans`), each answering "I can run
-this" or "no, because ...". A new fast path is one module and one entry there. A call without mask, dropout or weights whose path is
-one SDPA call (on ``q, k, v``, or with the scheme's bias alone as its float mask; with
-gradients, only where the dispatcher runs it with no wrapper) replays the route kept for
-its signature (:mod:`.kept`): a path placed before the materialised one must read nothing
-that signature does not hold. Under ``torch.compile`` a call too large to write out runs
-this eager engine as one opaque operator (:mod:`.compiled`). The engine sees a scheme's
-hooks (:mod:`posenc.hooks`), never its class.
+this" or "no, because ...". A new fast path is one module and one entry there. A call
+without mask, dropout or weights whose path is one SDPA call (on ``q, k, v``, or with the
+scheme's bias alone as its float mask; with gradients, only where the dispatcher runs it
+with no wrapper) replays the route kept for its signature (:mod:`.kept`): a path placed
+before the materialised one must read nothing that signature does not hold. Under
+``torch.compile`` a call too large to write out runs this eager engine as one opaque
+operator (:mod:`.compiled`). The engine sees a scheme's hooks (:mod:`posenc.hooks`), never
+its class.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` head dim;
 positions ``q_pos [B', n_q]``, ``k_pos [B', n_k]`` with ``B'`` 1 (shared) or ``b``.

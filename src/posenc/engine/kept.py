@@ -38,24 +38,23 @@ one of
   (:data:`~.plans._MATH_ROUTE`),
 
 (but neither of the last two where a clipped term's crossover chose the path: that reads
-the offsets the positions meet, :func:`~.plans._clipped_term`) run by the dispatcher with no wrapper (with gradients: where the path's own graph is
-differentiable twice), the route is kept per scheme and signature (:func:`record`), and a
-later call of the same signature runs it at once (:func:`replay`): the hooks are called
-on the call's positions as the path calls them, and the bias's shape is checked as
-:func:`~posenc.hooks.checked_hooks` checks it (a bias of another shape, or none, or in
-grad mode one that asks for a gradient, takes the dispatcher, which calls the hooks again
-and raises where it must; the forward in one buffer calls the checked hooks themselves,
-which raise the dispatcher's error). A causal call runs the path's own SDPA call with its
-mask (:func:`~.sdpa._sdpa`: the mask folded into the bias, or SDPA's ``is_causal``), or
-the forward in one buffer with it, after the dispatcher's check that ``q``, ``k`` and
-``v`` are finite (a value that is not takes the dispatcher, which zeroes the tokens the
-mask hides). A replay computes what the path computes, with the same call, so it gives
-the same values: only the walk's Python is saved. The key is read
-before the route runs (a hook that changes what it holds while it runs files no route
-under the state it left). Routes are
-kept in a weak dictionary keyed by the scheme (a scheme that is garbage collected takes
-its routes along), at most :data:`.tuning.KEPT_ROUTES` per scheme; they hold no tensor
-and no bound method.
+the offsets the positions meet, :func:`~.plans._clipped_term`) run by the dispatcher with
+no wrapper (with gradients: where the path's own graph is differentiable twice), the route
+is kept per scheme and signature (:func:`record`), and a later call of the same signature
+runs it at once (:func:`replay`): the hooks are called on the call's positions as the path
+calls them, and the bias's shape is checked as :func:`~posenc.hooks.checked_hooks` checks
+it (a bias of another shape, or none, or in grad mode one that asks for a gradient, takes
+the dispatcher, which calls the hooks again and raises where it must; the forward in one
+buffer calls the checked hooks themselves, which raise the dispatcher's error). A causal
+call runs the path's own SDPA call with its mask (:func:`~.sdpa._sdpa`: the mask folded
+into the bias, or SDPA's ``is_causal``), or the forward in one buffer with it, after the
+dispatcher's check that ``q``, ``k`` and ``v`` are finite (a value that is not takes the
+dispatcher, which zeroes the tokens the mask hides). A replay computes what the path
+computes, with the same call, so it gives the same values: only the walk's Python is
+saved. The key is read before the route runs (a hook that changes what it holds while it
+runs files no route under the state it left). Routes are kept in a weak dictionary keyed
+by the scheme (a scheme that is garbage collected takes its routes along), at most
+:data:`.tuning.KEPT_ROUTES` per scheme; they hold no tensor and no bound method.
 
 :func:`posenc.attention` and :class:`~posenc.MultiHeadAttention`, called with ``q, k, v``
 alone (default positions, nothing masked, no dropout, cache nor weights), look the route

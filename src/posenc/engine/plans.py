@@ -335,8 +335,8 @@ def _clipped_term(call: Call) -> bool:
     rows alone and gathers each pair's logit, a product narrower than the scores, where
     the lean path works per strip of offsets; in self-attention with gradients, or
     without them where nothing is masked and the forward runs in one buffer, its
-    crossover lies higher. The answer reads the positions' values (the offsets met), which a kept route's key
-    does not hold: a call it decides is not kept."""
+    crossover lies higher. The answer reads the positions' values (the offsets met), which
+    a kept route's key does not hold: a call it decides is not kept."""
     why = _refusal(
         call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True
     )
@@ -438,13 +438,11 @@ def _plan_materialised(call: Call) -> Plan:
     if scores > crossover and not kept:
         kept = _kept_bias_fused(call)  # (past the crossover alone)
         if not kept:
+            kind = "value term" if value else "clipped score term" if clipped else "score term"
             what = (
-                ("a causal value term" if call.mask.causal else "a value term") if value
-                else ("a causal score term" if call.mask.causal else "a score term") if term
+                ("a causal " if call.mask.causal else "a ") + kind if term
                 else "a bias with gradients"
             )  # fmt: skip
-            if term and not value and clipped:
-                what = what.replace("score term", "clipped score term")
             return (
                 f"{scores} scores [b, h, n_q, n_k], above the crossover {crossover} ({name}) "
                 f"from which the lean paths run {what} faster"

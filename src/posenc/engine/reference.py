@@ -139,8 +139,8 @@ def _rows_product(q: Tensor, table: Tensor, out: Tensor | None = None) -> Tensor
     elements, where given). A per-head table with more than one batch entry is one product
     per head over the batch's queries, ``[h, b n_q, d] @ [h, d, W']``: ``q`` read head
     first (a copy, but a view for ``q`` laid out ``[b, n_q, h, d]``, as a projection's
-    output is), where the product broadcast over the batch copies the table for each batch entry
-    (``[b, h, W', d]``, larger than ``q`` from ``W' > n_q``); the result is then a view of
+    output is), where the product broadcast over the batch copies the table for each batch
+    entry (``[b, h, W', d]``, larger than ``q`` from ``W' > n_q``); the result is then a view of
     the ``[h, b, n_q, W']`` logits (:func:`_skew` reads it as it is)."""
     b, h, n_q, d = q.shape
     if table.dim() == 3 and b > 1:
