@@ -24,8 +24,9 @@ from .plans import _CONTEXTUAL, Call, Plan, _refusal
 def _plan_offset_term(call: Call) -> Plan:
     hooks = call.hooks
     why = _refusal(
-        call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True
-    )
+        call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True,
+        value_ok=True,
+    )  # fmt: skip
     if why is not None:
         return why
     if hooks.value_term is not None and hooks.offset_value is None:
@@ -56,8 +57,6 @@ def _plan_grid_term(call: Call) -> Plan:
     why = _refusal(call, "grid_term", "a 2-D query term", "score_bias", causal_ok=False)
     if why is not None:
         return why
-    if hooks.value_term is not None:
-        return "a value term"
     tables = hooks.grid_term(call.q_pos, call.k_pos)
     if tables is None:
         return "queries and keys that are not one whole map in order"
@@ -71,8 +70,6 @@ def _plan_grid_bias(call: Call) -> Plan:
     why = _refusal(call, "grid_bias", "a 2-D bias per offset", "score_term", causal_ok=False)
     if why is not None:
         return why
-    if hooks.value_term is not None:
-        return "a value term"
     if call.q.shape[2] * call.k.shape[2] < tuning.GRID_BIAS_PAIRS:
         return f"fewer than GRID_BIAS_PAIRS = {tuning.GRID_BIAS_PAIRS} query-key pairs"
     grid = hooks.grid_bias(call.q_pos, call.k_pos)
@@ -91,8 +88,6 @@ def _plan_offset_bias(call: Call) -> Plan:
     why = _refusal(call, "offset_bias", "a bias per offset j - i", "score_term", causal_ok=True)
     if why is not None:
         return why
-    if hooks.value_term is not None:
-        return "a value term"
     values = hooks.offset_bias(call.q_pos, call.k_pos)
     if values is None:
         return "positions that are not one consecutive run"

@@ -164,10 +164,13 @@ def _causal_only(call: Call) -> bool:
     return mask.causal_at_most and (not mask.causal or n_q <= n_k)
 
 
-def _refusal(call: Call, extra: str, what: str, beside: str, *, causal_ok: bool) -> str | None:
+def _refusal(
+    call: Call, extra: str, what: str, beside: str, *, causal_ok: bool, value_ok: bool = False
+) -> str | None:
     """Why a per-offset or grid path cannot take the call before its hook is asked: the
     scheme lacks the ``extra`` hook (``what`` it is), adds the ``beside`` hook too, the fused
-    CPU kernels do not run, or a mask other than a causal one (``causal_ok``) or any."""
+    CPU kernels do not run, a mask other than a causal one (``causal_ok``) or any, or a
+    value term (unless ``value_ok``)."""
     hooks = call.hooks
     if hooks.contextual_term is not None:
         return _CONTEXTUAL
@@ -182,6 +185,8 @@ def _refusal(call: Call, extra: str, what: str, beside: str, *, causal_ok: bool)
         return "a mask other than causal"
     if not causal_ok and not call.mask.empty:
         return "a mask"
+    if not value_ok and hooks.value_term is not None:
+        return "a value term"
     return None
 
 
@@ -338,8 +343,9 @@ def _clipped_term(call: Call) -> bool:
     crossover lies higher. The answer reads the positions' values (the offsets met), which
     a kept route's key does not hold: a call it decides is not kept."""
     why = _refusal(
-        call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True
-    )
+        call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True,
+        value_ok=True,
+    )  # fmt: skip
     if why is not None:  # the lean path is not the offset-term path: its crossover holds
         return False  # (and the hook is not asked where that path would not ask it)
     rows = _run_rows(call.hooks, call.q, call.q_pos, call.k_pos)
