@@ -106,14 +106,63 @@ def test_explain_picks_materialised_when_small_and_a_lean_path_when_large(monkey
         "materialised"
     )
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**15)
+    frozen = copy.deepcopy(relative).requires_grad_(False)  # (with gradients: the next test)
     _refused(
-        posenc.explain(small, small, small, position=relative, causal=True),
+        posenc.explain(small, small, small, position=frozen, causal=True),
         "offset-term",
         "65536 scores [b, h, n_q, n_k], above the crossover 32768 "
         "(MATERIALISED_CAUSAL_TERM_SCORES) from which the lean paths run a causal score term "
         "faster",
     )
     assert posenc.explain(small, small, small, position=t5).path == "materialised"
+
+
+def test_a_causal_term_with_gradients_in_self_attention_has_its_own_crossover(monkeypatch):
+    """A score term under a causal mask takes the materialised path up to
+    MATERIALISED_CAUSAL_GRAD_TERM_SCORES in a call with gradients in self-attention whose
+    lean path is the offset-term path (what was measured), and up to
+    MATERIALISED_CAUSAL_TERM_SCORES otherwise: without gradients, a decoding step, a mask
+    beside the causal one (another lean path). Under the lowest of the term limits the
+    offset-term path is not asked about."""
+    relative = posenc.RelativeQueryEmbedding(64, 8)  # its table learns
+    q = torch.randn(2, 2, 64, 8)  # 2^14 scores
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12)
+    assert posenc.explain(q, q, q, position=relative, causal=True).path == "materialised"
+    what = "a causal score term"
+    with torch.no_grad():
+        _past(monkeypatch, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12, q, relative, what, causal=True)
+    frozen = copy.deepcopy(relative).requires_grad_(False)
+    _past(monkeypatch, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12, q, frozen, what, causal=True)
+    told = posenc.explain(q.requires_grad_(), q, q, position=frozen, causal=True)
+    assert told.path == "materialised", told  # gradients for q alone
+    q = q.detach()
+    _past(
+        monkeypatch, "MATERIALISED_CAUSAL_GRAD_TERM_SCORES", 2**13, q, relative, what, causal=True
+    )
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_GRAD_TERM_SCORES", 2**14)  # at the limit
+    assert posenc.explain(q, q, q, position=relative, causal=True).path == "materialised"
+    # a decoding step: one query against 64 keys (128 scores)
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**6)
+    one = q[:, :, -1:]
+    told = posenc.explain(one, q, q, position=relative, causal=True)  # (aligned at the end)
+    assert "(MATERIALISED_CAUSAL_TERM_SCORES)" in told.reasons["materialised"], told
+    # a key padding mask beside the causal one: the fused lean path, not the offset-term's
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12)
+    padding = torch.zeros(2, 64, dtype=torch.bool)
+    padding[0, -3:] = True
+    told = posenc.explain(q, q, q, position=relative, causal=True, key_padding_mask=padding)
+    assert told.path != "materialised"
+    assert "(MATERIALISED_CAUSAL_TERM_SCORES)" in told.reasons["materialised"], told
+    # under every term limit the path is not asked about
+    asked = []
+    path = plans._offset_term_path
+    monkeypatch.setattr(plans, "_offset_term_path", lambda call: asked.append(1) or path(call))
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**14)
+    assert posenc.explain(q, q, q, position=relative, causal=True).path == "materialised"
+    assert asked == []
+    monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**14 - 1)  # the lowest
+    assert posenc.explain(q, q, q, position=relative, causal=True).path == "materialised"
+    assert asked == [1]
 
 
 def test_a_bias_without_gradients_is_written_out_up_to_the_budget(monkeypatch):
@@ -260,28 +309,34 @@ def test_a_value_term_has_its_own_crossover(monkeypatch):
 def test_a_clipped_term_in_self_attention_has_its_own_crossover(monkeypatch):
     """Shaw's keys beyond their reach (a table of 2k + 1 rows that most offsets share) in
     self-attention take the materialised path up to MATERIALISED_CLIPPED_TERM_SCORES (under
-    a causal mask, with gradients alone, MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES, at most
-    MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS pairs per head), past the crossover of other
-    score terms; causal without gradients, within its reach, where the rows met are more
-    than half the offsets (the bound itself is clipped) or in a decoding step, the term's
-    own crossover holds."""
+    a causal mask at most MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS pairs per head, and
+    MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES with gradients,
+    MATERIALISED_CAUSAL_CLIPPED_TERM_FORWARD_SCORES without), past the crossover of other
+    score terms; within its reach, where the rows met are more than half the offsets (the
+    bound itself is clipped), without gradients on one thread or in a decoding step, the
+    term's own crossover holds."""
     q = torch.randn(2, 2, 64, 8)  # 2^14 scores, 127 offsets
     clipped = posenc.ShawRelativePosition(8, 16, values=False)  # 33 rows
     posenc.attention(q, q, q, position=clipped)  # below the term's crossover: a kept route
     told = posenc.explain(q, q, q, position=clipped)
     assert told.path == "materialised" and told.replayed, told
-    monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**12)
-    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12)
+    for name in ("TERM", "CAUSAL_TERM", "CAUSAL_GRAD_TERM"):  # every other term's crossover
+        monkeypatch.setattr(tuning, f"MATERIALISED_{name}_SCORES", 2**12)
     assert posenc.explain(q, q, q, position=clipped).path == "materialised"  # its keys learn
     assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
-    with torch.no_grad():  # no gradient: causal, the crossover of a causal score term
+    with torch.no_grad():  # no gradient (the forward in one buffer): causal, its own too
         assert posenc.explain(q, q, q, position=clipped).path == "materialised"
-        what = "a causal score term"
-        _past(monkeypatch, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12, q, clipped, what, causal=True)
+        assert posenc.explain(q, q, q, position=clipped, causal=True).path == "materialised"
+        name = "MATERIALISED_CAUSAL_CLIPPED_TERM_FORWARD_SCORES"
+        what = "a causal clipped score term"
+        _past(monkeypatch, name, 2**13, q, clipped, what, causal=True)
     frozen = copy.deepcopy(clipped).requires_grad_(False)
-    assert posenc.explain(q, q, q, position=frozen, causal=True).path == "offset-term"
+    _past(monkeypatch, name, 2**13, q, frozen, what, causal=True)  # no gradient asked
+    monkeypatch.setattr(tuning, name, 2**14)
+    assert posenc.explain(q, q, q, position=frozen, causal=True).path == "materialised"
+    monkeypatch.setattr(tuning, name, 2**13)
     told = posenc.explain(q.requires_grad_(), q, q, position=frozen, causal=True)
-    assert told.path == "materialised", told
+    assert told.path == "materialised", told  # with gradients, for q
     q = q.detach()
     # every offset its own row; 81 rows met of 127, more than half; 63 rows, at most half
     for reach, path in ((63, "offset-term"), (40, "offset-term"), (31, "materialised")):
@@ -303,7 +358,11 @@ def test_a_clipped_term_in_self_attention_has_its_own_crossover(monkeypatch):
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS", 64 * 64 - 1)
     assert posenc.explain(q, q, q, position=clipped).path == "materialised"
     what = "a causal score term"
-    _past(monkeypatch, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12, q, clipped, what, causal=True)
+    name = "MATERIALISED_CAUSAL_GRAD_TERM_SCORES"  # (with gradients, in self-attention)
+    _past(monkeypatch, name, 2**12, q, clipped, what, causal=True)
+    with torch.no_grad():
+        _past(monkeypatch, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12, q, clipped, what, causal=True)
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS", 64 * 64)
     # the rows met against the offsets at the bound: 33 of 65, more than half; 33 of 67
     for n, path in ((33, "offset-term"), (34, "materialised")):
         q = torch.randn(2, 2, n, 8)
@@ -314,6 +373,8 @@ def test_a_clipped_term_in_self_attention_has_its_own_crossover(monkeypatch):
     with torch.no_grad():
         q = torch.randn(2, 2, 64, 8)
         _past(monkeypatch, "MATERIALISED_TERM_SCORES", 2**12, q, clipped, "a score term")
+        what = "a causal score term"
+        _past(monkeypatch, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12, q, clipped, what, causal=True)
     monkeypatch.setattr(plans, "_threads", lambda: 2)
     assert posenc.explain(q, q, q, position=clipped).path == "materialised"
     # self-attention alone (a decoding step with gradients lost): one query, 34 keys

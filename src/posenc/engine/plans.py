@@ -331,23 +331,28 @@ def materialised_size(call: Call) -> str | None:
     return None
 
 
-def _clipped_term(call: Call) -> bool:
-    """Whether the call's score term is a clipped table whose rows most offsets share
-    (Shaw's keys beyond their reach): its ``offset_term`` gives a table and the row of each
-    offset (:func:`~.reference._run_rows`), and the rows the offsets meet are at most half
-    of them, in a call the offset-term path would take (no mask but a causal one; the
-    crossovers were measured against it). The materialised path multiplies ``q`` by those
-    rows alone and gathers each pair's logit, a product narrower than the scores, where
-    the lean path works per strip of offsets; in self-attention with gradients, or
-    without them where nothing is masked and the forward runs in one buffer, its
-    crossover lies higher. The answer reads the positions' values (the offsets met), which
-    a kept route's key does not hold: a call it decides is not kept."""
+def _offset_term_path(call: Call) -> bool:
+    """Whether the lean path for the call's score term is the offset-term path (no mask but
+    a causal one, the fused CPU kernels, no bias beside the term), which the term's
+    crossovers were measured against; read before any hook is asked."""
     why = _refusal(
         call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True,
         value_ok=True,
     )  # fmt: skip
-    if why is not None:  # the lean path is not the offset-term path: its crossover holds
-        return False  # (and the hook is not asked where that path would not ask it)
+    return why is None
+
+
+def _clipped_term(call: Call) -> bool:
+    """Whether the call's score term is a clipped table whose rows most offsets share
+    (Shaw's keys beyond their reach): its ``offset_term`` gives a table and the row of each
+    offset (:func:`~.reference._run_rows`), and the rows the offsets meet are at most half
+    of them, in a call the offset-term path would take (:func:`_offset_term_path`, which
+    the caller has asked). The materialised path multiplies ``q`` by those rows alone and
+    gathers each pair's logit, a product narrower than the scores, where the lean path
+    works per strip of offsets; in self-attention with gradients, or without them where
+    the forward runs in one buffer, its crossover lies higher. The answer reads the
+    positions' values (the offsets met), which a kept route's key does not hold: a call it
+    decides is not kept."""
     rows = _run_rows(call.hooks, call.q, call.q_pos, call.k_pos)
     if rows is None or rows[1] is None:
         return False
@@ -387,10 +392,13 @@ def _plan_materialised(call: Call) -> Plan:
     (:data:`tuning.MATERIALISED_CAUSAL_VALUE_SCORES` under a causal mask),
     :data:`tuning.MATERIALISED_TERM_SCORES` for a score term
     (:data:`tuning.MATERIALISED_CAUSAL_TERM_SCORES` under a causal mask, whose hidden pairs
-    the lean paths skip), past it :data:`tuning.MATERIALISED_CLIPPED_TERM_SCORES` for a
-    clipped term in self-attention (:func:`_clipped_term`; under a causal mask, with
-    gradients alone, :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES` and at most
-    :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS` pairs per head),
+    the lean paths skip; with gradients in self-attention on the offset-term path,
+    :func:`_offset_term_path`, :data:`tuning.MATERIALISED_CAUSAL_GRAD_TERM_SCORES`), past
+    it :data:`tuning.MATERIALISED_CLIPPED_TERM_SCORES` for a clipped term in
+    self-attention (:func:`_clipped_term`; under a causal mask at most
+    :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS` pairs per head and
+    :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES` scores with gradients,
+    :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_FORWARD_SCORES` without),
     :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients;
     for a bias without, the budget alone, and under a causal mask
     :data:`tuning.MATERIALISED_CAUSAL_PAIRS` pairs per head (the lean forward skips the
@@ -424,19 +432,33 @@ def _plan_materialised(call: Call) -> Plan:
             "MATERIALISED_CAUSAL_VALUE_SCORES" if call.mask.causal else "MATERIALISED_VALUE_SCORES"
         )
     elif term:
-        name = "MATERIALISED_CAUSAL_TERM_SCORES" if call.mask.causal else "MATERIALISED_TERM_SCORES"
+        causal = call.mask.causal
+        # self-attention on the offset-term path: what was measured (a decoding step loses);
+        # asked only past the lowest limit, under which every limit takes the call
+        lowest = min(
+            tuning.MATERIALISED_TERM_SCORES, tuning.MATERIALISED_CAUSAL_TERM_SCORES,
+            tuning.MATERIALISED_CAUSAL_GRAD_TERM_SCORES,
+        )  # fmt: skip
+        measured = n_q == n_k and scores > lowest and _offset_term_path(call)
+        if not causal:
+            name = "MATERIALISED_TERM_SCORES"
+        elif grad and measured:
+            name = "MATERIALISED_CAUSAL_GRAD_TERM_SCORES"
+        else:
+            name = "MATERIALISED_CAUSAL_TERM_SCORES"
         clipped = (
-            n_q == n_k  # (self-attention: what was measured; a decoding step loses)
-            # (without gradients, as measured: the forward in one buffer, nothing masked)
-            and (grad or (not call.mask.causal and call.op_by_op and _in_place(call)))
+            measured
+            # (without gradients, as measured: the forward in one buffer)
+            and (grad or (call.op_by_op and _in_place(call)))
             and scores > getattr(tuning, name)
-            and (not call.mask.causal or n_q * n_k <= tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS)
+            and (not causal or n_q * n_k <= tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS)
             and _clipped_term(call)
         )
         if clipped:
             name = (
-                "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES" if call.mask.causal
-                else "MATERIALISED_CLIPPED_TERM_SCORES"
+                "MATERIALISED_CLIPPED_TERM_SCORES" if not causal
+                else "MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES" if grad
+                else "MATERIALISED_CAUSAL_CLIPPED_TERM_FORWARD_SCORES"
             )  # fmt: skip
     else:
         name = "MATERIALISED_BIAS_SCORES" if grad else "MATERIALISED_SCORES"
