@@ -153,6 +153,9 @@ def test_a_causal_term_with_gradients_in_self_attention_has_its_own_crossover(mo
     told = posenc.explain(q, q, q, position=relative, causal=True, key_padding_mask=padding)
     assert told.path != "materialised"
     assert "(MATERIALISED_CAUSAL_TERM_SCORES)" in told.reasons["materialised"], told
+    # values of another head dim: the fused CPU kernels do not run (nor the offset-term path)
+    told = posenc.explain(q, q, torch.randn(2, 2, 64, 4), position=relative, causal=True)
+    assert "(MATERIALISED_CAUSAL_TERM_SCORES)" in told.reasons["materialised"], told
     # under every term limit the path is not asked about
     asked = []
     path = plans._offset_term_path
@@ -315,6 +318,7 @@ def test_a_clipped_term_in_self_attention_has_its_own_crossover(monkeypatch):
     score terms; within its reach, where the rows met are more than half the offsets (the
     bound itself is clipped), without gradients on one thread or in a decoding step, the
     term's own crossover holds."""
+    monkeypatch.setattr(plans, "_threads", lambda: 2)  # the forward in one buffer, on any CPU
     q = torch.randn(2, 2, 64, 8)  # 2^14 scores, 127 offsets
     clipped = posenc.ShawRelativePosition(8, 16, values=False)  # 33 rows
     posenc.attention(q, q, q, position=clipped)  # below the term's crossover: a kept route
@@ -396,6 +400,7 @@ def test_a_call_the_clipped_crossover_chose_keeps_no_route(monkeypatch):
     takes the offset-term path again. Where the offset-term path would not take the call
     (a key padding mask), the crossover is not asked, nor the scheme's ``offset_term``."""
     monkeypatch.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**12)
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12)
     asked = []
     rows = plans._run_rows
     monkeypatch.setattr(plans, "_run_rows", lambda *a: asked.append(1) or rows(*a))
@@ -410,12 +415,15 @@ def test_a_call_the_clipped_crossover_chose_keeps_no_route(monkeypatch):
     monkeypatch.setattr(
         lean_plans._OffsetTermAttention, "apply", lambda *a: ran.append(1) or lean(*a)
     )
-    for grad in (True, False):  # the formula's route, or the forward in one buffer's
+    monkeypatch.setattr(plans, "_threads", lambda: 2)  # the forward in one buffer
+    # the formula's route, or the forward in one buffer's (causal too, without gradients)
+    for grad, causal in ((True, False), (False, False), (False, True)):
         with torch.set_grad_enabled(grad):
-            posenc.attention(q, q, q, position=shaw, positions=far, key_positions=torch.arange(64))
+            kwargs = {"position": shaw, "causal": causal}
+            posenc.attention(q, q, q, positions=far, key_positions=torch.arange(64), **kwargs)
             ran.clear()
-            posenc.attention(q, q, q, position=shaw)
-            assert ran == [1], grad
+            posenc.attention(q, q, q, **kwargs)
+            assert ran == [1], (grad, causal)
     asked.clear()
     padding = torch.zeros(2, 64, dtype=torch.bool)
     padding[0, -3:] = True

@@ -332,9 +332,11 @@ def materialised_size(call: Call) -> str | None:
 
 
 def _offset_term_path(call: Call) -> bool:
-    """Whether the lean path for the call's score term is the offset-term path (no mask but
-    a causal one, the fused CPU kernels, no bias beside the term), which the term's
-    crossovers were measured against; read before any hook is asked."""
+    """Whether the offset-term path, which the term's crossovers were measured against, may
+    take the call by what a kept route's key holds: the scheme's hooks (an ``offset_term``,
+    no bias beside it), the fused CPU kernels, no mask but a causal one; no hook is asked
+    and the positions are not read (at positions that are no run the path declines the
+    call in its own plan, and the crossover chosen here holds all the same)."""
     why = _refusal(
         call, "offset_term", "a query term per offset j - i", "score_bias", causal_ok=True,
         value_ok=True,
@@ -398,7 +400,8 @@ def _plan_materialised(call: Call) -> Plan:
     self-attention (:func:`_clipped_term`; under a causal mask at most
     :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS` pairs per head and
     :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES` scores with gradients,
-    :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_FORWARD_SCORES` without),
+    :data:`tuning.MATERIALISED_CAUSAL_CLIPPED_TERM_FORWARD_SCORES` without, where the
+    forward runs in one buffer),
     :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients;
     for a bias without, the budget alone, and under a causal mask
     :data:`tuning.MATERIALISED_CAUSAL_PAIRS` pairs per head (the lean forward skips the

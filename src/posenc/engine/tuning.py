@@ -61,7 +61,8 @@ MATERIALISED_BIAS_SCORES = 3 << 21
 MATERIALISED_TERM_SCORES = 3 << 19
 #: scores at most on the materialised path for a score term under a causal mask
 MATERIALISED_CAUSAL_TERM_SCORES = 1 << 18
-#: the same in self-attention with gradients, where the offset-term path is the lean one
+#: the same in self-attention with gradients, where the offset-term path may take the
+#: call (its hooks and the mask's kind: plans._offset_term_path)
 MATERIALISED_CAUSAL_GRAD_TERM_SCORES = 3 << 19
 #: scores at most on the materialised path for a clipped score term (most offsets share a
 #: row of its table: Shaw's keys beyond their reach) in self-attention (the crossover)
@@ -70,8 +71,8 @@ MATERIALISED_CLIPPED_TERM_SCORES = 3 << 21
 MATERIALISED_CAUSAL_CLIPPED_TERM_SCORES = 3 << 20
 #: the same under a causal mask without gradients (the forward in one buffer)
 MATERIALISED_CAUSAL_CLIPPED_TERM_FORWARD_SCORES = 3 << 19
-#: query-key pairs per head at most for which a causal call takes that crossover (past it
-#: the lean paths, which skip the hidden pairs, win at any size measured)
+#: query-key pairs per head at most for which a causal call takes these two crossovers
+#: (n = 128; at n = 256 runs disagree on which path wins: docs/performance.md)
 MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS = 1 << 14
 #: scores at most on the materialised path for a value term (the crossover)
 MATERIALISED_VALUE_SCORES = 3 << 21
