@@ -297,16 +297,56 @@ def test_alibis_kept_bias_runs_sdpas_fused_kernel_past_the_scores_budget(monkeyp
 
 def test_a_value_term_has_its_own_crossover(monkeypatch):
     """Shaw's a^V takes the path op by op, with or without gradients, up to
-    MATERIALISED_VALUE_SCORES (MATERIALISED_CAUSAL_VALUE_SCORES under a causal mask)."""
-    q = torch.randn(2, 2, 16, 8)
+    MATERIALISED_VALUE_SCORES; under a causal mask up to MATERIALISED_CAUSAL_SELF_VALUE_SCORES
+    in self-attention where the offset-term path may take the call (what was measured; with
+    gradients over at most MATERIALISED_CAUSAL_GRAD_VALUE_PAIRS pairs per head),
+    MATERIALISED_CAUSAL_VALUE_SCORES otherwise (a decoding step, a mask beside the causal
+    one, longer rows with gradients). Under both causal limits the offset-term path is not
+    asked about."""
+    q = torch.randn(2, 2, 16, 8)  # 2^10 scores
     shaw = posenc.ShawRelativePosition(8, 3)
     assert posenc.explain(q, q, q, position=shaw).path == "materialised"
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
             _past(monkeypatch, "MATERIALISED_VALUE_SCORES", 2**9, q, shaw, "a value term")
     assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
-    what = "a causal value term"
-    _past(monkeypatch, "MATERIALISED_CAUSAL_VALUE_SCORES", 2**9, q, shaw, what, causal=True)
+    what, name = "a causal value term", "MATERIALISED_CAUSAL_SELF_VALUE_SCORES"
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_VALUE_SCORES", 2**4)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
+            _past(monkeypatch, name, 2**9, q, shaw, what, causal=True)
+            monkeypatch.setattr(tuning, name, 2**10)  # at the limit
+            assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
+    one = q[:, :, -1:]  # a decoding step: one query against 16 keys (64 scores)
+    told = posenc.explain(one, q, q, position=shaw, causal=True)  # (aligned at the end)
+    assert "(MATERIALISED_CAUSAL_VALUE_SCORES)" in told.reasons["materialised"], told
+    padding = torch.zeros(2, 16, dtype=torch.bool)
+    padding[0, -3:] = True
+    told = posenc.explain(q, q, q, position=shaw, causal=True, key_padding_mask=padding)
+    assert told.path != "materialised"
+    assert "(MATERIALISED_CAUSAL_VALUE_SCORES)" in told.reasons["materialised"], told
+    # with gradients over more pairs per head: MATERIALISED_CAUSAL_VALUE_SCORES
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_GRAD_VALUE_PAIRS", 16 * 16 - 1)
+    _past(monkeypatch, "MATERIALISED_CAUSAL_VALUE_SCORES", 2**4, q, shaw, what, causal=True)
+    with torch.no_grad():
+        assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_GRAD_VALUE_PAIRS", 16 * 16)
+    assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
+    asked = []
+    path = plans._offset_term_path
+    monkeypatch.setattr(plans, "_offset_term_path", lambda call: asked.append(1) or path(call))
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_VALUE_SCORES", 2**10)
+    assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
+    assert asked == []
+    monkeypatch.setattr(tuning, name, 2**10 - 1)  # the lower limit: asked, and refused
+    _refused(
+        posenc.explain(q, q, q, position=shaw, causal=True),
+        "offset-term",
+        f"1024 scores [b, h, n_q, n_k], above the crossover 1023 ({name}) from which the lean "
+        f"paths run {what} faster",
+    )
+    assert asked == [1]
 
 
 def test_a_clipped_term_in_self_attention_has_its_own_crossover(monkeypatch):

@@ -391,7 +391,10 @@ def _plan_materialised(call: Call) -> Plan:
     At most :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) and
     :data:`tuning.MATERIALISED_PAIRS` query-key pairs per head; below the measured
     crossovers: :data:`tuning.MATERIALISED_VALUE_SCORES` scores for a value term
-    (:data:`tuning.MATERIALISED_CAUSAL_VALUE_SCORES` under a causal mask),
+    (:data:`tuning.MATERIALISED_CAUSAL_VALUE_SCORES` under a causal mask;
+    :data:`tuning.MATERIALISED_CAUSAL_SELF_VALUE_SCORES` in self-attention where the
+    offset-term path may take the call, with gradients over at most
+    :data:`tuning.MATERIALISED_CAUSAL_GRAD_VALUE_PAIRS` pairs per head),
     :data:`tuning.MATERIALISED_TERM_SCORES` for a score term
     (:data:`tuning.MATERIALISED_CAUSAL_TERM_SCORES` under a causal mask, whose hidden pairs
     the lean paths skip; with gradients in self-attention on the offset-term path,
@@ -430,12 +433,19 @@ def _plan_materialised(call: Call) -> Plan:
     value = hooks.value_term is not None
     term = value or hooks.score_term is not None
     clipped = False
+    causal = call.mask.causal
     if value:
-        name = (
-            "MATERIALISED_CAUSAL_VALUE_SCORES" if call.mask.causal else "MATERIALISED_VALUE_SCORES"
-        )
+        name = "MATERIALISED_CAUSAL_VALUE_SCORES" if causal else "MATERIALISED_VALUE_SCORES"
+        if (
+            causal
+            and scores > min(tuning.MATERIALISED_CAUSAL_VALUE_SCORES,
+                             tuning.MATERIALISED_CAUSAL_SELF_VALUE_SCORES)
+            and n_q == n_k  # (self-attention on the offset-term path: what was measured)
+            and (not grad or n_q * n_k <= tuning.MATERIALISED_CAUSAL_GRAD_VALUE_PAIRS)
+            and _offset_term_path(call)
+        ):  # fmt: skip
+            name = "MATERIALISED_CAUSAL_SELF_VALUE_SCORES"
     elif term:
-        causal = call.mask.causal
         # self-attention on the offset-term path: what was measured (a decoding step loses);
         # asked only past the lowest limit, under which every limit takes the call
         lowest = min(

@@ -78,6 +78,12 @@ MATERIALISED_CAUSAL_CLIPPED_TERM_PAIRS = 1 << 14
 MATERIALISED_VALUE_SCORES = 3 << 21
 #: scores at most on the materialised path for a value term under a causal mask
 MATERIALISED_CAUSAL_VALUE_SCORES = 1 << 21
+#: the same in self-attention, where the offset-term path may take the call (its hooks
+#: and the mask's kind: plans._offset_term_path)
+MATERIALISED_CAUSAL_SELF_VALUE_SCORES = 3 << 21
+#: query-key pairs per head at most for which a causal call with gradients takes that
+#: limit (n = 256 lost at 3 x 2^21)
+MATERIALISED_CAUSAL_GRAD_VALUE_PAIRS = 1 << 14
 #: pairs per head at most on the materialised path for a causal bias without gradients
 MATERIALISED_CAUSAL_PAIRS = 1 << 12
 #: scores at most for which the materialised path runs op by op a call that SDPA could
