@@ -331,8 +331,16 @@ def test_a_value_term_has_its_own_crossover(monkeypatch):
     _past(monkeypatch, "MATERIALISED_CAUSAL_VALUE_SCORES", 2**4, q, shaw, what, causal=True)
     with torch.no_grad():
         assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
+    frozen = copy.deepcopy(shaw).requires_grad_(False)  # grad mode, no gradient asked
+    assert posenc.explain(q, q, q, position=frozen, causal=True).path == "materialised"
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_GRAD_VALUE_PAIRS", 16 * 16)
     assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
+    # without a causal mask, MATERIALISED_VALUE_SCORES alone, whatever the causal limits
+    monkeypatch.setattr(tuning, name, 2**9)
+    monkeypatch.setattr(tuning, "MATERIALISED_VALUE_SCORES", 2**10)
+    assert posenc.explain(q, q, q, position=shaw).path == "materialised"
+    monkeypatch.setattr(tuning, name, 2**10)
+    _past(monkeypatch, "MATERIALISED_VALUE_SCORES", 2**9, q, shaw, "a value term")
     asked = []
     path = plans._offset_term_path
     monkeypatch.setattr(plans, "_offset_term_path", lambda call: asked.append(1) or path(call))

@@ -62,7 +62,7 @@ MATERIALISED_TERM_SCORES = 3 << 19
 #: scores at most on the materialised path for a score term under a causal mask
 MATERIALISED_CAUSAL_TERM_SCORES = 1 << 18
 #: the same in self-attention with gradients, where the offset-term path may take the
-#: call (its hooks and the mask's kind: plans._offset_term_path)
+#: call (its hooks, the mask's kind, the fused CPU kernels: plans._offset_term_path)
 MATERIALISED_CAUSAL_GRAD_TERM_SCORES = 3 << 19
 #: scores at most on the materialised path for a clipped score term (most offsets share a
 #: row of its table: Shaw's keys beyond their reach) in self-attention (the crossover)
