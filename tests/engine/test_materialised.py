@@ -59,6 +59,14 @@ def _past(monkeypatch, name, value, q, scheme, what, *, causal=False):
     )
 
 
+def _spied_path(monkeypatch):
+    """A list that gets an entry each time the dispatcher asks ``plans._offset_term_path``."""
+    asked = []
+    path = plans._offset_term_path
+    monkeypatch.setattr(plans, "_offset_term_path", lambda call: asked.append(1) or path(call))
+    return asked
+
+
 def _randomised(scheme):
     torch.manual_seed(1)
     scheme = scheme.double()
@@ -157,9 +165,7 @@ def test_a_causal_term_with_gradients_in_self_attention_has_its_own_crossover(mo
     told = posenc.explain(q, q, torch.randn(2, 2, 64, 4), position=relative, causal=True)
     assert "(MATERIALISED_CAUSAL_TERM_SCORES)" in told.reasons["materialised"], told
     # under every term limit the path is not asked about
-    asked = []
-    path = plans._offset_term_path
-    monkeypatch.setattr(plans, "_offset_term_path", lambda call: asked.append(1) or path(call))
+    asked = _spied_path(monkeypatch)
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**14)
     assert posenc.explain(q, q, q, position=relative, causal=True).path == "materialised"
     assert asked == []
@@ -341,9 +347,7 @@ def test_a_value_term_has_its_own_crossover(monkeypatch):
     assert posenc.explain(q, q, q, position=shaw).path == "materialised"
     monkeypatch.setattr(tuning, name, 2**10)
     _past(monkeypatch, "MATERIALISED_VALUE_SCORES", 2**9, q, shaw, "a value term")
-    asked = []
-    path = plans._offset_term_path
-    monkeypatch.setattr(plans, "_offset_term_path", lambda call: asked.append(1) or path(call))
+    asked = _spied_path(monkeypatch)
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_VALUE_SCORES", 2**10)
     assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
     assert asked == []
