@@ -277,7 +277,10 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
     ``[b, h, n_q, d_v]``; None where none is kept, or where the scheme's bias has a shape
     the route does not take, or none, or where a causal call's ``q``, ``k`` or ``v`` holds
     a value that is not finite (the dispatcher then runs the call: such tokens are zeroed
-    where the mask hides them, :func:`~.inputs.finite`)."""
+    where the mask hides them, :func:`~.inputs.finite`). On the route of the forward in
+    one buffer, ``v`` alone is checked first, and ``q`` and ``k`` through the logits' sum
+    that its fill takes (:func:`~.reference._forward_in_place` returns None where it is
+    not finite): two reductions fewer."""
     if torch.compiler.is_compiling():
         return None  # no key while compiling (signature): nothing for Dynamo to trace
     routes = _routes(call.scheme)
@@ -290,7 +293,9 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
     q, k, v, scheme, q_pos, k_pos, mask = call[:7]
     if mask.empty:
         return _run(route, q, k, v, scheme, q_pos, k_pos, scale)
-    if not finite(q, k, v):
+    # the forward in one buffer reads q's and k's in the logits' sum, which its fill takes
+    checks_logits = route == plans._IN_PLACE_ROUTE and not torch.is_grad_enabled()
+    if not (finite(v) if checks_logits else finite(q, k, v)):
         return None
     return _run(route, q, k, v, scheme, q_pos, k_pos, scale, mask)
 
@@ -318,7 +323,11 @@ def _run(
         scale = default_scale(q.shape[-1]) if scale is None else scale
         if route == plans._MATH_ROUTE:
             return _math(q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0, reference=False)[0]  # type: ignore[arg-type]
-        return _forward_in_place(q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0)  # type: ignore[arg-type]
+        # (a causal call: None where q or k is not finite, which replay did not check)
+        return _forward_in_place(
+            q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0,  # type: ignore[arg-type]
+            checked=mask.empty or torch.is_grad_enabled(),
+        )  # fmt: skip
     bias = None
     kept_bias = False
     if route:

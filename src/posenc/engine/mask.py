@@ -105,7 +105,9 @@ class Mask:
         every call of its sizes (:func:`_kept_band`: a dozen small kernel calls fewer)."""
         return self._keep(rows, device, _kept_band)
 
-    def filled(self, x: Tensor, keep: Tensor, fill: float, *, in_place: bool) -> Tensor:
+    def filled(
+        self, x: Tensor, keep: Tensor, fill: float, *, in_place: bool, finite: bool | None = None
+    ) -> Tensor:
         """``x [b|1, h|1, n_q, n_k]`` with the keys ``keep`` hides at ``fill``, as
         ``x.masked_fill(~keep, fill)`` (``masked_fill_`` where ``in_place``) gives it, to
         the bit.
@@ -120,12 +122,20 @@ class Mask:
         + x * 0`` where it hides (``fill``). The bool form reads its mask one element at
         a time, several times slower on the CPU (docs/performance.md, "Twenty-fifth
         pass"). A sum that is not finite (a NaN or infinite score, or finite ones past the
-        dtype's range together) takes ``masked_fill``."""
+        dtype's range together) takes ``masked_fill``. ``finite``: that sum's answer where
+        the caller has read it (:meth:`finite_sum`), else None."""
         floats = self._band_floats(x, keep, fill)
-        if floats is not None and math.isfinite(x.sum().item()):
+        if floats is not None and (self.finite_sum(x) if finite is None else finite):
             keep_f, fill_t = floats.unbind(0)  # [1, 1, n_q, n_k] each
             return torch.addcmul(fill_t, x, keep_f, out=x if in_place else None)
         return x.masked_fill_(~keep, fill) if in_place else x.masked_fill(~keep, fill)
+
+    @staticmethod
+    def finite_sum(x: Tensor) -> bool:
+        """Whether the sum of ``x`` is finite: False where an element is a NaN or an
+        infinity, or where finite ones sum past the dtype's range (one reduction, one
+        sync)."""
+        return math.isfinite(x.sum().item())
 
     def _band_floats(self, x: Tensor, keep: Tensor, fill: float) -> Tensor | None:
         """``[2, 1, 1, n_q, n_k]`` in ``x``'s dtype, the band as 1 / 0 and as -0.0 / ``fill``

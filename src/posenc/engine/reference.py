@@ -310,11 +310,21 @@ def _forward_in_place(
     dropout_p: float,
     *,
     bias: Tensor | None = None,
-) -> Tensor:
+    checked: bool = True,
+) -> Tensor | None:
     """:func:`_math` with the fast hooks, for a call that records no graph (``bias``: the
     scheme's bias for these positions where the caller has it): ``[b, h, n_q, d_v]``, the
     same values in one ``[b, h, n_q, n_k]`` buffer (in grad mode, where the
     score term or bias requires grad, :func:`_math` itself).
+
+    Where the caller has not checked that ``q`` and ``k`` are finite (``checked`` False,
+    a call the mask hides keys from, no graph recorded), the logits are read for it before
+    the fill, in the sum the fill takes anyway (:meth:`~.mask.Mask.filled`): a NaN or an
+    infinity in ``q`` or ``k`` makes a whole row or column of the logits non-finite (a
+    NaN spreads through a product and a sum; an infinity times a channel's 0 is a NaN,
+    times another value an infinity), and then the call returns None, before anything is
+    written out, for the caller's own path (which zeroes such tokens). A sum past the
+    dtype's range returns None too, and the caller finds nothing to zero.
 
     The buffer starts as ``score_term * scale + score_bias`` plus the float mask (a term
     per offset of a run of positions from ``offset_term``'s rows, :func:`_run_rows`: the
@@ -344,7 +354,7 @@ def _forward_in_place(
             (asked for here).
 
     Returns:
-        ``[b, h, n_q, d_v]``.
+        ``[b, h, n_q, d_v]``; None where ``checked`` is False and the logits are not finite.
     """
     rows = _run_rows(hooks, q, q_pos, k_pos)  # ([(h,) W' | R', d], [W] or None) or None
     term = None
@@ -402,7 +412,10 @@ def _forward_in_place(
         scores.baddbmm_(q3, k3.transpose(1, 2), beta=1 if start else 0, alpha=scale)
         keep = mask.shared_keep(device=q.device)  # [b|1, h|1, n_q, n_k] or None
         if keep is not None:
-            mask.filled(full, keep, torch.finfo(scores.dtype).min, in_place=True)
+            finite = None if checked else mask.finite_sum(full)
+            if finite is False:
+                return None  # a NaN or an infinity in q or k (or the term): the caller's path
+            mask.filled(full, keep, torch.finfo(scores.dtype).min, in_place=True, finite=finite)
         # a row's partial last vector, written, would stall the next row's first read:
         # such rows are written into the second half of the buffer
         weights = scores if in_place else flat[count : 2 * count].view(b * h, n_q, n_k)
