@@ -1582,40 +1582,48 @@ def test_a_causal_replay_leaves_non_finite_values_to_the_dispatcher(walks):
     assert out[:, :, -1].isnan().all()
 
 
+@pytest.mark.parametrize("n, dtype", [(N, torch.float32), (64, torch.float64)])
 @pytest.mark.parametrize(
     "bad",
-    [("q", 3, float("nan")), ("k", N - 1, float("nan")), ("k", 5, float("-inf")),
-     ("q", 0, float("inf")), ("v", N - 1, float("nan")), ("v", 2, float("inf"))],
+    [("q", 3, float("nan")), ("k", -1, float("nan")), ("k", 5, float("-inf")),
+     ("q", 0, float("inf")), ("v", -1, float("nan")), ("v", 2, float("inf"))],
 )  # fmt: skip
-def test_a_causal_replay_in_one_buffer_reads_q_and_k_in_its_logits(bad, walks, monkeypatch):
+def test_a_causal_replay_in_one_buffer_reads_q_and_k_in_its_logits(
+    bad, n, dtype, walks, monkeypatch
+):
     """The route of the forward in one buffer (a score term, no gradients), replayed under
     the causal mask, checks ``v`` alone before the call and ``q`` and ``k`` through the
-    logits' sum its fill takes: a NaN or an infinity in any of them (a key hidden from
-    every query but the last, a -inf that makes its scores -inf) sends the call to the
-    dispatcher, whose answer it is (the rows that see the token NaN, the others the
-    clean call's); a clean call replays, one tensor checked."""
+    logits' sum (its own below FILLED_ELEMENTS scores, at n = 12; the one its fill takes
+    at n = 64): a NaN or an infinity in any of them (a key hidden from every query but
+    the last, a -inf that makes its scores -inf) sends the call to the dispatcher, whose
+    answer it is (the rows that see the token NaN, the others the clean call's); a clean
+    call replays, one tensor checked. With a zero scale (the engine's ``attend`` takes
+    one; its GEMM may then skip ``q`` and ``k``) all three are checked first."""
     monkeypatch.setattr(plans, "_threads", lambda: 2)  # the forward in one buffer
     checked = []
     finite = kept.finite
     monkeypatch.setattr(kept, "finite", lambda *xs: checked.append(len(xs)) or finite(*xs))
-    scheme = _learned("relative")
-    q, k, v = _qkv()
-    with torch.no_grad():
-        clean = _causal(scheme, q, k, v)
-        assert list(kept._routes(scheme).values()) == [plans._IN_PLACE_ROUTE]
-        walked, checked[:] = len(walks), []
-        assert torch.equal(_causal(scheme, q, k, v), clean)
-        assert len(walks) == walked and checked == [1], "replayed, v alone checked"
-        name, token, value = bad
-        inputs = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
-        inputs[name][:, :, token, 1] = value
-        out = _causal(scheme, *inputs.values())
-        assert len(walks) == walked + 1, "not replayed"
-        want = _walked(lambda: _causal(scheme, *inputs.values()))
-    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
-    sees = torch.arange(N) >= token if name != "q" else torch.arange(N) == token
-    assert out[:, :, sees].isnan().all()
-    assert torch.equal(out[:, :, ~sees], clean[:, :, ~sees])
+    scheme = RelativeQueryEmbedding(2 * n, D).to(dtype)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, n, D, dtype=dtype) for _ in range(3))
+    name, token, value = bad
+    token %= n
+    inputs = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+    inputs[name][:, :, token, 1] = value
+    for scale, tensors in ((None, 1), (0.0, 3)):
+        with torch.no_grad():
+            clean = _causal(scheme, q, k, v, scale=scale)
+            assert list(kept._routes(scheme).values()) == [plans._IN_PLACE_ROUTE]
+            walked, checked[:] = len(walks), []
+            assert torch.equal(_causal(scheme, q, k, v, scale=scale), clean)
+            assert len(walks) == walked and checked == [tensors], "replayed, so many checked"
+            out = _causal(scheme, *inputs.values(), scale=scale)
+            assert len(walks) == walked + 1, "not replayed"
+            want = _walked(lambda: _causal(scheme, *inputs.values(), scale=scale))  # noqa: B023
+        torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+        sees = torch.arange(n) >= token if name != "q" else torch.arange(n) == token
+        assert out[:, :, sees].isnan().all()
+        assert torch.equal(out[:, :, ~sees], clean[:, :, ~sees])
 
 
 def test_a_causal_call_of_fewer_queries_than_keys_keeps_no_route(walks):

@@ -47,9 +47,10 @@ it (a bias of another shape, or none, or in grad mode one that asks for a gradie
 the dispatcher, which calls the hooks again and raises where it must; the forward in one
 buffer calls the checked hooks themselves, which raise the dispatcher's error). A causal
 call runs the path's own SDPA call with its mask (:func:`~.sdpa._sdpa`: the mask folded
-into the bias, or SDPA's ``is_causal``), or the forward in one buffer with it, after the
-dispatcher's check that ``q``, ``k`` and ``v`` are finite (a value that is not takes the
-dispatcher, which zeroes the tokens the mask hides). A replay computes what the path
+into the bias, or SDPA's ``is_causal``) after the dispatcher's check that ``q``, ``k``
+and ``v`` are finite (a value that is not takes the dispatcher, which zeroes the tokens the
+mask hides), or the forward in one buffer with it, after that check of ``v`` alone: it
+reads ``q``'s and ``k``'s in the sum of its logits (:func:`replay`). A replay computes what the path
 computes, with the same call, so it gives the same values: only the walk's Python is
 saved. The key is read before the route runs (a hook that changes what it holds while it
 runs files no route under the state it left). Routes are kept in a weak dictionary keyed
@@ -278,9 +279,12 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
     the route does not take, or none, or where a causal call's ``q``, ``k`` or ``v`` holds
     a value that is not finite (the dispatcher then runs the call: such tokens are zeroed
     where the mask hides them, :func:`~.inputs.finite`). On the route of the forward in
-    one buffer, ``v`` alone is checked first, and ``q`` and ``k`` through the logits' sum
-    that its fill takes (:func:`~.reference._forward_in_place` returns None where it is
-    not finite): two reductions fewer."""
+    one buffer, with a scale that is a normal number of the queries' dtype (the GEMM then
+    reads ``q`` and ``k``), ``v`` alone is checked first, and ``q`` and ``k`` through the
+    logits' sum that its fill takes where the scores are many (at least
+    :data:`~.tuning.FILLED_ELEMENTS`; below, one sum of its own):
+    :func:`~.reference._forward_in_place` returns None where it is not finite, after
+    calling the hooks, which the dispatcher calls again."""
     if torch.compiler.is_compiling():
         return None  # no key while compiling (signature): nothing for Dynamo to trace
     routes = _routes(call.scheme)
@@ -294,7 +298,12 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
     if mask.empty:
         return _run(route, q, k, v, scheme, q_pos, k_pos, scale)
     # the forward in one buffer reads q's and k's in the logits' sum, which its fill takes
-    checks_logits = route == plans._IN_PLACE_ROUTE and not torch.is_grad_enabled()
+    # (where its GEMM reads them: BLAS may skip A and B when alpha, the scale, is 0)
+    checks_logits = (
+        route == plans._IN_PLACE_ROUTE
+        and not torch.is_grad_enabled()
+        and (scale is None or abs(scale) >= torch.finfo(q.dtype).tiny)
+    )
     if not (finite(v) if checks_logits else finite(q, k, v)):
         return None
     return _run(route, q, k, v, scheme, q_pos, k_pos, scale, mask)

@@ -318,13 +318,15 @@ def _forward_in_place(
     score term or bias requires grad, :func:`_math` itself).
 
     Where the caller has not checked that ``q`` and ``k`` are finite (``checked`` False,
-    a call the mask hides keys from, no graph recorded), the logits are read for it before
-    the fill, in the sum the fill takes anyway (:meth:`~.mask.Mask.filled`): a NaN or an
-    infinity in ``q`` or ``k`` makes a whole row or column of the logits non-finite (a
-    NaN spreads through a product and a sum; an infinity times a channel's 0 is a NaN,
-    times another value an infinity), and then the call returns None, before anything is
-    written out, for the caller's own path (which zeroes such tokens). A sum past the
-    dtype's range returns None too, and the caller finds nothing to zero.
+    a call the mask hides keys from, no graph recorded, a ``scale`` that is a normal
+    number of the dtype: a GEMM may skip its inputs where alpha is 0), the logits are
+    read for it before the fill, in the sum the fill takes anyway
+    (:meth:`~.mask.Mask.filled`): a NaN or an infinity in ``q`` or ``k`` makes a whole
+    row or column of the logits non-finite (a NaN spreads through a product and a sum;
+    an infinity times a channel's 0 is a NaN, times another value an infinity), and then
+    the call returns None, before anything is returned, for the caller's own path (which
+    zeroes such tokens). A sum past the dtype's range returns None too, and the caller
+    finds nothing to zero.
 
     The buffer starts as ``score_term * scale + score_bias`` plus the float mask (a term
     per offset of a run of positions from ``offset_term``'s rows, :func:`_run_rows`: the
