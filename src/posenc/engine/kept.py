@@ -48,10 +48,10 @@ the dispatcher, which calls the hooks again and raises where it must; the forwar
 buffer calls the checked hooks themselves, which raise the dispatcher's error). A causal
 call runs the path's own SDPA call with its mask (:func:`~.sdpa._sdpa`: the mask folded
 into the bias, or SDPA's ``is_causal``) after the dispatcher's check that ``q``, ``k``
-and ``v`` are finite (a value that is not takes the dispatcher, which zeroes the tokens the
-mask hides), or the forward in one buffer with it, after that check of ``v`` alone: it
-reads ``q``'s and ``k``'s in the sum of its logits (:func:`replay`). A replay computes what the path
-computes, with the same call, so it gives the same values: only the walk's Python is
+and ``v`` are finite (a value that is not takes the dispatcher, which zeroes the tokens
+the mask hides), or the forward in one buffer with it, after that check of ``v`` alone:
+it reads ``q``'s and ``k``'s in the sum of its logits (:func:`replay`). A replay computes
+what the path computes, with the same call, so it gives the same values: only the walk's Python is
 saved. The key is read before the route runs (a hook that changes what it holds while it
 runs files no route under the state it left). Routes are kept in a weak dictionary keyed
 by the scheme (a scheme that is garbage collected takes its routes along), at most
@@ -306,7 +306,7 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
     )
     if not (finite(v) if checks_logits else finite(q, k, v)):
         return None
-    return _run(route, q, k, v, scheme, q_pos, k_pos, scale, mask)
+    return _run(route, q, k, v, scheme, q_pos, k_pos, scale, mask, checked=not checks_logits)
 
 
 def _run(
@@ -319,10 +319,13 @@ def _run(
     k_pos: Tensor | None,
     scale: float | None,
     mask: Mask | None = None,
+    checked: bool = True,
 ) -> Tensor | None:
     """``route`` run on this call (see :func:`replay`; positions None for a route that
-    reads no hook; ``mask`` the call's causal mask, or None): ``[b, h, n_q, d_v]``, or
-    None where the scheme's bias does not fit it. A causal call runs the path's own SDPA
+    reads no hook; ``mask`` the call's causal mask, or None; ``checked`` False where the
+    caller left ``q`` and ``k`` to the forward in one buffer's logits): ``[b, h, n_q,
+    d_v]``, or None where the scheme's bias does not fit it (or, unchecked, where those
+    logits are not finite). A causal call runs the path's own SDPA
     call (:func:`~.sdpa._sdpa`, which folds the mask into the bias, or takes SDPA's
     ``is_causal`` where there is none)."""
     if route in (plans._IN_PLACE_ROUTE, plans._MATH_ROUTE):  # the path's call, op by op
@@ -332,10 +335,9 @@ def _run(
         scale = default_scale(q.shape[-1]) if scale is None else scale
         if route == plans._MATH_ROUTE:
             return _math(q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0, reference=False)[0]  # type: ignore[arg-type]
-        # (a causal call: None where q or k is not finite, which replay did not check)
+        # (None where q or k is not finite and replay left them to the logits' sum)
         return _forward_in_place(
-            q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0,  # type: ignore[arg-type]
-            checked=mask.empty or torch.is_grad_enabled(),
+            q, k, v, hooks, q_pos, k_pos, mask, scale, 0.0, checked=checked,  # type: ignore[arg-type]
         )  # fmt: skip
     bias = None
     kept_bias = False
