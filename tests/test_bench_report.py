@@ -64,3 +64,51 @@ def test_the_copy_floor_to_the_floor_per_shape():
     )
     table = format_table(cases[2:]).splitlines()
     assert not any(line.startswith("copy-floor") for line in table)
+
+
+def test_the_peers_ratios_again_as_a_grid_of_shapes_and_schemes():
+    """Where the peer was timed, its ratios again under the table as a grid, a row per shape
+    and a column per scheme: ``fwd+bwd (forward)``, the medians over the processes; empty
+    where the peer was skipped; a row per length without ``--shapes``; the forward's alone
+    without the backward; no grid where no peer was timed."""
+
+    def case(scheme, shape, n, posenc, peer, fwd_posenc, fwd_peer):
+        fwd_bwd = {"floor": 1.0, "posenc": posenc}
+        fwd = {"floor": 1.0, "posenc": fwd_posenc}
+        skipped = {}
+        if peer is None:
+            skipped["peer"] = "no peer for this scheme"
+        else:
+            fwd_bwd["peer"], fwd["peer"] = peer, fwd_peer
+        return Case(scheme, n, "auto", shape, fwd_bwd, fwd, {}, skipped)
+
+    cases = [
+        case("alibi", "small", 64, 1.2, 1.0, 0.9, 1.0),
+        case("cope", "small", 64, 2.0, None, 2.0, None),
+        case("alibi", "bert", 128, 0.5, 1.0, 0.3, 1.0),
+        case("cope", "bert", 128, 3.0, None, 3.0, None),
+    ]
+    table = format_table(cases).splitlines()
+    start = table.index("fwd+bwd time / peer (fwd-only time / peer), a row per shape:")
+    assert table[start + 1 : start + 6] == [
+        "",
+        "| shape | alibi | cope |",
+        "|---|---:|---:|",
+        "| small | 1.20 (0.90) |  |",
+        "| bert | 0.50 (0.30) |  |",
+    ]
+    assert table[start + 6] == ""  # then the floor's own times
+    assert table[start + 7].startswith("floor (plain SDPA) per call at small n=64")
+
+    # three processes: the medians of their ratios
+    runs = [[case("alibi", "", 512, seconds, 1.0, seconds / 2, 1.0)] for seconds in (0.9, 1.5, 1.1)]
+    table = format_table(runs[0], runs=runs).splitlines()
+    start = table.index("fwd+bwd time / peer (fwd-only time / peer), the medians, a row per shape:")
+    assert table[start + 2 :][:3] == ["| shape | alibi |", "|---|---:|", "| n=512 | 1.10 (0.55) |"]
+    table = format_table(runs[0], backward=False).splitlines()
+    start = table.index("fwd time / peer, a row per shape:")
+    assert table[start + 4] == "| n=512 | 0.90 |"
+
+    no_peer = [case("cope", "small", 64, 2.0, None, 2.0, None)]
+    no_peer[0].skipped = {}
+    assert not any("/ peer" in line for line in format_table(no_peer).splitlines())

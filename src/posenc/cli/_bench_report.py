@@ -1,6 +1,6 @@
-"""``posenc bench``'s report: the Markdown table of ratios, the floor's own times under
-it, why a baseline was skipped, and the JSON record (:func:`format_table`,
-:func:`to_json`).
+"""``posenc bench``'s report: the Markdown table of ratios, the peer's grid (a row per
+shape, a column per scheme), the floor's own times under it, why a baseline was skipped,
+and the JSON record (:func:`format_table`, :func:`format_grid`, :func:`to_json`).
 
 Each ratio divides a variant's time or peak memory by the floor's (plain SDPA without
 positions), the literal reference's or a baseline's, measured beside it in the same run;
@@ -50,7 +50,9 @@ def format_table(
 ) -> str:
     """A Markdown table: ratios to the floor, and to the literal reference (and to each
     baseline of the run: time, forward-only time when the backward is timed, and peak
-    memory), then why a baseline (or a variant that ran out of memory) was skipped. With
+    memory); where the peer was timed, its time ratios again as a grid of shapes and
+    schemes (:func:`format_grid`); the floor's own times; then why a baseline (or a
+    variant that ran out of memory) was skipped. With
     ``runs`` (the cases of each process of ``--processes``, row for row as ``cases``) each
     ratio is their median, with its range."""
     what = "fwd+bwd" if backward else "fwd"
@@ -85,6 +87,8 @@ def format_table(
         ]
         shape = f"{case.shape} | " if shaped else ""
         lines.append(f"| {shape}{case.scheme} | {case.n} | " + " | ".join(cells) + " |")
+    if "peer" in baselines:
+        lines += ["", *format_grid(cases, "peer", backward=backward, runs=runs)]
     floors = _floor_lines(cases, backward=backward, runs=runs)
     if floors:
         lines += ["", *floors]
@@ -101,6 +105,51 @@ def format_table(
         at = ", ".join(f"{s} (n = {', '.join(map(str, ns))})" for s, ns in where.items())
         lines.append(f"{key} skipped for {at}: {reason}")
     return "\n".join(lines)
+
+
+def format_grid(
+    cases: Sequence[Case],
+    against: str,
+    *,
+    backward: bool = True,
+    runs: Sequence[Sequence[Case]] | None = None,
+) -> list[str]:
+    """posenc's time as a ratio to a baseline's, as a Markdown grid: a row per shape and a
+    column per scheme, the layout of a sweep over ``--shapes``.
+
+    Args:
+        cases: the rows of :func:`format_table`.
+        against: the baseline (``"peer"``).
+        backward: whether the backward was timed: each cell is then ``fwd+bwd (forward)``,
+            else the forward's ratio alone.
+        runs: the cases of each process of ``--processes``, row for row as ``cases``: each
+            cell is then the median of their ratios (as :func:`format_table`'s).
+
+    Returns:
+        The grid's lines, its title first; a row per ``--shapes`` preset (``n=...``
+        without one), empty cells where the run has no ratio (a skipped baseline).
+    """
+    what = "fwd+bwd" if backward else "fwd"
+    schemes = list(dict.fromkeys(case.scheme for case in cases))
+    grid: dict[str, dict[str, str]] = {}
+    for index, case in enumerate(cases):
+        rows = [case] if runs is None else [run[index] for run in runs]
+        ratios = [spread(rows, kind, "posenc", against) for kind in ("time", "fwd")]
+        time, fwd = (None if found is None else found[0] for found in ratios)
+        cell = ""
+        if time is not None:
+            cell = f"{time:.2f}" + (f" ({fwd:.2f})" if backward and fwd is not None else "")
+        grid.setdefault(case.shape or f"n={case.n}", {})[case.scheme] = cell
+    title = f"{what} time / {against}" + (f" (fwd-only time / {against})" if backward else "")
+    lines = [
+        f"{title}, {'the medians, ' if runs is not None else ''}a row per shape:",
+        "",
+        "| shape | " + " | ".join(schemes) + " |",
+        "|---|" + "---:|" * len(schemes),
+    ]
+    for shape, cells in grid.items():
+        lines.append(f"| {shape} | " + " | ".join(cells.get(s, "") for s in schemes) + " |")
+    return lines
 
 
 def _floor_lines(
