@@ -753,3 +753,17 @@ def test_copy_floor_is_the_floor_on_copies(masks, monkeypatch):
     grad = torch.randn(3, 4)
     back = _Copied.backward(None, grad)
     assert back.data_ptr() != grad.data_ptr() and torch.equal(back, grad)
+
+
+def test_lengths_and_schemes_named_twice_are_measured_once(capsys):
+    """``--lengths`` and ``--schemes`` keep each value once, in the order first given (an old
+    scheme name and today's are one scheme), as ``--shapes`` and ``--baselines`` do: a row
+    each, and one cell each in the peer's grid."""
+    from posenc.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "--lengths", "512,64,512", "--schemes", "swin,t5,swin-1d,t5"]
+    )
+    assert args.lengths == [512, 64]
+    assert args.schemes == ["swin-1d", "t5"]
+    assert "now called 'swin-1d'" in capsys.readouterr().err

@@ -100,15 +100,32 @@ def test_the_peers_ratios_again_as_a_grid_of_shapes_and_schemes():
     assert table[start + 6] == ""  # then the floor's own times
     assert table[start + 7].startswith("floor (plain SDPA) per call at small n=64")
 
-    # three processes: the medians of their ratios
-    runs = [[case("alibi", "", 512, seconds, 1.0, seconds / 2, 1.0)] for seconds in (0.9, 1.5, 1.1)]
+    # three processes of two rows each: each cell the median of its own row's ratios
+    runs = [
+        [
+            case("alibi", "", 512, seconds, 1.0, seconds / 2, 1.0),
+            case("alibi", "", 1024, 2 * seconds, 1.0, seconds, 1.0),
+        ]
+        for seconds in (0.9, 1.5, 1.1)
+    ]
     table = format_table(runs[0], runs=runs).splitlines()
-    start = table.index("fwd+bwd time / peer (fwd-only time / peer), the medians, a row per shape:")
-    assert table[start + 2 :][:3] == ["| shape | alibi |", "|---|---:|", "| n=512 | 1.10 (0.55) |"]
+    start = table.index(
+        "fwd+bwd time / peer (fwd-only time / peer), the medians, a row per length:"
+    )
+    assert table[start + 2 : start + 6] == [
+        "| n | alibi |",
+        "|---|---:|",
+        "| n=512 | 1.10 (0.55) |",
+        "| n=1024 | 2.20 (1.10) |",
+    ]
     table = format_table(runs[0], backward=False).splitlines()
-    start = table.index("fwd time / peer, a row per shape:")
-    assert table[start + 4] == "| n=512 | 0.90 |"
+    start = table.index("fwd time / peer, a row per length:")
+    assert table[start + 4 : start + 6] == ["| n=512 | 0.90 |", "| n=1024 | 1.80 |"]
 
-    no_peer = [case("cope", "small", 64, 2.0, None, 2.0, None)]
-    no_peer[0].skipped = {}
-    assert not any("/ peer" in line for line in format_table(no_peer).splitlines())
+    # no grid where the peer was not in the run, nor where it was skipped for every row
+    skipped_throughout = [case("cope", "small", 64, 2.0, None, 2.0, None)]
+    not_asked = [case("cope", "small", 64, 2.0, None, 2.0, None)]
+    not_asked[0].skipped = {}
+    for cases in (skipped_throughout, not_asked):
+        lines = format_table(cases).splitlines()
+        assert not any(line.startswith("fwd+bwd time / peer") for line in lines)

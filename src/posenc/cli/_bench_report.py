@@ -1,5 +1,5 @@
 """``posenc bench``'s report: the Markdown table of ratios, the peer's grid (a row per
-shape, a column per scheme), the floor's own times under it, why a baseline was skipped,
+shape or length, a column per scheme), the floor's own times under it, why a baseline was skipped,
 and the JSON record (:func:`format_table`, :func:`format_grid`, :func:`to_json`).
 
 Each ratio divides a variant's time or peak memory by the floor's (plain SDPA without
@@ -50,8 +50,8 @@ def format_table(
 ) -> str:
     """A Markdown table: ratios to the floor, and to the literal reference (and to each
     baseline of the run: time, forward-only time when the backward is timed, and peak
-    memory); where the peer was timed, its time ratios again as a grid of shapes and
-    schemes (:func:`format_grid`); the floor's own times; then why a baseline (or a
+    memory); where the peer was timed (for one row at least), its time ratios again as a
+    grid of shapes (or lengths) and schemes (:func:`format_grid`); the floor's own times; then why a baseline (or a
     variant that ran out of memory) was skipped. With
     ``runs`` (the cases of each process of ``--processes``, row for row as ``cases``) each
     ratio is their median, with its range."""
@@ -87,7 +87,8 @@ def format_table(
         ]
         shape = f"{case.shape} | " if shaped else ""
         lines.append(f"| {shape}{case.scheme} | {case.n} | " + " | ".join(cells) + " |")
-    if "peer" in baselines:
+    timed = cases if runs is None else [case for run in runs for case in run]
+    if any("peer" in case.fwd_bwd_s for case in timed):  # not where it was skipped throughout
         lines += ["", *format_grid(cases, "peer", backward=backward, runs=runs)]
     floors = _floor_lines(cases, backward=backward, runs=runs)
     if floors:
@@ -114,20 +115,22 @@ def format_grid(
     backward: bool = True,
     runs: Sequence[Sequence[Case]] | None = None,
 ) -> list[str]:
-    """posenc's time as a ratio to a baseline's, as a Markdown grid: a row per shape and a
-    column per scheme, the layout of a sweep over ``--shapes``.
+    """posenc's time as a ratio to a baseline's, as a Markdown grid: a row per shape (per
+    length without ``--shapes``) and a column per scheme, the layout of a sweep over
+    ``--shapes``.
 
     Args:
-        cases: the rows of :func:`format_table`.
+        cases: the rows of :func:`format_table`, one per shape (or length) and scheme.
         against: the baseline (``"peer"``).
-        backward: whether the backward was timed: each cell is then ``fwd+bwd (forward)``,
-            else the forward's ratio alone.
+        backward: whether the backward was timed: each cell is then ``fwd+bwd (forward
+            only)``, the table's two time columns for the baseline; else its one, the
+            forward's.
         runs: the cases of each process of ``--processes``, row for row as ``cases``: each
             cell is then the median of their ratios (as :func:`format_table`'s).
 
     Returns:
-        The grid's lines, its title first; a row per ``--shapes`` preset (``n=...``
-        without one), empty cells where the run has no ratio (a skipped baseline).
+        The grid's lines, its title first; empty cells where the run has no ratio (the
+        baseline skipped, or a variant out of memory).
     """
     what = "fwd+bwd" if backward else "fwd"
     schemes = list(dict.fromkeys(case.scheme for case in cases))
@@ -140,11 +143,13 @@ def format_grid(
         if time is not None:
             cell = f"{time:.2f}" + (f" ({fwd:.2f})" if backward and fwd is not None else "")
         grid.setdefault(case.shape or f"n={case.n}", {})[case.scheme] = cell
+    shaped = any(case.shape for case in cases)
     title = f"{what} time / {against}" + (f" (fwd-only time / {against})" if backward else "")
+    medians = "the medians, " if runs is not None else ""
     lines = [
-        f"{title}, {'the medians, ' if runs is not None else ''}a row per shape:",
+        f"{title}, {medians}a row per {'shape' if shaped else 'length'}:",
         "",
-        "| shape | " + " | ".join(schemes) + " |",
+        f"| {'shape' if shaped else 'n'} | " + " | ".join(schemes) + " |",
         "|---|" + "---:|" * len(schemes),
     ]
     for shape, cells in grid.items():

@@ -73,7 +73,8 @@ positive_float = float_above(0.0)
 
 
 def positive_int_list(text: str) -> list[int]:
-    """Comma-separated whole numbers >= 1, e.g. ``512,1024``."""
+    """Comma-separated whole numbers >= 1, e.g. ``512,1024``; each once, in the order first
+    given."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -82,14 +83,15 @@ def positive_int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"must be comma-separated integers >= 1 (e.g. 512,1024), got {text!r}"
         )
-    return values
+    return list(dict.fromkeys(values))
 
 
 def scheme_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
     """The type of comma-separated scheme names of :mod:`posenc.registry`, among ``allowed``.
 
     An old name (:data:`posenc.registry.ALIASES`, e.g. ``swin``) still works: it gives
-    today's name (``swin-1d``), with a note on stderr that the old one will go.
+    today's name (``swin-1d``), with a note on stderr that the old one will go. Each scheme
+    comes once, in the order first named (an old name and today's are one scheme).
     """
 
     def parse(text: str) -> list[str]:
@@ -106,7 +108,7 @@ def scheme_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
                 "the old name still works but will be removed",
                 file=sys.stderr,
             )
-        return [registry.ALIASES.get(n, n) for n in names]
+        return list(dict.fromkeys(registry.ALIASES.get(n, n) for n in names))
 
     parse.__name__ = "scheme list"
     return parse
