@@ -1,6 +1,7 @@
 """``posenc bench``'s report: the Markdown table of ratios, the peer's grid (a row per
-shape or length, a column per scheme), the floor's own times under it, why a baseline was skipped,
-and the JSON record (:func:`format_table`, :func:`format_grid`, :func:`to_json`).
+shape or length, a column per scheme), the floor's own times under it, why a baseline
+was skipped, and the JSON record (:func:`format_table`, :func:`format_grid`,
+:func:`to_json`).
 
 Each ratio divides a variant's time or peak memory by the floor's (plain SDPA without
 positions), the literal reference's or a baseline's, measured beside it in the same run;
@@ -51,10 +52,10 @@ def format_table(
     """A Markdown table: ratios to the floor, and to the literal reference (and to each
     baseline of the run: time, forward-only time when the backward is timed, and peak
     memory); where the peer was timed (for one row at least), its time ratios again as a
-    grid of shapes (or lengths) and schemes (:func:`format_grid`); the floor's own times; then why a baseline (or a
-    variant that ran out of memory) was skipped. With
-    ``runs`` (the cases of each process of ``--processes``, row for row as ``cases``) each
-    ratio is their median, with its range."""
+    grid of shapes (or lengths) and schemes (:func:`format_grid`); the floor's own times;
+    then why a baseline (or a variant that ran out of memory) was skipped. With ``runs``
+    (the cases of each process of ``--processes``, row for row as ``cases``) each ratio is
+    their median, with its range."""
     what = "fwd+bwd" if backward else "fwd"
     baselines = _baselines_in(cases)
     shaped = any(case.shape for case in cases)  # --shapes: a first column names the preset
