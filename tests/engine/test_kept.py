@@ -1627,8 +1627,25 @@ def test_a_causal_replay_in_one_buffer_reads_q_and_k_in_its_logits(
 
 
 def test_a_causal_call_of_fewer_queries_than_keys_keeps_no_route(walks):
-    """Decoding (queries aligned at the end of more keys) takes the dispatcher each time:
-    the causal key holds as many queries as keys alone."""
+    """A few tokens decoded at once (queries aligned at the end of more keys) take the
+    dispatcher each time: the causal key holds as many queries as keys alone."""
+    scheme = ALiBi(H)
+    torch.manual_seed(0)
+    q = torch.randn(B, H, 2, D)
+    k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    with torch.no_grad():
+        first = _causal(scheme, q, k, v)
+        again = _causal(scheme, q, k, v)
+    assert len(walks) == 2 and torch.equal(first, again)
+    request = kept.Request(q, k, v, scheme, run_positions(N - 2, 2), run_positions(0, N),
+                           Mask(2, N, causal=True), "auto", 0.0, False)  # fmt: skip
+    assert kept.signature(request) is None
+
+
+def test_a_causal_decoding_step_replays_the_unmasked_route(walks):
+    """One query aligned at the end sees every key: its causal mask is none (Mask drops
+    it), so that the step replays the route kept for it as an unmasked call, and equals
+    that call."""
     scheme = ALiBi(H)
     torch.manual_seed(0)
     q = torch.randn(B, H, 1, D)
@@ -1636,7 +1653,11 @@ def test_a_causal_call_of_fewer_queries_than_keys_keeps_no_route(walks):
     with torch.no_grad():
         first = _causal(scheme, q, k, v)
         again = _causal(scheme, q, k, v)
-    assert len(walks) == 2 and torch.equal(first, again)
+        assert len(walks) == 1 and torch.equal(first, again)
+        q_pos, k_pos = run_positions(N - 1, 1), run_positions(0, N)
+        unmasked = attend(q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos, mask=Mask(1, N))[0]
+    assert len(walks) == 1, "the unmasked call's route is the step's"
+    assert torch.equal(first, unmasked)
     request = kept.Request(q, k, v, scheme, run_positions(N - 1, 1), run_positions(0, N),
                            Mask(1, N, causal=True), "auto", 0.0, False)  # fmt: skip
-    assert kept.signature(request) is None
+    assert kept.signature(request) is not None

@@ -40,6 +40,25 @@ def test_keep_equals_the_definition(causal, behind, ahead, n_q, n_k, rows):
     assert torch.equal(keep[0, 0], _definition(n_q, n_k, span, causal, behind, ahead))
 
 
+@pytest.mark.parametrize("behind", [None, 3])
+@pytest.mark.parametrize("n_k", [1, 5])
+def test_a_causal_mask_over_one_query_is_dropped(behind, n_k):
+    """One query aligned at the end sees every key: the causal flag reads False, the mask
+    is empty without a window, and keep still equals the definition. Two queries keep it
+    (the first sees one key fewer)."""
+    mask = Mask(1, n_k, causal=True, behind=behind)
+    assert mask.causal is False and mask.empty == (behind is None)
+    keep = mask.keep()
+    if behind is None:
+        assert keep is None
+    else:
+        assert torch.equal(keep[0, 0], _definition(1, n_k, range(1), True, behind, None))
+    two = Mask(2, n_k + 1, causal=True)
+    assert two.causal and torch.equal(
+        two.keep()[0, 0], _definition(2, n_k + 1, range(2), True, None, None)
+    )
+
+
 @pytest.mark.parametrize("read", ["keep", "shared_keep"])
 def test_shared_keep_equals_keep(read):
     mask = Mask(9, 12, causal=True, behind=4)

@@ -149,11 +149,16 @@ def test_a_causal_term_with_gradients_in_self_attention_has_its_own_crossover(mo
     )
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_GRAD_TERM_SCORES", 2**14)  # at the limit
     assert posenc.explain(q, q, q, position=relative, causal=True).path == "materialised"
-    # a decoding step: one query against 64 keys (128 scores)
+    # a decoding step: one query against 64 keys (128 scores), which sees every key: no
+    # causal mask, the unmasked crossover
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**6)
     one = q[:, :, -1:]
     told = posenc.explain(one, q, q, position=relative, causal=True)  # (aligned at the end)
-    assert "(MATERIALISED_CAUSAL_TERM_SCORES)" in told.reasons["materialised"], told
+    assert told.path == "materialised", told
+    with monkeypatch.context() as patched:
+        patched.setattr(tuning, "MATERIALISED_TERM_SCORES", 2**6)
+        told = posenc.explain(one, q, q, position=relative, causal=True)
+        assert "(MATERIALISED_TERM_SCORES)" in told.reasons["materialised"], told
     # a key padding mask beside the causal one: the fused lean path, not the offset-term's
     monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_TERM_SCORES", 2**12)
     padding = torch.zeros(2, 64, dtype=torch.bool)
@@ -206,6 +211,90 @@ def test_a_bias_without_gradients_is_written_out_up_to_the_budget(monkeypatch):
         )
         step = posenc.explain(long[:, :, -1:], long, long, position=t5, causal=True)
         assert step.path == "materialised"
+
+
+def test_few_queries_over_more_keys_stay_materialised_past_the_pairs(monkeypatch):
+    """A bias without gradients asked of fewer queries than keys, and fewer than
+    MATERIALISED_QUERIES_PER_SEQUENCE per sequence of the batch (at most
+    MATERIALISED_QUERIES), stays on the materialised path past MATERIALISED_PAIRS and
+    MATERIALISED_CAUSAL_PAIRS, and equals the math path; from those queries on, with
+    gradients, or past the budget, the lean path, for the reasons it had."""
+    monkeypatch.setattr(tuning, "MATERIALISED_QUERIES_PER_SEQUENCE", 5)
+    monkeypatch.setattr(tuning, "MATERIALISED_QUERIES", 12)
+    monkeypatch.setattr(tuning, "MATERIALISED_PAIRS", 2**6)
+    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_PAIRS", 2**5)
+    torch.manual_seed(0)
+    t5 = _randomised(posenc.T5RelativeBias(2))  # float64
+    k, v = (
+        torch.randn(3, 2, 64, 8, dtype=torch.float64),
+        torch.randn(3, 2, 64, 8, dtype=torch.float64),
+    )
+
+    def call(b, n_q, causal, run=posenc.explain, **kwargs):
+        """``q`` and ``run``'s answer for ``n_q`` queries at the end of the 64 keys."""
+        q = torch.randn(b, 2, n_q, 8, dtype=torch.float64)
+        positions, key_positions = torch.arange(64 - n_q, 64), torch.arange(64)
+        answer = run(
+            q, k[:b], v[:b], position=t5, positions=positions, key_positions=key_positions,
+            causal=causal, **kwargs,
+        )  # fmt: skip
+        return q, answer
+
+    q = torch.randn(3, 2, 4, 8, dtype=torch.float64)  # its table learns: gradients
+    trained = posenc.explain(
+        q, k, v, position=t5, positions=torch.arange(60, 64), key_positions=torch.arange(64)
+    )
+    assert (
+        trained.path == "offset-bias"
+        and "MATERIALISED_PAIRS = 64" in trained.reasons["materialised"]
+    )
+    with torch.no_grad():
+        for b, fewest in ((3, 12), (2, 10), (1, 5)):  # 5 per sequence, at most 12
+            for causal in (False, True):
+                with monkeypatch.context() as patched:
+                    if causal:  # the causal limit alone
+                        patched.setattr(tuning, "MATERIALISED_PAIRS", 2**20)
+                    _, below = call(b, fewest - 1, causal)
+                    assert below.path == "materialised", (b, causal, below)
+                    _, at = call(b, fewest, causal)
+                assert at.path == "offset-bias", (b, causal, at)
+                pairs = "MATERIALISED_CAUSAL_PAIRS = 32" if causal else "MATERIALISED_PAIRS = 64"
+                assert pairs in at.reasons["materialised"], at
+        torch.manual_seed(1)
+        q, out = call(3, 11, False, posenc.attention)  # the materialised path, in float64
+        want = posenc.attention(
+            q, k, v, position=t5, positions=torch.arange(53, 64), key_positions=torch.arange(64),
+            backend="math",
+        )  # fmt: skip
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+        # past the scores' budget, the bias alone through SDPA's fused kernel, within it
+        monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 2**10)  # 3 x 2 x 4 x 64 is above
+        budget = (
+            "the [b, h, n_q, n_k] scores would be 0.0 MiB, above the budget 0.0 MiB "
+            "(MATERIALISED_SCORES)"
+        )
+        for causal in (False, True):  # 2 x 4 x 64, twice under the causal mask: at most 2^10
+            assert call(3, 4, causal)[1].path == "materialised"
+        q, out = call(3, 4, True, posenc.attention)
+        want = posenc.attention(
+            q, k, v, position=t5, positions=torch.arange(60, 64), key_positions=torch.arange(64),
+            causal=True, backend="math",
+        )  # fmt: skip
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+        per_sequence = torch.arange(60, 64).expand(3, 4)  # a bias per sequence: 3 x 2 x 4 x 64
+        told = posenc.explain(
+            q, k, v, position=t5, positions=per_sequence, key_positions=torch.arange(64)
+        )
+        _refused(told, "lean-fused", budget)  # (not one run of positions: no offset path)
+        padding = torch.zeros(3, 64, dtype=torch.bool)
+        padding[0, :3] = True  # folded into a float mask per sequence
+        told = posenc.explain(
+            q, k, v, position=t5, positions=torch.arange(60, 64), key_positions=torch.arange(64),
+            key_padding_mask=padding,
+        )  # fmt: skip
+        assert told.path != "materialised" and told.reasons["materialised"] == budget, told
+        monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 2**9 - 1)  # the bias alone is above
+        _refused(call(3, 4, False)[1], "offset-bias", budget)
 
 
 def test_alibis_kept_bias_runs_sdpas_fused_kernel_past_the_scores_budget(monkeypatch):
@@ -326,7 +415,11 @@ def test_a_value_term_has_its_own_crossover(monkeypatch):
             assert posenc.explain(q, q, q, position=shaw, causal=True).path == "materialised"
     one = q[:, :, -1:]  # a decoding step: one query against 16 keys (64 scores)
     told = posenc.explain(one, q, q, position=shaw, causal=True)  # (aligned at the end)
-    assert "(MATERIALISED_CAUSAL_VALUE_SCORES)" in told.reasons["materialised"], told
+    assert told.path == "materialised", told  # no causal mask: it sees every key
+    with monkeypatch.context() as patched:
+        patched.setattr(tuning, "MATERIALISED_VALUE_SCORES", 2**5)
+        told = posenc.explain(one, q, q, position=shaw, causal=True)
+        assert "(MATERIALISED_VALUE_SCORES)" in told.reasons["materialised"], told
     padding = torch.zeros(2, 16, dtype=torch.bool)
     padding[0, -3:] = True
     told = posenc.explain(q, q, q, position=shaw, causal=True, key_padding_mask=padding)

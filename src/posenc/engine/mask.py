@@ -31,7 +31,10 @@ class Mask:
         key_padding: ``[b, n_k]`` bool, True = padding (PyTorch's convention), or None.
         lengths: ``[b, n_q]`` int64: key ``j`` is visible to query ``i`` iff
             ``j < lengths[b, i]`` (d2l's ``valid_lens``), or None.
-        causal: query ``i`` sees keys ``j <= i + n_k - n_q`` (aligned at the end).
+        causal: query ``i`` sees keys ``j <= i + n_k - n_q`` (aligned at the end). Over
+            at most one query it hides no key (the one query sees every key: a decoding
+            step) and is dropped: such a mask holds False, so that every path takes the
+            call as unmasked.
         q_doc: ``[b, n_q]`` document id of each query (packed sequences), or None.
         k_doc: ``[b, n_k]`` document id of each key; a query sees only its document.
         behind: query ``i`` sees keys ``j > i + n_k - n_q - behind`` (a sliding window,
@@ -56,6 +59,10 @@ class Mask:
     ahead: int | None = None
     allowed: Tensor | None = None
     bias: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.causal and self.n_q <= 1:  # one query aligned at the end sees every key
+            object.__setattr__(self, "causal", False)
 
     @property
     def empty(self) -> bool:

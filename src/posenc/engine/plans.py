@@ -302,10 +302,10 @@ def _op_by_op(call: Call, scores: int) -> bool:
     return torch._C._are_functorch_transforms_active() or not call.constant_bias
 
 
-def materialised_size(call: Call) -> str | None:
+def materialised_size(call: Call, pairs: bool = True) -> str | None:
     """Why the call is too large for the materialised path whatever it computes (but a bias
     the scheme keeps, through SDPA's fused kernel: :func:`_kept_bias_fused`): more than
-    :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) or
+    :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) or, with ``pairs``,
     :data:`tuning.MATERIALISED_PAIRS` query-key pairs per head; None if it is not (shapes
     alone: read while compiling too, where the reason names no size, so that Dynamo does
     not specialise the graph on the shapes it would print)."""
@@ -313,7 +313,7 @@ def materialised_size(call: Call) -> str | None:
     n_k = call.k.shape[2]
     scores = b * h * n_q * n_k
     over_budget = scores > tuning.MATERIALISED_SCORES
-    too_many = n_q * n_k > tuning.MATERIALISED_PAIRS
+    too_many = pairs and n_q * n_k > tuning.MATERIALISED_PAIRS
     if torch.compiler.is_compiling():
         if over_budget or too_many:
             return "above MATERIALISED_SCORES scores or MATERIALISED_PAIRS pairs per head"
@@ -408,8 +408,12 @@ def _plan_materialised(call: Call) -> Plan:
     :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients;
     for a bias without, the budget alone, and under a causal mask
     :data:`tuning.MATERIALISED_CAUSAL_PAIRS` pairs per head (the lean forward skips the
-    hidden pairs and is cheap; a decoding step stays below it). Past all of these, a bias
-    the scheme keeps between calls, through SDPA's fused kernel (:func:`_kept_bias_fused`).
+    hidden pairs and is cheap; a decoding step, one query, has no causal mask:
+    :class:`~.mask.Mask` drops it). A bias without gradients asked of fewer queries than
+    keys, too few for the lean paths (:func:`_few_queries`), stays past the pairs' limits,
+    within the budget; past the scores' budget, where SDPA's fused kernel writes the bias
+    alone and that is within it (:func:`_bias_alone_fits`). Past all of these, a bias the
+    scheme keeps between calls, through SDPA's fused kernel (:func:`_kept_bias_fused`).
     """
     hooks = call.hooks
     if hooks.contextual_term is not None:
@@ -422,9 +426,13 @@ def _plan_materialised(call: Call) -> Plan:
             f"{dtype}: SDPA would add the bias rounded to {dtype}; the lean engine adds it "
             "in float32"
         )
-    too_large = materialised_size(call)
+    few = _few_queries(call)
+    too_large = materialised_size(call, pairs=not few)
     kept = too_large is not None and _kept_bias_fused(call)  # (only past a bound)
-    if too_large is not None and not kept:
+    # few queries past the scores' budget: within it where SDPA's fused kernel writes the
+    # bias alone
+    bias_alone = few and too_large is not None and not kept and _bias_alone_fits(call)
+    if too_large is not None and not (kept or bias_alone):
         return too_large
     b, h, n_q, _ = call.q.shape
     n_k = call.k.shape[2]
@@ -476,7 +484,7 @@ def _plan_materialised(call: Call) -> Plan:
     else:
         name = "MATERIALISED_BIAS_SCORES" if grad else "MATERIALISED_SCORES"
     crossover = getattr(tuning, name)
-    if scores > crossover and not kept:
+    if scores > crossover and not (kept or bias_alone):
         kept = _kept_bias_fused(call)  # (past the crossover alone)
         if not kept:
             kind = "value term" if value else "clipped score term" if clipped else "score term"
@@ -488,7 +496,12 @@ def _plan_materialised(call: Call) -> Plan:
                 f"{scores} scores [b, h, n_q, n_k], above the crossover {crossover} ({name}) "
                 f"from which the lean paths run {what} faster"
             )
-    if not (term or grad) and call.mask.causal and n_q * n_k > tuning.MATERIALISED_CAUSAL_PAIRS:
+    if (
+        not (term or grad)
+        and call.mask.causal
+        and n_q * n_k > tuning.MATERIALISED_CAUSAL_PAIRS
+        and not few
+    ):
         return (
             f"a causal bias without gradients over {n_q} x {n_k} pairs per head, above "
             f"MATERIALISED_CAUSAL_PAIRS = {tuning.MATERIALISED_CAUSAL_PAIRS}: the lean paths "
@@ -521,6 +534,44 @@ def _plan_materialised(call: Call) -> Plan:
     if kept:
         return routed(run, _KEPT_FUSED_ROUTE)
     return routed(run, _BIAS_ROUTE if hooks.kept_score_bias is None else _KEPT_BIAS_ROUTE)
+
+
+def _few_queries(call: Call) -> bool:
+    """Whether the call asks a bias without gradients (no term) of fewer queries than
+    keys, and fewer than :data:`tuning.MATERIALISED_QUERIES_PER_SEQUENCE` per sequence of
+    the batch (at most :data:`tuning.MATERIALISED_QUERIES`): too few to pay for the lean
+    paths' passes over the keys, so that the materialised path keeps the call past the
+    pairs' crossovers, within the budget. Shapes read in eager code only (False while
+    compiling: no guard on them)."""
+    hooks = call.hooks
+    if (
+        call.grad
+        or hooks.score_term is not None
+        or hooks.value_term is not None
+        or torch.compiler.is_compiling()
+    ):
+        return False
+    b, _, n_q, _ = call.q.shape
+    if n_q >= call.k.shape[2]:
+        return False
+    return n_q < min(tuning.MATERIALISED_QUERIES_PER_SEQUENCE * b, tuning.MATERIALISED_QUERIES)
+
+
+def _bias_alone_fits(call: Call) -> bool:
+    """For :func:`_few_queries`'s call past the scores' budget: whether SDPA's fused CPU
+    kernel takes it with the bias as its float mask (:func:`~.sdpa.fused_cpu_runs`; no
+    mask but the causal one, no dropout, not op by op), so that the call writes the bias
+    ``[B', h, n_q, n_k]`` (``B'`` the positions' batch; twice under the causal mask, which
+    is folded into a copy) and no scores, and that is within
+    :data:`tuning.MATERIALISED_SCORES`."""
+    if call.dropout_p or not call.mask.causal_at_most:
+        return False
+    if not fused_cpu_runs(call.q, call.k, call.v):
+        return False
+    _, h, n_q, _ = call.q.shape
+    rows = max(call.q_pos.shape[0], call.k_pos.shape[0])
+    written = rows * h * n_q * call.k.shape[2] * (2 if call.mask.causal else 1)
+    return written <= tuning.MATERIALISED_SCORES and not call.op_by_op
 
 
 def _kept_bias_fused(call: Call) -> bool:
