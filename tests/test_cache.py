@@ -9,7 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from posenc import KVCache, MultiHeadAttention, positions_from_documents, positions_from_padding
+from posenc import (
+    ALiBi,
+    KVCache,
+    MultiHeadAttention,
+    positions_from_documents,
+    positions_from_padding,
+)
+from posenc.indices import _known_run
 from tolerances import assert_close, forward
 
 
@@ -167,3 +174,26 @@ def test_extended_leaves_the_cache_as_it_is_and_store_takes_it():
     assert entries[0].shape[2] == 4 and len(cache) == 3
     cache.store(*entries)
     assert len(cache) == 4 and torch.equal(cache.positions, torch.arange(4)[None])
+
+
+def test_default_positions_keep_the_cache_one_marked_run():
+    """Prefill and steps at their default positions leave the cache's positions one run
+    marked as such (the schemes then know them without reading them), equal to arange;
+    positions written into in place, or given by the caller, are read: the next step
+    follows their last value as before."""
+    attn = model(ALiBi(4))
+    x = torch.randn(1, 10, 16)
+    cache = KVCache()
+    attn(x[:, :5], causal=True, cache=cache)
+    for t in range(5, 8):
+        attn(x[:, t : t + 1], causal=True, cache=cache)
+    assert _known_run(cache.positions) == (0, 7)
+    assert torch.equal(cache.positions, torch.arange(8)[None])
+    cache.positions.add_(10)  # written into: no longer known without reading it
+    assert _known_run(cache.positions) is None
+    attn(x[:, 8:9], causal=True, cache=cache)
+    assert cache.positions[0, -2:].tolist() == [17, 18]
+    given = KVCache()
+    attn(x[:, :3], positions=torch.arange(3) + 4, causal=True, cache=given)
+    attn(x[:, 3:4], causal=True, cache=given)
+    assert given.positions.tolist() == [[4, 5, 6, 7]]

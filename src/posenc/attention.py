@@ -396,7 +396,7 @@ class MultiHeadAttention(nn.Module):
         if document_ids is not None and positions is None:
             positions = positions_from_documents(document_ids)
         if cache is not None and positions is None and len(cache):
-            positions = cache.next_position + torch.arange(n_q, device=query.device)
+            positions = cache._following(n_q, query.device)  # [b or 1, n_q]
         n_k = key.shape[1]
         key_padding = check.key_padding_mask(key_padding_mask, b, n_k)
         q = self.q_proj(query).view(b, n_q, self.heads, self.head_dim).transpose(1, 2)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .indices import _known_run, run_positions
+
 __all__ = ["KVCache"]
 
 
@@ -44,6 +46,17 @@ class KVCache:
         if self.positions is None:
             return 0
         return self.positions[:, -1:] + 1
+
+    def _following(self, m: int, device: torch.device) -> Tensor:
+        """The positions of ``m`` new tokens after the cached ones, ``[b or 1, m]`` int64:
+        where the cache holds one run of positions marked as such (the default positions
+        of every step so far: :func:`~posenc.indices.run_positions`), a marked run too,
+        which the schemes read without reading its values; else
+        :attr:`next_position` ``+ arange(m)``."""
+        run = None if self.positions is None else _run_of_one_row(self.positions)
+        if run is not None:
+            return run_positions(run[1] + 1, m, device)  # [1, m]
+        return self.next_position + torch.arange(m, device=device)  # [b or 1, m]
 
     def reset(self) -> None:
         """Forget everything (start a new sequence)."""
@@ -103,7 +116,13 @@ class KVCache:
         if old_positions.shape[0] != positions.shape[0]:  # type: ignore[union-attr]
             old_positions = old_positions.expand(b, -1)  # type: ignore[union-attr]
             positions = positions.expand(b, -1)
-        all_positions = torch.cat((old_positions, positions), dim=1)  # type: ignore[arg-type]
+        old_run = _run_of_one_row(old_positions)  # type: ignore[arg-type]
+        new_run = _run_of_one_row(positions)
+        if old_run is not None and new_run is not None and new_run[0] == old_run[1] + 1:
+            # one run still: built marked, as cat would give it
+            all_positions = run_positions(old_run[0], n_old + positions.shape[1], positions.device)
+        else:
+            all_positions = torch.cat((old_positions, positions), dim=1)  # type: ignore[arg-type]
         padding = None  # [b, n + m]
         if key_padding is not None or self.key_padding is not None:
             old = self.key_padding
@@ -125,3 +144,9 @@ class KVCache:
     def __repr__(self) -> str:
         shape = None if self.keys is None else tuple(self.keys.shape)
         return f"KVCache(length={len(self)}, keys={shape})"
+
+
+def _run_of_one_row(positions: Tensor) -> tuple[int, int] | None:
+    """``(first, last)`` of ``[1, n]`` positions marked as one run and unchanged since
+    (:func:`~posenc.indices.run_positions`), else None."""
+    return _known_run(positions) if positions.ndim == 2 and positions.shape[0] == 1 else None
