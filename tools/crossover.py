@@ -19,15 +19,21 @@ gradients of ``q, k, v`` and of the scheme's tables) and forward only (no grad) 
   0): the last two columns, below 1 where op by op wins (about 1 where both run op by op:
   a learned table or a term with gradients).
 
+With ``--queries``, each shape is timed for each count ``n_q`` of queries given (those
+not above ``n``) at the end of its ``n`` keys (positions ``n - n_q .. n - 1`` against
+``0 .. n - 1``; a causal mask aligned at the end): cross-attention, a few tokens decoded
+at once, a prompt read in chunks. The floor then takes the causal band as SDPA's boolean
+mask where ``n_q < n``.
+
 Each time is the mean of enough calls to last ``--least`` seconds; each repeat times every
 variant once, in an order that turns from one repeat to the next. Prints a Markdown
 table: the median over the repeats of each repeat's ratios (to the floor; and the
 materialised path's time to the lean path's: below 1, materialised wins).
 
 Run: ``.venv/bin/python tools/crossover.py [--schemes t5,alibi] [--shapes 2x8x64x64]
-[--repeats 5] [--threads 2] [--json out.json]``; the ``MATERIALISED_*`` thresholds in
-``posenc.engine.tuning`` were chosen from its tables (docs/performance.md, "Small calls:
-the materialised path").
+[--queries 16,128] [--modes fwd] [--repeats 5] [--threads 2] [--json out.json]``; the
+``MATERIALISED_*`` thresholds in ``posenc.engine.tuning`` were chosen from its tables
+(docs/performance.md, "Small calls: the materialised path").
 
 Shape legend: ``b`` batch, ``h`` heads, ``n`` tokens, ``d`` head dim.
 """
@@ -83,12 +89,18 @@ OPS = (
 )
 
 
-def _call(variant: str, scheme, causal: bool) -> Callable:
+def _call(variant: str, scheme, causal: bool, n_q: int, n: int) -> Callable:
+    at = {}  # n_q queries at the end of n keys: their positions, and the floor's band
+    if n_q < n:
+        at = {"positions": torch.arange(n - n_q, n), "key_positions": torch.arange(n)}
     if variant == "floor":
+        if causal and at:  # SDPA's is_causal aligns at the start: the band, at the end
+            band = torch.arange(n)[None, :] <= torch.arange(n - n_q, n)[:, None]  # [n_q, n]
+            return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=band)
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if variant == "lean":
         return lambda q, k, v: posenc.attention(
-            q, k, v, position=scheme, causal=causal, backend="lean"
+            q, k, v, position=scheme, causal=causal, backend="lean", **at
         )
 
     ops = 1 << 62 if variant == "ops" else 0  # the forward op by op, or through SDPA
@@ -101,7 +113,7 @@ def _call(variant: str, scheme, causal: bool) -> Callable:
             tuning.OPS_FORWARD_SCORES = tuning.OPS_IN_PLACE_SCORES = ops
             tuning.OPS_IN_PLACE_BIAS_SCORES = tuning.OPS_GRAD_BIAS_SCORES = ops
             tuning.OPS_FORWARD_THREADS = 1  # the thread count measured is the one set
-            return posenc.attention(q, k, v, position=scheme, causal=causal)
+            return posenc.attention(q, k, v, position=scheme, causal=causal, **at)
         finally:
             for name, value in saved.items():
                 setattr(tuning, name, value)
@@ -131,19 +143,30 @@ def _timer(fn: Callable, q, k, v, params, backward: bool) -> Callable[[int], flo
     return timed
 
 
-def measure(name: str, shape: tuple[int, int, int, int], causal: bool, args) -> dict:
-    """Median seconds per call of each variant, fwd+bwd and forward only, and the lean path."""
+def measure(
+    name: str, shape: tuple[int, int, int, int], causal: bool, args, n_q: int | None = None
+) -> dict:
+    """Median seconds per call of each variant, fwd+bwd and forward only (``args.modes``),
+    and the lean path; ``n_q`` queries at the end of the ``n`` keys (None: ``n``)."""
     b, h, n, d = shape
+    n_q = n if n_q is None else n_q
     scheme = _scheme(name, h, d, n, causal)
     params = [p for p in scheme.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_() for _ in range(3))
-    path = posenc.explain(q, k, v, position=scheme, causal=causal, backend="lean").path
-    result: dict = {"scheme": name, "shape": list(shape), "causal": causal, "lean_path": path}
-    for mode, backward in (("fwd+bwd", True), ("fwd", False)):
+    q = torch.randn(b, h, n_q, d, generator=gen).requires_grad_()
+    k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_() for _ in range(2))
+    at = {}
+    if n_q < n:
+        at = {"positions": torch.arange(n - n_q, n), "key_positions": torch.arange(n)}
+    path = posenc.explain(q, k, v, position=scheme, causal=causal, backend="lean", **at).path
+    result: dict = {
+        "scheme": name, "shape": list(shape), "queries": n_q, "causal": causal, "lean_path": path
+    }  # fmt: skip
+    modes = [(mode, mode == "fwd+bwd") for mode in ("fwd+bwd", "fwd") if mode in args.modes]
+    for mode, backward in modes:
         variants = VARIANTS
         timers = {
-            variant: _timer(_call(variant, scheme, causal), q, k, v, params, backward)
+            variant: _timer(_call(variant, scheme, causal, n_q, n), q, k, v, params, backward)
             for variant in variants
         }
         calls = {}
@@ -167,21 +190,27 @@ def measure(name: str, shape: tuple[int, int, int, int], causal: bool, args) -> 
 
 def _row(r: dict) -> str:
     b, h, n, d = r["shape"]
-    cells = [r["scheme"], f"{b}x{h}x{n}x{d}", "yes" if r["causal"] else "no"]
-    cells += [f"2^{(b * h * n * n).bit_length() - 1}", r["lean_path"]]
+    n_q = r["queries"]
+    cells = [r["scheme"], f"{b}x{h}x{n}x{d}", str(n_q), "yes" if r["causal"] else "no"]
+    cells += [f"2^{(b * h * n_q * n).bit_length() - 1}", r["lean_path"]]
     for mode in ("fwd+bwd", "fwd"):
-        t = r[mode]
+        t = r.get(mode)
+        if t is None:  # (not timed: --modes)
+            cells += ["", "", ""]
+            continue
         cells += [f"{t['materialised/floor']:.2f}", f"{t['lean/floor']:.2f}"]
         cells.append(f"**{t['materialised/lean']:.2f}**")
-    cells += [f"**{r[mode]['ops/materialised']:.2f}**" for mode in ("fwd+bwd", "fwd")]
+    cells += [
+        f"**{r[mode]['ops/materialised']:.2f}**" if mode in r else "" for mode in ("fwd+bwd", "fwd")
+    ]
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = (
-    "| scheme | b x h x n x d | causal | scores | lean path | fwd+bwd: materialised / floor "
-    "| lean / floor | materialised / lean | fwd: materialised / floor | lean / floor "
+    "| scheme | b x h x n x d | n_q | causal | scores | lean path | fwd+bwd: materialised / "
+    "floor | lean / floor | materialised / lean | fwd: materialised / floor | lean / floor "
     "| materialised / lean | fwd+bwd: ops / SDPA kernel | fwd: ops / SDPA kernel |"
-    "\n|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "\n|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -193,7 +222,13 @@ def main() -> None:
         default=",".join("x".join(map(str, s)) for s in SHAPES),
         help="b x h x n x d, comma-separated (e.g. 2x8x64x64)",
     )
+    parser.add_argument(
+        "--queries",
+        default=None,
+        help="queries at the end of the n keys, comma-separated (default: n, self-attention)",
+    )
     parser.add_argument("--masks", default="none,causal", help="none, causal or both")
+    parser.add_argument("--modes", default="fwd+bwd,fwd", help="fwd+bwd, fwd or both")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--least", type=float, default=0.05, help="seconds per timing")
     parser.add_argument("--threads", type=int, default=None)
@@ -205,14 +240,18 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")
     print(HEADER, flush=True)
     results = []
+    args.modes = args.modes.split(",")
     for shape in shapes:
-        for causal in [m == "causal" for m in args.masks.split(",")]:
-            for name in args.schemes.split(","):
-                if causal and registry.get(name).two_d:
-                    continue  # a causal 2-D map is rare (docs/performance.md)
-                result = measure(name, shape, causal, args)
-                results.append(result)
-                print(_row(result), flush=True)
+        n = shape[2]
+        queries = [n] if args.queries is None else [int(x) for x in args.queries.split(",")]
+        for n_q in [x for x in queries if x <= n]:
+            for causal in [m == "causal" for m in args.masks.split(",")]:
+                for name in args.schemes.split(","):
+                    if causal and registry.get(name).two_d:
+                        continue  # a causal 2-D map is rare (docs/performance.md)
+                    result = measure(name, shape, causal, args, n_q)
+                    results.append(result)
+                    print(_row(result), flush=True)
     print(f"load after: {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:

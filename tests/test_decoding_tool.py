@@ -1,0 +1,53 @@
+"""tools/decoding.py: a cached decoding step, posenc's against the same step by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import decoding  # noqa: E402
+
+SCHEMES = ["alibi", "swin-1d"]
+SCHEMES += ["t5-decoder"] if importlib.util.find_spec("transformers") else []
+SCHEMES += ["rotary"] if importlib.util.find_spec("rotary_embedding_torch") else []
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize(("b", "n"), [(1, 5), (2, 40), (1, 300)])
+def test_the_step_by_hand_equals_posencs_step(name, b, n):
+    """Each scheme's step written by hand gives posenc's output (the tool times the two
+    only after checking this), in float64 so that a wrong offset or channel order shows
+    (rotary-embedding-torch computes its angles in float32: an angle at position ``p``
+    is off by up to ``p`` ulps of float32 in radians, which moves a logit and so the
+    output by at most about that, relative to its size)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        posenc_step, by_hand = decoding._steps(name, b, 2, 8, n)
+        with torch.no_grad():
+            got, want = posenc_step(), by_hand()
+            again = posenc_step()  # the cache put back: the same step
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert got.shape == (b, 1, 16)
+    atol = (n + 1) * torch.finfo(torch.float32).eps if name == "rotary" else 1e-12
+    torch.testing.assert_close(got, want, rtol=0, atol=atol * float(want.abs().max()))
+    assert torch.equal(got, again)
+
+
+def test_measure_gives_both_times_and_their_ratio():
+    args = type("Args", (), {"heads": 2, "head_dim": 8, "repeats": 3, "least": 0.001})()
+    row = decoding.measure("alibi", 1, 16, args)
+    assert row["posenc"] > 0 and row["by hand"] > 0 and row["ratio"] > 0
+    assert (row["scheme"], row["b"], row["n"]) == ("alibi", 1, 16)
+
+
+def test_a_scheme_without_a_step_by_hand_is_refused():
+    with pytest.raises(ValueError, match="no decoding step by hand for 'shaw'"):
+        decoding._bias_by_hand("shaw", None, 4)
