@@ -1626,38 +1626,25 @@ def test_a_causal_replay_in_one_buffer_reads_q_and_k_in_its_logits(
         assert torch.equal(out[:, :, ~sees], clean[:, :, ~sees])
 
 
-def test_a_causal_call_of_fewer_queries_than_keys_keeps_no_route(walks):
+@pytest.mark.parametrize("n_q", [1, 2])
+def test_a_causal_call_of_fewer_queries_than_keys_keeps_a_route_for_one_query_alone(n_q, walks):
     """A few tokens decoded at once (queries aligned at the end of more keys) take the
-    dispatcher each time: the causal key holds as many queries as keys alone."""
+    dispatcher each time: the causal key holds as many queries as keys alone. One query
+    sees every key: its causal mask is none (Mask drops it), so that the step replays the
+    route kept for it as an unmasked call, and equals that call."""
     scheme = ALiBi(H)
     torch.manual_seed(0)
-    q = torch.randn(B, H, 2, D)
+    q = torch.randn(B, H, n_q, D)
     k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    q_pos, k_pos = run_positions(N - n_q, n_q), run_positions(0, N)
     with torch.no_grad():
         first = _causal(scheme, q, k, v)
         again = _causal(scheme, q, k, v)
-    assert len(walks) == 2 and torch.equal(first, again)
-    request = kept.Request(q, k, v, scheme, run_positions(N - 2, 2), run_positions(0, N),
-                           Mask(2, N, causal=True), "auto", 0.0, False)  # fmt: skip
-    assert kept.signature(request) is None
-
-
-def test_a_causal_decoding_step_replays_the_unmasked_route(walks):
-    """One query aligned at the end sees every key: its causal mask is none (Mask drops
-    it), so that the step replays the route kept for it as an unmasked call, and equals
-    that call."""
-    scheme = ALiBi(H)
-    torch.manual_seed(0)
-    q = torch.randn(B, H, 1, D)
-    k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
-    with torch.no_grad():
-        first = _causal(scheme, q, k, v)
-        again = _causal(scheme, q, k, v)
-        assert len(walks) == 1 and torch.equal(first, again)
-        q_pos, k_pos = run_positions(N - 1, 1), run_positions(0, N)
-        unmasked = attend(q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos, mask=Mask(1, N))[0]
-    assert len(walks) == 1, "the unmasked call's route is the step's"
-    assert torch.equal(first, unmasked)
-    request = kept.Request(q, k, v, scheme, run_positions(N - 1, 1), run_positions(0, N),
-                           Mask(1, N, causal=True), "auto", 0.0, False)  # fmt: skip
-    assert kept.signature(request) is not None
+        assert len(walks) == (1 if n_q == 1 else 2) and torch.equal(first, again)
+        if n_q == 1:
+            unmasked = attend(q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos, mask=Mask(1, N))
+            assert len(walks) == 1, "the unmasked call's route is the step's"
+            assert torch.equal(first, unmasked[0])
+    request = kept.Request(q, k, v, scheme, q_pos, k_pos, Mask(n_q, N, causal=True), "auto",
+                           0.0, False)  # fmt: skip
+    assert (kept.signature(request) is None) == (n_q > 1)
