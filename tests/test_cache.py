@@ -16,7 +16,7 @@ from posenc import (
     positions_from_documents,
     positions_from_padding,
 )
-from posenc.indices import _known_run
+from posenc.indices import _known_run, run_positions
 from tolerances import assert_close, forward
 
 
@@ -197,3 +197,27 @@ def test_default_positions_keep_the_cache_one_marked_run():
     attn(x[:, :3], positions=torch.arange(3) + 4, causal=True, cache=given)
     attn(x[:, 3:4], causal=True, cache=given)
     assert given.positions.tolist() == [[4, 5, 6, 7]]
+    gap = KVCache()  # two marked runs that do not follow each other: one cat, unmarked
+    attn(x[:, :3], positions=run_positions(0, 3), causal=True, cache=gap)
+    attn(x[:, 3:4], positions=run_positions(5, 1), causal=True, cache=gap)
+    assert gap.positions.tolist() == [[0, 1, 2, 5]] and _known_run(gap.positions) is None
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("b", [1, 3])
+def test_decoding_at_marked_positions_equals_the_full_pass(mode, b):
+    """Steps at the cache's marked positions (built outside inference mode, so that they
+    carry a version counter) give the full causal pass's rows, for every sequence of the
+    batch, a few tokens at a time too."""
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, position=ALiBi(4)).double().eval()
+    x = torch.randn(b, 12, 16, dtype=torch.float64)
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context:
+        full = attn(x, causal=True)
+        cache = KVCache()
+        steps = [attn(x[:, :5], causal=True, cache=cache)]
+        steps += [attn(x[:, t : t + 1], causal=True, cache=cache) for t in range(5, 9)]
+        steps.append(attn(x[:, 9:], causal=True, cache=cache))  # three at once
+        assert _known_run(cache.positions) == (0, 11)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)

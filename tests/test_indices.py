@@ -77,8 +77,9 @@ def test_offset_run_detects_consecutive_positions_only():
 
 def test_run_positions_are_known_as_a_run_until_written_into(monkeypatch):
     """Positions built by run_positions skip the read of offset_run (the NumPy view is not
-    taken) and give the same answer; an in-place write moves the version counter, and the
-    positions are read again. Inference tensors have no counter: always read."""
+        taken) and give the same answer; an in-place write moves the version counter, and the
+        positions are read again. Inference tensors have no counter: always read (in inference
+    mode the runs are built outside it)."""
     import posenc.indices as indices
     from posenc.indices import offset_run, run_positions
 
@@ -96,8 +97,11 @@ def test_run_positions_are_known_as_a_run_until_written_into(monkeypatch):
     assert offset_run(q_pos, k_pos) == 0 - 7
     assert offset_run(q_pos[:, 1:], run_positions(0, 5)) == 0 - 7  # a view: read
     with torch.inference_mode():
-        inference = run_positions(2, 4)
+        built = run_positions(2, 4)  # built outside inference mode: marked all the same
         reads.clear()
+        assert not built.is_inference() and offset_run(built, built) == 2 - 5 and reads == []
+        inference = torch.arange(2, 6)[None]
+        inference._posenc_run = (0, 2)  # an inference tensor has no counter: always read
         assert offset_run(inference, inference) == 2 - 5 and reads == [1]
 
 

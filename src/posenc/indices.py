@@ -191,9 +191,10 @@ def run_positions(start: int, n: int, device: torch.device | str | None = None) 
     a run: :func:`offset_run`, :func:`position_extremes` and :func:`value_range` (the
     schemes' range checks) then know them without reading them, until an in-place op
     writes into them (their version counter moves). For the default positions that
-    posenc builds and hands to the hooks only (a write that bypasses the version counter,
-    through ``.data`` or a NumPy view, would not be seen: neither by the runs nor by the
-    range checks).
+    posenc builds and hands to the hooks, and keeps in a :class:`~posenc.KVCache` (a write
+    that bypasses the version counter, through ``.data`` or a NumPy view, would not be
+    seen: neither by the runs nor by the range checks). Built outside inference mode (a
+    tensor with a version counter) where that is on.
 
     Args:
         start: the first position.
@@ -203,9 +204,13 @@ def run_positions(start: int, n: int, device: torch.device | str | None = None) 
     Returns:
         ``[1, n]`` int64.
     """
-    pos = torch.arange(start, start + n, device=device)[None]  # [1, n]
-    if torch.compiler.is_compiling() or pos.is_inference():
-        return pos  # traced (offset_run does not read positions there), or no version counter
+    if torch.compiler.is_compiling():  # traced: offset_run does not read positions there
+        return torch.arange(start, start + n, device=device)[None]  # [1, n]
+    if torch.is_inference_mode_enabled():  # (an inference tensor has no version counter)
+        with torch.inference_mode(False):
+            pos = torch.arange(start, start + n, device=device)[None]  # [1, n]
+    else:
+        pos = torch.arange(start, start + n, device=device)[None]  # [1, n]
     pos._posenc_run = (pos._version, start)
     return pos
 

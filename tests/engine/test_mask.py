@@ -43,11 +43,12 @@ def test_keep_equals_the_definition(causal, behind, ahead, n_q, n_k, rows):
 @pytest.mark.parametrize("behind", [None, 3])
 @pytest.mark.parametrize("n_k", [1, 5])
 def test_a_causal_mask_over_one_query_is_dropped(behind, n_k):
-    """One query aligned at the end sees every key: the causal flag reads False, the mask
-    is empty without a window, and keep still equals the definition. Two queries keep it
-    (the first sees one key fewer)."""
+    """One query aligned at the end sees every key: without a window the causal flag reads
+    False and the mask is empty; a causal window keeps it (the blocks that cut a window
+    read it); keep equals the definition either way. Two queries keep it (the first sees
+    one key fewer)."""
     mask = Mask(1, n_k, causal=True, behind=behind)
-    assert mask.causal is False and mask.empty == (behind is None)
+    assert mask.causal is (behind is not None) and mask.empty == (behind is None)
     keep = mask.keep()
     if behind is None:
         assert keep is None

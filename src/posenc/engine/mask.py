@@ -32,9 +32,10 @@ class Mask:
         lengths: ``[b, n_q]`` int64: key ``j`` is visible to query ``i`` iff
             ``j < lengths[b, i]`` (d2l's ``valid_lens``), or None.
         causal: query ``i`` sees keys ``j <= i + n_k - n_q`` (aligned at the end). Over
-            at most one query it hides no key (the one query sees every key: a decoding
-            step) and is dropped: such a mask holds False, so that every path takes the
-            call as unmasked.
+            at most one query and without a window it hides no key (the one query sees
+            every key: a decoding step) and is dropped: such a mask holds False, so that
+            the paths take the call as one without it (a causal window keeps it: the
+            paths that cut a window in blocks read it).
         q_doc: ``[b, n_q]`` document id of each query (packed sequences), or None.
         k_doc: ``[b, n_k]`` document id of each key; a query sees only its document.
         behind: query ``i`` sees keys ``j > i + n_k - n_q - behind`` (a sliding window,
@@ -61,8 +62,8 @@ class Mask:
     bias: Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.causal and self.n_q <= 1:  # one query aligned at the end sees every key
-            object.__setattr__(self, "causal", False)
+        if self.causal and self.n_q <= 1 and self.behind is None and self.ahead is None:
+            object.__setattr__(self, "causal", False)  # one query at the end sees every key
 
     @property
     def empty(self) -> bool:

@@ -304,7 +304,9 @@ def _op_by_op(call: Call, scores: int) -> bool:
 
 def materialised_size(call: Call, pairs: bool = True) -> str | None:
     """Why the call is too large for the materialised path whatever it computes (but a bias
-    the scheme keeps, through SDPA's fused kernel: :func:`_kept_bias_fused`): more than
+    the scheme keeps, through SDPA's fused kernel: :func:`_kept_bias_fused`; and, in
+    :func:`_plan_materialised`, a call of few queries: :func:`_few_queries`,
+    :func:`_bias_alone_fits`): more than
     :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) or, with ``pairs``,
     :data:`tuning.MATERIALISED_PAIRS` query-key pairs per head; None if it is not (shapes
     alone: read while compiling too, where the reason names no size, so that Dynamo does
@@ -454,7 +456,7 @@ def _plan_materialised(call: Call) -> Plan:
         ):  # fmt: skip
             name = "MATERIALISED_CAUSAL_SELF_VALUE_SCORES"
     elif term:
-        # self-attention on the offset-term path: what was measured (a decoding step loses);
+        # self-attention on the offset-term path: what was measured (few queries: not measured);
         # asked only past the lowest limit, under which every limit takes the call
         lowest = min(
             tuning.MATERIALISED_TERM_SCORES, tuning.MATERIALISED_CAUSAL_TERM_SCORES,
@@ -529,25 +531,28 @@ def _plan_materialised(call: Call) -> Plan:
         call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
         call.dropout_p, bias=None if hooks.score_bias is None else call.dense_bias,
     )  # fmt: skip
-    if hooks.score_term is not None or hooks.score_bias is None:
-        return run
+    if hooks.score_term is not None or hooks.score_bias is None or bias_alone:
+        return run  # (bias_alone: what it read, the kernel SDPA takes, is not in the key)
     if kept:
         return routed(run, _KEPT_FUSED_ROUTE)
     return routed(run, _BIAS_ROUTE if hooks.kept_score_bias is None else _KEPT_BIAS_ROUTE)
 
 
 def _few_queries(call: Call) -> bool:
-    """Whether the call asks a bias without gradients (no term) of fewer queries than
-    keys, and fewer than :data:`tuning.MATERIALISED_QUERIES_PER_SEQUENCE` per sequence of
-    the batch (at most :data:`tuning.MATERIALISED_QUERIES`): too few to pay for the lean
-    paths' passes over the keys, so that the materialised path keeps the call past the
-    pairs' crossovers, within the budget. Shapes read in eager code only (False while
+    """Whether the call asks a bias without gradients (no term), with no mask but the
+    causal one, of fewer queries than keys, and fewer than
+    :data:`tuning.MATERIALISED_QUERIES_PER_SEQUENCE` per sequence of the batch (fewer than
+    :data:`tuning.MATERIALISED_QUERIES` in all): too few to pay for the lean paths' passes
+    over the keys, so that the materialised path keeps the call past the pairs'
+    crossovers (a mask that runs in blocks, :func:`~.blocks._mask_blocks`, reads only the
+    keys each block sees: not here). Shapes read in eager code only (False while
     compiling: no guard on them)."""
     hooks = call.hooks
     if (
         call.grad
         or hooks.score_term is not None
         or hooks.value_term is not None
+        or not call.mask.causal_at_most  # (padding, documents, a window: the mask blocks)
         or torch.compiler.is_compiling()
     ):
         return False
@@ -560,13 +565,15 @@ def _few_queries(call: Call) -> bool:
 def _bias_alone_fits(call: Call) -> bool:
     """For :func:`_few_queries`'s call past the scores' budget: whether SDPA's fused CPU
     kernel takes it with the bias as its float mask (:func:`~.sdpa.fused_cpu_runs`; no
-    mask but the causal one, no dropout, not op by op), so that the call writes the bias
-    ``[B', h, n_q, n_k]`` (``B'`` the positions' batch; twice under the causal mask, which
-    is folded into a copy) and no scores, and that is within
-    :data:`tuning.MATERIALISED_SCORES`."""
-    if call.dropout_p or not call.mask.causal_at_most:
+    mask but the causal one, no dropout, not op by op, grad mode off: no bias that asks
+    for a gradient sends SDPA to its math kernel), so that the call writes the bias
+    ``[B', h, n_q, n_k]`` (``B'`` the positions' batch; float32 queries: the bias's own
+    dtype, no cast; twice under the causal mask, which is folded into a copy) and no
+    scores, and that is within :data:`tuning.MATERIALISED_SCORES`. Such a call keeps no
+    route (what it reads, the kernel SDPA takes, is not in the route's key)."""
+    if call.dropout_p or not call.mask.causal_at_most or torch.is_grad_enabled():
         return False
-    if not fused_cpu_runs(call.q, call.k, call.v):
+    if call.q.dtype != torch.float32 or not fused_cpu_runs(call.q, call.k, call.v):
         return False
     _, h, n_q, _ = call.q.shape
     rows = max(call.q_pos.shape[0], call.k_pos.shape[0])

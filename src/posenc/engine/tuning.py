@@ -51,8 +51,9 @@ MATERIALISED_PAIRS = 1 << 16
 #: queries per sequence of the batch from which a bias without gradients over more keys
 #: than queries (cross attention, a few tokens decoded at once, a prompt read in chunks)
 #: may leave the materialised path past MATERIALISED_PAIRS or, under a causal mask,
-#: MATERIALISED_CAUSAL_PAIRS (at most MATERIALISED_QUERIES in all); within the budget,
-#: fewer stay. The lean paths pass over every key and value once or more per call (the
+#: MATERIALISED_CAUSAL_PAIRS, with no mask but the causal one; fewer stay (and fewer than
+#: MATERIALISED_QUERIES in all), within the budget and past it where SDPA's fused kernel
+#: writes the bias alone (plans.py, _bias_alone_fits). The lean paths pass over every key and value once or more per call (the
 #: per-offset path reverses them), which few queries do not pay for, while the bias is
 #: written once for the whole batch; a causal mask over fewer queries than keys hides few
 #: pairs. materialised / lean forward, h=8 d=64, ALiBi, T5's decoder and Swin 1-D over
@@ -61,7 +62,7 @@ MATERIALISED_PAIRS = 1 << 16
 #: queries: b=2 0.92-1.11, b=4 0.87-1.13, b=8 0.78-0.91 (0.47-0.57); 128 queries: b=4
 #: 0.98-1.20, b=8 0.91-0.99 (0.60-0.78); 256 queries: b=8 0.97-1.08 (0.93-1.11)
 MATERIALISED_QUERIES_PER_SEQUENCE = 32
-#: the most queries that MATERIALISED_QUERIES_PER_SEQUENCE keeps materialised
+#: the queries from which MATERIALISED_QUERIES_PER_SEQUENCE keeps none materialised
 MATERIALISED_QUERIES = 256
 #: query-key pairs per head at most for which a bias the scheme keeps between calls
 #: (ALiBi's) runs SDPA's fused kernel with it as the float mask, past MATERIALISED_SCORES,
