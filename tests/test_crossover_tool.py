@@ -42,3 +42,24 @@ def test_measure_names_the_queries_and_times_the_modes_asked():
     assert "fwd" in row and "fwd+bwd" not in row
     assert row["fwd"]["materialised"] > 0 and row["fwd"]["lean"] > 0
     assert "| 4 | yes |" in crossover._row(row)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--modes", "both"], "--modes takes comma-separated fwd+bwd, fwd; got ['both']"),
+        (["--masks", "both"], "--masks takes comma-separated none, causal; got ['both']"),
+    ],
+)
+def test_a_mode_or_mask_it_does_not_know_is_refused(argv, says, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["crossover.py", *argv])
+    with pytest.raises(SystemExit):
+        crossover.main()
+    assert says in capsys.readouterr().err
+
+
+def test_more_queries_than_keys_are_skipped_and_said(monkeypatch, capsys):
+    argv = ["--schemes", "alibi", "--shapes", "1x2x8x8", "--queries", "16", "--modes", "fwd"]
+    monkeypatch.setattr(sys, "argv", ["crossover.py", *argv, "--masks", "none"])
+    crossover.main()
+    assert "(skipped: 16 queries over 8 keys" in capsys.readouterr().out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -21,33 +22,38 @@ SCHEMES += ["rotary"] if importlib.util.find_spec("rotary_embedding_torch") else
 
 @pytest.mark.parametrize("name", SCHEMES)
 @pytest.mark.parametrize(("b", "n"), [(1, 5), (2, 40), (1, 300)])
-def test_the_step_by_hand_equals_posencs_step(name, b, n):
-    """Each scheme's step written by hand gives posenc's output (the tool times the two
-    only after checking this), in float64 so that a wrong offset or channel order shows
+def test_the_steps_by_hand_equal_posencs_steps(name, b, n):
+    """Each scheme's steps written by hand, three tokens one at a time, give posenc's
+    outputs (the tool times the two only after checking this), and a second run of the
+    cache put back gives the same; in float64 so that a wrong offset or channel order shows
     (rotary-embedding-torch computes its angles in float32: an angle at position ``p``
     is off by up to ``p`` ulps of float32 in radians, which moves a logit and so the
     output by at most about that, relative to its size)."""
     torch.set_default_dtype(torch.float64)
     try:
-        posenc_step, by_hand = decoding._steps(name, b, 2, 8, n)
+        with_posenc, by_hand = decoding._steps(name, b, 2, 8, n, tokens=3)
         with torch.no_grad():
-            got, want = posenc_step(), by_hand()
-            again = posenc_step()  # the cache put back: the same step
+            got, want = with_posenc(), by_hand()
+            again = with_posenc()  # the cache put back: the same steps
     finally:
         torch.set_default_dtype(torch.float32)
-    assert got.shape == (b, 1, 16)
-    atol = (n + 1) * torch.finfo(torch.float32).eps if name == "rotary" else 1e-12
+    assert got.shape == (b, 3, 16)
+    atol = (n + 3) * torch.finfo(torch.float32).eps if name == "rotary" else 1e-12
     torch.testing.assert_close(got, want, rtol=0, atol=atol * float(want.abs().max()))
     assert torch.equal(got, again)
 
 
 def test_measure_gives_both_times_and_their_ratio():
-    args = type("Args", (), {"heads": 2, "head_dim": 8, "repeats": 3, "least": 0.001})()
+    args = types.SimpleNamespace(heads=2, head_dim=8, tokens=2, repeats=3, least=0.001)
     row = decoding.measure("alibi", 1, 16, args)
     assert row["posenc"] > 0 and row["by hand"] > 0 and row["ratio"] > 0
     assert (row["scheme"], row["b"], row["n"]) == ("alibi", 1, 16)
 
 
-def test_a_scheme_without_a_step_by_hand_is_refused():
-    with pytest.raises(ValueError, match="no decoding step by hand for 'shaw'"):
+def test_a_scheme_without_a_step_by_hand_is_refused(monkeypatch, capsys):
+    with pytest.raises(ValueError, match="no decoding step by hand for 'shaw'; choose from"):
         decoding._bias_by_hand("shaw", None, 4)
+    monkeypatch.setattr(sys, "argv", ["decoding.py", "--schemes", "alibi,t5"])
+    with pytest.raises(SystemExit):
+        decoding.main()
+    assert "no decoding step by hand for ['t5']" in capsys.readouterr().err

@@ -2,12 +2,13 @@
 
 For each scheme, shape ``(b, h, n, d)`` and mask (none, causal) it times, interleaved in
 one process (each repeat runs every variant once, in turn), forward+backward (the
-gradients of ``q, k, v`` and of the scheme's tables) and forward only (no grad) of:
+gradients of ``q, k, v`` and of the scheme's tables) and forward only (no grad), or one of
+them (``--modes``), of:
 
 - ``floor``: :func:`torch.nn.functional.scaled_dot_product_attention` without positions
   (its own ``is_causal``);
 - ``materialised``: ``backend="auto"`` with every ``MATERIALISED_*`` limit lifted, so that
-  it takes its ``materialised`` path: the scheme's ``[b, h, n, n]`` bias or term written
+  it takes its ``materialised`` path: the scheme's ``[b, h, n_q, n]`` bias or term written
   out (a value term, or a bias or term that asks for a gradient itself: the formula op by
   op; otherwise SDPA with it as the float ``attn_mask``);
 - ``lean``: ``backend="lean"``: the lean path (named in the table) that ``auto`` takes
@@ -19,8 +20,8 @@ gradients of ``q, k, v`` and of the scheme's tables) and forward only (no grad) 
   0): the last two columns, below 1 where op by op wins (about 1 where both run op by op:
   a learned table or a term with gradients).
 
-With ``--queries``, each shape is timed for each count ``n_q`` of queries given (those
-not above ``n``) at the end of its ``n`` keys (positions ``n - n_q .. n - 1`` against
+With ``--queries``, each shape is timed for each count ``n_q`` of queries given (a count
+above ``n`` is skipped, and the table says so) at the end of its ``n`` keys (positions ``n - n_q .. n - 1`` against
 ``0 .. n - 1``; a causal mask aligned at the end): cross-attention, a few tokens decoded
 at once, a prompt read in chunks. The floor then takes the causal band as SDPA's boolean
 mask where ``n_q < n``.
@@ -227,8 +228,8 @@ def main() -> None:
         default=None,
         help="queries at the end of the n keys, comma-separated (default: n, self-attention)",
     )
-    parser.add_argument("--masks", default="none,causal", help="none, causal or both")
-    parser.add_argument("--modes", default="fwd+bwd,fwd", help="fwd+bwd, fwd or both")
+    parser.add_argument("--masks", default="none,causal", help="comma-separated: none,causal")
+    parser.add_argument("--modes", default="fwd+bwd,fwd", help="comma-separated: fwd+bwd,fwd")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--least", type=float, default=0.05, help="seconds per timing")
     parser.add_argument("--threads", type=int, default=None)
@@ -237,14 +238,23 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    args.modes = args.modes.split(",")
+    for value, allowed, name in (
+        (args.modes, ("fwd+bwd", "fwd"), "--modes"),
+        (args.masks.split(","), ("none", "causal"), "--masks"),
+    ):
+        if not set(value) <= set(allowed):
+            parser.error(f"{name} takes comma-separated {', '.join(allowed)}; got {value}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")
     print(HEADER, flush=True)
     results = []
-    args.modes = args.modes.split(",")
     for shape in shapes:
         n = shape[2]
         queries = [n] if args.queries is None else [int(x) for x in args.queries.split(",")]
-        for n_q in [x for x in queries if x <= n]:
+        for n_q in queries:
+            if n_q > n:
+                print(f"(skipped: {n_q} queries over {n} keys; --queries counts at most n)")
+                continue
             for causal in [m == "causal" for m in args.masks.split(",")]:
                 for name in args.schemes.split(","):
                     if causal and registry.get(name).two_d:

@@ -1,25 +1,30 @@
-"""Time a cached decoding step: posenc's ``MultiHeadAttention`` against the same step
-written by hand.
+"""Time cached decoding: posenc's ``MultiHeadAttention`` against the same steps written
+by hand.
 
 For each scheme, batch ``b`` and cache length ``n`` it builds ``MultiHeadAttention(dim=h
 * d, heads=h, position=scheme)``, prefills a :class:`~posenc.KVCache` with ``n`` tokens,
 and times, interleaved in one process (each repeat runs both variants once, in turn),
-one more token (no gradients, the cache put back to its ``n`` tokens before each step):
+``--tokens`` more tokens decoded one at a time, the cache growing by one each step (no
+gradients; the cache put back to its ``n`` tokens before each run):
 
-- ``posenc``: ``attn(x, causal=True, cache=cache)``;
-- ``by hand``: the same module's projections, the cached keys and values concatenated
-  with the new ones, the scheme's bias for the new query as other code writes it, SDPA,
-  the output projection: ALiBi's ``[h, n+1, n+1]`` bias kept per length and sliced to its
-  last row (x-transformers' ``AlibiPositionalBias``), T5's ``compute_bias(1, n + 1,
-  past_seen_tokens=n)`` (Hugging Face ``transformers``, when installed), Swin 1-D's table
+- ``posenc``: ``attn(x_t, causal=True, cache=cache)`` for each token;
+- ``by hand``: the same module's projections, the keys and values concatenated to the
+  cached ones, the bias of the new query as other code writes it, SDPA, the output
+  projection: ALiBi's ``[h, L, L]`` bias kept for the longest length and sliced to the
+  new row (x-transformers' ``AlibiPositionalBias``), T5's ``compute_bias(1, p + 1,
+  past_seen_tokens=p)`` (Hugging Face ``transformers``, when installed), Swin 1-D's table
   gathered at the new query's offsets; rotary: the new query and key rotated by
-  rotary-embedding-torch at position ``n`` (when installed).
+  rotary-embedding-torch at their position (when installed). Schemes: ``alibi``,
+  ``t5-decoder``, ``swin-1d``, ``rotary``.
 
-Both give the same output (checked before timing). Prints a Markdown table: the median
-over the repeats of each repeat's ``posenc / by hand``, and each variant's median time.
+Both give the same outputs (checked before timing). Prints a Markdown table: the median
+over the repeats of each repeat's ``posenc / by hand``, and each variant's median time per
+token.
 
 Run: ``.venv/bin/python tools/decoding.py [--schemes alibi,t5-decoder,swin-1d,rotary]
-[--batches 1,8] [--lengths 256,1024,4096] [--repeats 15]``.
+[--batches 1,8] [--lengths 256,1024,4096] [--tokens 8] [--repeats 15]``. To time another
+commit's posenc with this tool: ``git archive <commit> src | tar -x -C DIR`` and run it
+with ``PYTHONPATH=DIR/src``.
 
 Shape legend: ``b`` batch, ``h`` heads, ``n`` cached tokens, ``d`` head dim.
 """
@@ -39,21 +44,25 @@ from torch import Tensor
 
 from posenc import KVCache, MultiHeadAttention, registry
 
+#: the schemes with a step by hand
+_SCHEMES = ("alibi", "t5-decoder", "swin-1d", "rotary")
+
 
 def _scheme(name: str, h: int, d: int, n: int):
     return registry.build(name, registry.Shape(h, d, n + 1, causal=True))
 
 
-def _bias_by_hand(name: str, scheme, n: int) -> Callable[[Tensor], Tensor | None] | None:
-    """The new query's bias as other code writes it, ``[1, h, 1, n + 1]``, from the new
-    query (None: a scheme that rotates instead); None where no such code is installed."""
-    if name == "alibi":
-        i = torch.arange(n + 1)
+def _bias_by_hand(name: str, scheme, last: int) -> Callable[[Tensor, int], Tensor | None] | None:
+    """``bias(q, p)``: the bias of a new query at position ``p`` over the keys ``0 .. p``
+    as other code writes it, ``[1, h, 1, p + 1]`` (None: a scheme that rotates instead),
+    for positions up to ``last``; None where no such code is installed."""
+    if name == "alibi":  # x-transformers' AlibiPositionalBias: one buffer, sliced
+        i = torch.arange(last + 1)
         kept = -scheme.slopes(torch.device("cpu"))[:, None, None] * (i[None, :] - i[:, None]).abs()
-        return lambda q: kept[None, :, -1:, :]  # [1, h, 1, n + 1]
-    if name == "swin-1d":
-        offsets = (n - torch.arange(n + 1) + scheme.window[0] - 1).flatten()  # [n + 1]
-        return lambda q: scheme.table[offsets].t()[None, :, None, :]  # [1, h, 1, n + 1]
+        return lambda q, p: kept[None, :, p : p + 1, : p + 1]  # [1, h, 1, p + 1]
+    if name == "swin-1d":  # the table gathered by the relative index of the new row
+        width = scheme.window[0]
+        return lambda q, p: scheme.table[p - torch.arange(p + 1) + width - 1].t()[None, :, None]
     if name == "t5-decoder":
         if importlib.util.find_spec("transformers") is None:
             return None
@@ -67,25 +76,28 @@ def _bias_by_hand(name: str, scheme, n: int) -> Callable[[Tensor], Tensor | None
         )  # fmt: skip
         hf = T5Attention(config, has_relative_attention_bias=True, layer_idx=0)
         hf.relative_attention_bias.weight = scheme.embedding.weight  # posenc's table
-        return lambda q: hf.compute_bias(1, n + 1, device=q.device, past_seen_tokens=n)
+        return lambda q, p: hf.compute_bias(1, p + 1, device=q.device, past_seen_tokens=p)
     if name == "rotary":
         if importlib.util.find_spec("rotary_embedding_torch") is None:
             return None
-        return lambda q: None
-    raise ValueError(f"no decoding step by hand for {name!r}")
+        return lambda q, p: None
+    raise ValueError(
+        f"no decoding step by hand for {name!r}; choose from alibi, t5-decoder, swin-1d, rotary"
+    )
 
 
-def _steps(name: str, b: int, h: int, d: int, n: int):
-    """The two variants of one more token after ``n``, and the scheme; None where the step
-    by hand needs a package that is not installed."""
-    scheme = _scheme(name, h, d, n)
-    bias = _bias_by_hand(name, scheme, n)
+def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int):
+    """The two variants of ``tokens`` more tokens, one at a time, after a cache of ``n``
+    (each returns its outputs ``[b, tokens, h * d]``; the cache is put back to its ``n``
+    tokens first); None where the step by hand needs a package that is not installed."""
+    scheme = _scheme(name, h, d, n + tokens)
+    bias = _bias_by_hand(name, scheme, n + tokens - 1)
     if bias is None:
         return None
     dim = h * d
     torch.manual_seed(0)
     attn = MultiHeadAttention(dim, h, position=scheme).eval()
-    x, new = torch.randn(b, n, dim), torch.randn(b, 1, dim)
+    x, new = torch.randn(b, n, dim), torch.randn(b, tokens, dim)
     cache = KVCache()
     attn(x, causal=True, cache=cache)
     held = (cache.keys, cache.values, cache.positions, cache.key_padding)
@@ -99,44 +111,51 @@ def _steps(name: str, b: int, h: int, d: int, n: int):
         order = torch.stack((torch.arange(d // 2), torch.arange(d // 2, d)), dim=-1).flatten()
         back = torch.argsort(order)
 
-        def rotate(t: Tensor) -> Tensor:  # at position n, in posenc's channel order
-            return rotary.rotate_queries_or_keys(t[..., order], offset=n)[..., back]
+        def rotate(t: Tensor, p: int) -> Tensor:  # at position p, in posenc's channel order
+            return rotary.rotate_queries_or_keys(t[..., order], offset=p)[..., back]
 
-    def posenc_step() -> Tensor:
+    def with_posenc() -> Tensor:
         cache.keys, cache.values, cache.positions, cache.key_padding = held
-        return attn(new, causal=True, cache=cache)
+        outs = [attn(new[:, t : t + 1], causal=True, cache=cache) for t in range(tokens)]
+        return torch.cat(outs, dim=1)  # [b, tokens, dim]
 
     def by_hand() -> Tensor:
-        q = attn.q_proj(new).view(b, 1, h, d).transpose(1, 2)  # [b, h, 1, d]
-        k = attn.k_proj(new).view(b, 1, h, d).transpose(1, 2)
-        v = attn.v_proj(new).view(b, 1, h, d).transpose(1, 2)
-        if rotate is not None:
-            q, k = rotate(q), rotate(k)
-        keys = torch.cat((held[0], k), dim=2)  # [b, h, n + 1, d]
-        values = torch.cat((held[1], v), dim=2)
-        mask = bias(q)  # (in q's dtype: SDPA's fused CPU kernel misreads another one)
-        mask = None if mask is None else mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return attn.out_proj(out.transpose(1, 2).reshape(b, 1, dim))  # [b, 1, dim]
+        keys, values = held[0], held[1]  # [b, h, n, d]
+        outs = []
+        for t in range(tokens):
+            x_t = new[:, t : t + 1]  # [b, 1, dim]
+            q = attn.q_proj(x_t).view(b, 1, h, d).transpose(1, 2)  # [b, h, 1, d]
+            k = attn.k_proj(x_t).view(b, 1, h, d).transpose(1, 2)
+            v = attn.v_proj(x_t).view(b, 1, h, d).transpose(1, 2)
+            if rotate is not None:
+                q, k = rotate(q, n + t), rotate(k, n + t)
+            keys = torch.cat((keys, k), dim=2)  # [b, h, n + t + 1, d]
+            values = torch.cat((values, v), dim=2)
+            mask = bias(q, n + t)  # (in q's dtype: SDPA's fused CPU kernel misreads another)
+            mask = None if mask is None else mask.to(q.dtype)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            outs.append(attn.out_proj(out.transpose(1, 2).reshape(b, 1, dim)))  # [b, 1, dim]
+        return torch.cat(outs, dim=1)
 
-    return posenc_step, by_hand
+    return with_posenc, by_hand
 
 
 def measure(name: str, b: int, n: int, args) -> dict | None:
-    """Median seconds of each variant and the median ratio, or None (not installed)."""
-    steps = _steps(name, b, args.heads, args.head_dim, n)
+    """Median seconds per token of each variant and the median ratio, or None (not
+    installed)."""
+    steps = _steps(name, b, args.heads, args.head_dim, n, args.tokens)
     if steps is None:
         return None
-    posenc_step, by_hand = steps
+    with_posenc, by_hand = steps
     with torch.no_grad():
-        got, want = posenc_step(), by_hand()
+        got, want = with_posenc(), by_hand()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
         calls = max(1, round(args.least / max(_timed(by_hand, 1), 1e-6)))
         times: dict[str, list[float]] = {"posenc": [], "by hand": []}
         for repeat in range(args.repeats):  # each repeat in another order
-            order = [("posenc", posenc_step), ("by hand", by_hand)]
-            for variant, step in order if repeat % 2 == 0 else order[::-1]:
-                times[variant].append(_timed(step, calls))
+            order = [("posenc", with_posenc), ("by hand", by_hand)]
+            for variant, run in order if repeat % 2 == 0 else order[::-1]:
+                times[variant].append(_timed(run, calls) / args.tokens)
     ratio = statistics.median(a / c for a, c in zip(times["posenc"], times["by hand"], strict=True))
     return {
         "scheme": name, "b": b, "n": n, "ratio": ratio,
@@ -152,19 +171,29 @@ def _timed(step: Callable[[], Tensor], calls: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schemes", default="alibi,t5-decoder,swin-1d,rotary")
-    parser.add_argument("--batches", default="1,8")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--schemes", default="alibi,t5-decoder,swin-1d,rotary", help="comma-separated, of these"
+    )
+    parser.add_argument("--batches", default="1,8", help="comma-separated b")
     parser.add_argument("--lengths", default="256,1024,4096", help="cached tokens n")
+    parser.add_argument("--tokens", type=int, default=8, help="tokens decoded per run")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--least", type=float, default=0.02, help="seconds per timing")
     args = parser.parse_args()
+    names = args.schemes.split(",")
+    unknown = [name for name in names if name not in _SCHEMES]
+    if unknown:
+        parser.error(f"no decoding step by hand for {unknown}; choose from {list(_SCHEMES)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")
-    print("| scheme | b | n | posenc / by hand | posenc (us) | by hand (us) |")
+    print("| scheme | b | n | posenc / by hand | posenc (us per token) | by hand (us per token) |")
     print("|---|---|---|---:|---:|---:|", flush=True)
-    for name in args.schemes.split(","):
+    for name in names:
         for b in (int(x) for x in args.batches.split(",")):
             for n in (int(x) for x in args.lengths.split(",")):
                 r = measure(name, b, n, args)
