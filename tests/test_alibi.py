@@ -75,19 +75,25 @@ def test_alibi_errors():
 
 def test_kept_score_bias_is_the_dense_bias_kept_between_calls():
     """With the paper's slopes and consecutive positions the dense bias is kept: the same
-    tensor in each call, of ``score_bias``'s values (the paper's ``-slope * |j - i|`` in
+    tensor in each call (one query's: a view of one row kept for its offsets, the same
+    memory in each call), of ``score_bias``'s values (the paper's ``-slope * |j - i|`` in
     float64), for queries before, among and after the keys."""
     import posenc.alibi as alibi_module
 
     alibi_module._paper_dense_bias.cache_clear()
     scheme = ALiBi(4)
     slopes = torch.tensor(reference_slopes(4), dtype=torch.float64)
-    for q_start, k_start, n_q, n_k in ((0, 0, 7, 7), (30, 0, 1, 31), (5, 40, 3, 9)):
+    cases = ((0, 0, 7, 7), (30, 0, 1, 31), (5, 40, 3, 9), (3, 0, 1, 9), (70, 0, 1, 64))
+    for q_start, k_start, n_q, n_k in cases:
         q_pos = torch.arange(q_start, q_start + n_q)[None]
         k_pos = torch.arange(k_start, k_start + n_k)[None]
         kept = scheme.kept_score_bias(q_pos, k_pos)
         assert kept.shape == (1, 4, n_q, n_k) and not kept.requires_grad
-        assert ALiBi(4).kept_score_bias(q_pos.clone(), k_pos.clone()) is kept  # kept
+        again = ALiBi(4).kept_score_bias(q_pos.clone(), k_pos.clone())
+        if n_q > 1:
+            assert again is kept  # kept
+        else:  # a view of the row kept for these offsets
+            assert again.data_ptr() == kept.data_ptr() and again.stride() == kept.stride()
         distance = (k_pos[0][None, :] - q_pos[0][:, None]).abs().double()  # [n_q, n_k]
         expected = -slopes[:, None, None] * distance  # [h, n_q, n_k]
         torch.testing.assert_close(kept[0].double(), expected, rtol=1e-6, atol=0)

@@ -78,6 +78,14 @@ def _paper_dense_bias(heads: int, first: int, n_q: int, n_k: int, device: torch.
     return toeplitz(run, n_q, n_k).unsqueeze(0)  # [1, heads, n_q, n_k]
 
 
+@memo(maxsize=8)
+def _paper_row(heads: int, reach: int, device: torch.device) -> Tensor:
+    """ALiBi's bias with the paper's slopes for every offset ``-reach .. reach``: ``[heads,
+    2 reach + 1]`` float32, kept (shared: read, never written); one query's bias over any
+    run of keys within ``reach`` of it is a slice of it (a decoding step)."""
+    return _paper_run_bias.__wrapped__(heads, -reach, 2 * reach + 1, device)  # [heads, 2r+1]
+
+
 class ALiBi(OffsetBias):
     """Attention with linear biases: ``B[h, i, j] = -slope_h * |j - i|``.
 
@@ -157,7 +165,8 @@ class ALiBi(OffsetBias):
         :class:`~posenc.hooks.KeptScoreBias`): with the paper's slopes, for consecutive
         positions on the CPU and at most 2^22 elements ``h * n_q * n_k``, ``[1, h, n_q,
         n_k]`` shared by every ALiBi of ``h`` heads in the process (never write into it; the
-        last four kept, at most 64 MiB in all);
+        last four kept, at most 64 MiB in all; one query's, a decoding step's, a view of a
+        row kept for every offset within a power of two: :func:`_paper_row`);
         None otherwise (learned slopes, a :meth:`slopes`, :meth:`bias`,
         :meth:`offset_bias` or ``score_bias`` of a subclass's, a mixin's or set on the
         instance, other positions, a larger bias).
@@ -178,7 +187,13 @@ class ALiBi(OffsetBias):
         run = _run_of(self, q_pos, k_pos)
         if run is None:
             return None
-        return _paper_dense_bias(self.heads, run[0], n_q, n_k, q_pos.device)
+        first = run[0]
+        if n_q == 1:  # a slice of the row kept for every offset within a power of two
+            reach = 1 << max(abs(first), abs(first + n_k - 1), 1).bit_length()
+            if self.heads * (2 * reach + 1) <= _KEPT_DENSE:
+                row = _paper_row(self.heads, reach, q_pos.device)  # [h, 2 reach + 1]
+                return row[None, :, None, first + reach : first + reach + n_k]  # [1, h, 1, n_k]
+        return _paper_dense_bias(self.heads, first, n_q, n_k, q_pos.device)
 
     def bias(self, offsets: Tensor) -> Tensor:
         """``-slope_h * |offset|`` for each offset ``j - i``, float32 (or the learned
