@@ -94,6 +94,7 @@ def test_kept_score_bias_is_the_dense_bias_kept_between_calls():
             assert again is kept  # kept
         else:  # a view of the row kept for these offsets
             assert again.data_ptr() == kept.data_ptr() and again.stride() == kept.stride()
+            assert kept._base is not None and kept._base.dim() == 2  # [h, below + above + 1]
         distance = (k_pos[0][None, :] - q_pos[0][:, None]).abs().double()  # [n_q, n_k]
         expected = -slopes[:, None, None] * distance  # [h, n_q, n_k]
         torch.testing.assert_close(kept[0].double(), expected, rtol=1e-6, atol=0)
@@ -175,3 +176,27 @@ def test_the_engine_reads_the_kept_bias_and_never_writes_into_it():
                 torch.testing.assert_close(out.detach(), expected, rtol=1e-10, atol=1e-12)
                 assert torch.equal(kept, before)
     assert scheme.kept_score_bias(pos, pos) is kept
+
+
+def test_one_querys_kept_bias_is_a_slice_of_a_row_shared_by_the_steps():
+    """A decoding step's kept bias (one query over the keys before it) is a view of one row
+    per power of two of its offsets: successive steps share the row, keep no dense bias,
+    and read the paper's values."""
+    import posenc.alibi as alibi_module
+
+    alibi_module._paper_dense_bias.cache_clear()
+    alibi_module._paper_row.cache_clear()
+    scheme = ALiBi(4)
+    slopes = torch.tensor(reference_slopes(4), dtype=torch.float64)
+    rows = set()
+    for p in (40, 41, 63):  # offsets -p .. 0: one row of offsets -64 .. 0
+        kept = scheme.kept_score_bias(torch.tensor([[p]]), torch.arange(p + 1)[None])
+        expected = -slopes[:, None] * torch.arange(p, -1, -1).double()  # [h, p + 1]
+        torch.testing.assert_close(kept[0, :, 0].double(), expected, rtol=1e-6, atol=0)
+        rows.add(kept._base.data_ptr())
+    assert len(rows) == 1 and alibi_module._paper_dense_bias.cache_info().currsize == 0
+    assert alibi_module._paper_row.cache_info().currsize == 1
+    later = scheme.kept_score_bias(torch.tensor([[64]]), torch.arange(65)[None])
+    assert later._base.shape == (4, 64 + 1) and later._base.data_ptr() in rows  # -64 .. 0
+    ahead = scheme.kept_score_bias(torch.tensor([[2]]), torch.arange(5, 9)[None])  # 3 .. 6
+    assert ahead._base.shape == (4, 8 + 1)  # offsets 0 .. 8

@@ -77,8 +77,8 @@ def test_offset_run_detects_consecutive_positions_only():
 
 def test_run_positions_are_known_as_a_run_until_written_into(monkeypatch):
     """Positions built by run_positions skip the read of offset_run (the NumPy view is not
-        taken) and give the same answer; an in-place write moves the version counter, and the
-        positions are read again. Inference tensors have no counter: always read (in inference
+    taken) and give the same answer; an in-place write moves the version counter, and the
+    positions are read again. Inference tensors have no counter: always read (in inference
     mode the runs are built outside it)."""
     import posenc.indices as indices
     from posenc.indices import offset_run, run_positions

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _validate as check
-from ._memo import memo
+from ._memo import _plain, memo
 from .diagonals import toeplitz
 from .families import OffsetBias
 from .families.biases import _KEPT_RUN, _own_bias, _run_of
@@ -79,11 +79,16 @@ def _paper_dense_bias(heads: int, first: int, n_q: int, n_k: int, device: torch.
 
 
 @memo(maxsize=8)
-def _paper_row(heads: int, reach: int, device: torch.device) -> Tensor:
-    """ALiBi's bias with the paper's slopes for every offset ``-reach .. reach``: ``[heads,
-    2 reach + 1]`` float32, kept (shared: read, never written); one query's bias over any
-    run of keys within ``reach`` of it is a slice of it (a decoding step)."""
-    return _paper_run_bias.__wrapped__(heads, -reach, 2 * reach + 1, device)  # [heads, 2r+1]
+def _paper_row(heads: int, below: int, above: int, device: torch.device) -> Tensor:
+    """ALiBi's bias with the paper's slopes for every offset ``-below .. above``: ``[heads,
+    below + above + 1]`` float32, kept (shared: read, never written); one query's bias
+    over any run of keys whose offsets lie there is a slice of it (a decoding step)."""
+    return _paper_run_bias.__wrapped__(heads, -below, below + above + 1, device)
+
+
+def _power_of_two_at_least(x: int) -> int:
+    """The smallest power of two ``>= x`` for ``x >= 1``; 0 for ``x <= 0``."""
+    return 0 if x <= 0 else 1 << (x - 1).bit_length()
 
 
 class ALiBi(OffsetBias):
@@ -166,7 +171,8 @@ class ALiBi(OffsetBias):
         positions on the CPU and at most 2^22 elements ``h * n_q * n_k``, ``[1, h, n_q,
         n_k]`` shared by every ALiBi of ``h`` heads in the process (never write into it; the
         last four kept, at most 64 MiB in all; one query's, a decoding step's, a view of a
-        row kept for every offset within a power of two: :func:`_paper_row`);
+        row kept for its offsets rounded to powers of two, the last eight kept, at most 16
+        MiB each: :func:`_paper_row`);
         None otherwise (learned slopes, a :meth:`slopes`, :meth:`bias`,
         :meth:`offset_bias` or ``score_bias`` of a subclass's, a mixin's or set on the
         instance, other positions, a larger bias).
@@ -188,11 +194,12 @@ class ALiBi(OffsetBias):
         if run is None:
             return None
         first = run[0]
-        if n_q == 1:  # a slice of the row kept for every offset within a power of two
-            reach = 1 << max(abs(first), abs(first + n_k - 1), 1).bit_length()
-            if self.heads * (2 * reach + 1) <= _KEPT_DENSE:
-                row = _paper_row(self.heads, reach, q_pos.device)  # [h, 2 reach + 1]
-                return row[None, :, None, first + reach : first + reach + n_k]  # [1, h, 1, n_k]
+        if n_q == 1 and _plain():  # a slice of a row kept per power of two of the offsets
+            below = _power_of_two_at_least(-first)  # (decoding: offsets -p .. 0)
+            above = _power_of_two_at_least(first + n_k - 1)
+            if self.heads * (below + above + 1) <= _KEPT_DENSE:
+                row = _paper_row(self.heads, below, above, q_pos.device)  # [h, below+above+1]
+                return row[None, :, None, first + below : first + below + n_k]  # [1, h, 1, n_k]
         return _paper_dense_bias(self.heads, first, n_q, n_k, q_pos.device)
 
     def bias(self, offsets: Tensor) -> Tensor:

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 import posenc
-from posenc.engine import kept, lean_plans, plans, tuning
-from tolerances import assert_close, logit_size
+from posenc.engine import lean_plans, plans, tuning
 
 
 def _spy_kernels(monkeypatch):
@@ -212,123 +211,6 @@ def test_a_bias_without_gradients_is_written_out_up_to_the_budget(monkeypatch):
         )
         step = posenc.explain(long[:, :, -1:], long, long, position=t5, causal=True)
         assert step.path == "materialised"
-
-
-def test_few_queries_over_more_keys_stay_materialised_past_the_pairs(monkeypatch):
-    """A bias without gradients asked of fewer queries than keys, and fewer than
-    MATERIALISED_QUERIES_PER_SEQUENCE per sequence of the batch (at most
-    MATERIALISED_QUERIES), stays on the materialised path past MATERIALISED_PAIRS and
-    MATERIALISED_CAUSAL_PAIRS, and equals the math path; from those queries on, with
-    gradients, or past the budget, the lean path, for the reasons it had."""
-    monkeypatch.setattr(tuning, "MATERIALISED_QUERIES_PER_SEQUENCE", 5)
-    monkeypatch.setattr(tuning, "MATERIALISED_QUERIES", 12)
-    monkeypatch.setattr(tuning, "MATERIALISED_PAIRS", 2**6)
-    monkeypatch.setattr(tuning, "MATERIALISED_CAUSAL_PAIRS", 2**5)
-    torch.manual_seed(0)
-    t5 = _randomised(posenc.T5RelativeBias(2))  # float64
-    k, v = (
-        torch.randn(3, 2, 64, 8, dtype=torch.float64),
-        torch.randn(3, 2, 64, 8, dtype=torch.float64),
-    )
-
-    def call(b, n_q, causal, run=posenc.explain, **kwargs):
-        """``q`` and ``run``'s answer for ``n_q`` queries at the end of the 64 keys."""
-        q = torch.randn(b, 2, n_q, 8, dtype=torch.float64)
-        positions, key_positions = torch.arange(64 - n_q, 64), torch.arange(64)
-        answer = run(
-            q, k[:b], v[:b], position=t5, positions=positions, key_positions=key_positions,
-            causal=causal, **kwargs,
-        )  # fmt: skip
-        return q, answer
-
-    q = torch.randn(3, 2, 4, 8, dtype=torch.float64)  # its table learns: gradients
-    trained = posenc.explain(
-        q, k, v, position=t5, positions=torch.arange(60, 64), key_positions=torch.arange(64)
-    )
-    assert (
-        trained.path == "offset-bias"
-        and "MATERIALISED_PAIRS = 64" in trained.reasons["materialised"]
-    )
-    with torch.no_grad():
-        for b, fewest in ((3, 12), (2, 10), (1, 5)):  # 5 per sequence, at most 12
-            for causal in (False, True):
-                with monkeypatch.context() as patched:
-                    if causal:  # the causal limit alone
-                        patched.setattr(tuning, "MATERIALISED_PAIRS", 2**20)
-                    _, below = call(b, fewest - 1, causal)
-                    assert below.path == "materialised", (b, causal, below)
-                    _, at = call(b, fewest, causal)
-                assert at.path == "offset-bias", (b, causal, at)
-                pairs = "MATERIALISED_CAUSAL_PAIRS = 32" if causal else "MATERIALISED_PAIRS = 64"
-                assert pairs in at.reasons["materialised"], at
-        torch.manual_seed(1)
-        q, out = call(3, 11, False, posenc.attention)  # the materialised path, in float64
-        want = posenc.attention(
-            q, k, v, position=t5, positions=torch.arange(53, 64), key_positions=torch.arange(64),
-            backend="math",
-        )  # fmt: skip
-        torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
-        # past the scores' budget, the bias alone through SDPA's fused kernel, within it:
-        # float32 queries (no cast of the bias), grad mode off, no mask but the causal one
-        monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 2**10)  # 3 x 2 x 4 x 64 is above
-        budget = (
-            "the [b, h, n_q, n_k] scores would be 0.0 MiB, above the budget 0.0 MiB "
-            "(MATERIALISED_SCORES)"
-        )
-        t5 = t5.float()
-        k, v = k.float(), v.float()
-        q = torch.randn(3, 2, 4, 8)
-        at = {"positions": torch.arange(60, 64), "key_positions": torch.arange(64)}
-        before = set(kept._routes(t5) or ())  # (the float64 calls above kept theirs)
-        for causal in (False, True):  # 2 x 4 x 64, twice under the causal mask: at most 2^10
-            told = posenc.explain(q, k, v, position=t5, causal=causal, **at)
-            assert told.path == "materialised", told
-            out = posenc.attention(q, k, v, position=t5, causal=causal, **at)
-            want = posenc.attention(q, k, v, position=t5, causal=causal, backend="math", **at)
-            assert_close(out, want, terms=64, logit=logit_size(q, k))
-            assert set(kept._routes(t5)) == before, "none kept: SDPA's kernel is not in its key"
-            _refused(posenc.explain(q.double(), k.double(), v.double(), position=t5.double(),
-                                    causal=causal, **at), "offset-bias", budget)  # fmt: skip
-            t5.float()
-            with torch.enable_grad():  # grad mode on: a bias that asks for none, all the same
-                _refused(posenc.explain(q, k, v, position=t5.requires_grad_(False),
-                                        causal=causal, **at), "offset-bias", budget)  # fmt: skip
-            t5.requires_grad_(True)
-        with monkeypatch.context() as patched:  # the causal mask's copy counts
-            patched.setattr(tuning, "MATERIALISED_SCORES", 2**10 - 1)
-            assert posenc.explain(q, k, v, position=t5, **at).path == "materialised"
-            _refused(posenc.explain(q, k, v, position=t5, causal=True, **at), "offset-bias",
-                     budget)  # fmt: skip
-        per_sequence = torch.arange(60, 64).expand(3, 4)  # a bias per sequence: 3 x 2 x 4 x 64
-        told = posenc.explain(
-            q, k, v, position=t5, positions=per_sequence, key_positions=torch.arange(64)
-        )
-        _refused(told, "lean-fused", budget)  # (not one run of positions: no offset path)
-        padding = torch.zeros(3, 64, dtype=torch.bool)
-        padding[0, :3] = True  # its own paths: the mask blocks
-        told = posenc.explain(q, k, v, position=t5, key_padding_mask=padding, **at)
-        assert told.path != "materialised" and told.reasons["materialised"] == budget, told
-        monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 2**9 - 1)  # the bias alone is above
-        _refused(posenc.explain(q, k, v, position=t5, **at), "offset-bias", budget)
-
-
-def test_few_queries_under_a_window_keep_the_rules_of_a_window(monkeypatch):
-    """A causal window over few queries is not the few-queries case: its mask runs in
-    blocks that read only the window's keys (a decoding step too: one query keeps its
-    causal flag under a window), past the pairs' limits as before."""
-    monkeypatch.setattr(tuning, "MATERIALISED_PAIRS", 2**5)
-    t5 = posenc.T5RelativeBias(2, bidirectional=False)
-    torch.manual_seed(0)
-    k, v = torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
-    for n_q in (1, 4):
-        q = torch.randn(1, 2, n_q, 8)
-        at = {"positions": torch.arange(64 - n_q, 64), "key_positions": torch.arange(64)}
-        with torch.no_grad():
-            plain = posenc.explain(q, k, v, position=t5, causal=True, **at)
-            windowed = posenc.explain(q, k, v, position=t5, causal=True, window=5, **at)
-        assert plain.path == "materialised", plain
-        assert windowed.path != "materialised", windowed
-        assert "MATERIALISED_PAIRS" in windowed.reasons["materialised"], windowed
 
 
 def test_alibis_kept_bias_runs_sdpas_fused_kernel_past_the_scores_budget(monkeypatch):

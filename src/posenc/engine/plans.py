@@ -20,6 +20,7 @@ from torch.autograd import forward_ad
 
 from ..hooks import Hooks
 from . import common, tuning
+from .few_queries import bias_alone_fits, few_queries
 from .learned import learned_inputs, scheme_parameters
 from .mask import Mask
 from .reference import _forward_in_place, _math, _run_rows
@@ -305,8 +306,8 @@ def _op_by_op(call: Call, scores: int) -> bool:
 def materialised_size(call: Call, pairs: bool = True) -> str | None:
     """Why the call is too large for the materialised path whatever it computes (but a bias
     the scheme keeps, through SDPA's fused kernel: :func:`_kept_bias_fused`; and, in
-    :func:`_plan_materialised`, a call of few queries: :func:`_few_queries`,
-    :func:`_bias_alone_fits`): more than
+    :func:`_plan_materialised`, a call of few queries: :func:`~.few_queries.few_queries`,
+    :func:`~.few_queries.bias_alone_fits`): more than
     :data:`tuning.MATERIALISED_SCORES` scores (the memory budget) or, with ``pairs``,
     :data:`tuning.MATERIALISED_PAIRS` query-key pairs per head; None if it is not (shapes
     alone: read while compiling too, where the reason names no size, so that Dynamo does
@@ -410,12 +411,13 @@ def _plan_materialised(call: Call) -> Plan:
     :data:`tuning.MATERIALISED_BIAS_SCORES` for a bias in a call that asks for gradients;
     for a bias without, the budget alone, and under a causal mask
     :data:`tuning.MATERIALISED_CAUSAL_PAIRS` pairs per head (the lean forward skips the
-    hidden pairs and is cheap; a decoding step, one query, has no causal mask:
-    :class:`~.mask.Mask` drops it). A bias without gradients asked of fewer queries than
-    keys, too few for the lean paths (:func:`_few_queries`), stays past the pairs' limits,
-    within the budget; past the scores' budget, where SDPA's fused kernel writes the bias
-    alone and that is within it (:func:`_bias_alone_fits`). Past all of these, a bias the
-    scheme keeps between calls, through SDPA's fused kernel (:func:`_kept_bias_fused`).
+    hidden pairs and is cheap; a causal mask over one query hides nothing: without a window
+    :class:`~.mask.Mask` drops it, and under one these limits do not read it). A bias
+    without gradients asked of fewer queries than keys, too few for the lean paths
+    (:func:`~.few_queries.few_queries`), stays past the pairs' limits, within the budget;
+    past the scores' budget, where SDPA's fused kernel writes the bias alone and that is
+    within it (:func:`~.few_queries.bias_alone_fits`). Past all of these, a bias the scheme
+    keeps between calls, through SDPA's fused kernel (:func:`_kept_bias_fused`).
     """
     hooks = call.hooks
     if hooks.contextual_term is not None:
@@ -428,12 +430,12 @@ def _plan_materialised(call: Call) -> Plan:
             f"{dtype}: SDPA would add the bias rounded to {dtype}; the lean engine adds it "
             "in float32"
         )
-    few = _few_queries(call)
+    few = few_queries(call)
     too_large = materialised_size(call, pairs=not few)
     kept = too_large is not None and _kept_bias_fused(call)  # (only past a bound)
     # few queries past the scores' budget: within it where SDPA's fused kernel writes the
     # bias alone
-    bias_alone = few and too_large is not None and not kept and _bias_alone_fits(call)
+    bias_alone = few and too_large is not None and not kept and bias_alone_fits(call)
     if too_large is not None and not (kept or bias_alone):
         return too_large
     b, h, n_q, _ = call.q.shape
@@ -443,7 +445,8 @@ def _plan_materialised(call: Call) -> Plan:
     value = hooks.value_term is not None
     term = value or hooks.score_term is not None
     clipped = False
-    causal = call.mask.causal
+    # (one query under a causal window keeps the flag for the blocks, but it hides nothing)
+    causal = call.mask.causal and n_q > 1
     if value:
         name = "MATERIALISED_CAUSAL_VALUE_SCORES" if causal else "MATERIALISED_VALUE_SCORES"
         if (
@@ -491,19 +494,14 @@ def _plan_materialised(call: Call) -> Plan:
         if not kept:
             kind = "value term" if value else "clipped score term" if clipped else "score term"
             what = (
-                ("a causal " if call.mask.causal else "a ") + kind if term
+                ("a causal " if causal else "a ") + kind if term
                 else "a bias with gradients"
             )  # fmt: skip
             return (
                 f"{scores} scores [b, h, n_q, n_k], above the crossover {crossover} ({name}) "
                 f"from which the lean paths run {what} faster"
             )
-    if (
-        not (term or grad)
-        and call.mask.causal
-        and n_q * n_k > tuning.MATERIALISED_CAUSAL_PAIRS
-        and not few
-    ):
+    if not (term or grad) and causal and n_q * n_k > tuning.MATERIALISED_CAUSAL_PAIRS and not few:
         return (
             f"a causal bias without gradients over {n_q} x {n_k} pairs per head, above "
             f"MATERIALISED_CAUSAL_PAIRS = {tuning.MATERIALISED_CAUSAL_PAIRS}: the lean paths "
@@ -536,49 +534,6 @@ def _plan_materialised(call: Call) -> Plan:
     if kept:
         return routed(run, _KEPT_FUSED_ROUTE)
     return routed(run, _BIAS_ROUTE if hooks.kept_score_bias is None else _KEPT_BIAS_ROUTE)
-
-
-def _few_queries(call: Call) -> bool:
-    """Whether the call asks a bias without gradients (no term), with no mask but the
-    causal one, of fewer queries than keys, and fewer than
-    :data:`tuning.MATERIALISED_QUERIES_PER_SEQUENCE` per sequence of the batch (fewer than
-    :data:`tuning.MATERIALISED_QUERIES` in all): too few to pay for the lean paths' passes
-    over the keys, so that the materialised path keeps the call past the pairs'
-    crossovers (a mask that runs in blocks, :func:`~.blocks._mask_blocks`, reads only the
-    keys each block sees: not here). Shapes read in eager code only (False while
-    compiling: no guard on them)."""
-    hooks = call.hooks
-    if (
-        call.grad
-        or hooks.score_term is not None
-        or hooks.value_term is not None
-        or not call.mask.causal_at_most  # (padding, documents, a window: the mask blocks)
-        or torch.compiler.is_compiling()
-    ):
-        return False
-    b, _, n_q, _ = call.q.shape
-    if n_q >= call.k.shape[2]:
-        return False
-    return n_q < min(tuning.MATERIALISED_QUERIES_PER_SEQUENCE * b, tuning.MATERIALISED_QUERIES)
-
-
-def _bias_alone_fits(call: Call) -> bool:
-    """For :func:`_few_queries`'s call past the scores' budget: whether SDPA's fused CPU
-    kernel takes it with the bias as its float mask (:func:`~.sdpa.fused_cpu_runs`; no
-    mask but the causal one, no dropout, not op by op, grad mode off: no bias that asks
-    for a gradient sends SDPA to its math kernel), so that the call writes the bias
-    ``[B', h, n_q, n_k]`` (``B'`` the positions' batch; float32 queries: the bias's own
-    dtype, no cast; twice under the causal mask, which is folded into a copy) and no
-    scores, and that is within :data:`tuning.MATERIALISED_SCORES`. Such a call keeps no
-    route (what it reads, the kernel SDPA takes, is not in the route's key)."""
-    if call.dropout_p or not call.mask.causal_at_most or torch.is_grad_enabled():
-        return False
-    if call.q.dtype != torch.float32 or not fused_cpu_runs(call.q, call.k, call.v):
-        return False
-    _, h, n_q, _ = call.q.shape
-    rows = max(call.q_pos.shape[0], call.k_pos.shape[0])
-    written = rows * h * n_q * call.k.shape[2] * (2 if call.mask.causal else 1)
-    return written <= tuning.MATERIALISED_SCORES and not call.op_by_op
 
 
 def _kept_bias_fused(call: Call) -> bool:

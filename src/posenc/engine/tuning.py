@@ -48,19 +48,20 @@ WINDOW_BLOCK_ROWS = 128
 MATERIALISED_SCORES = 1 << 23
 #: query-key pairs per head at most on the materialised path (past it the lean paths win)
 MATERIALISED_PAIRS = 1 << 16
-#: queries per sequence of the batch from which a bias without gradients over more keys
-#: than queries (cross attention, a few tokens decoded at once, a prompt read in chunks)
-#: may leave the materialised path past MATERIALISED_PAIRS or, under a causal mask,
-#: MATERIALISED_CAUSAL_PAIRS, with no mask but the causal one; fewer stay (and fewer than
-#: MATERIALISED_QUERIES in all), within the budget and past it where SDPA's fused kernel
-#: writes the bias alone (plans.py, _bias_alone_fits). The lean paths pass over every key and value once or more per call (the
-#: per-offset path reverses them), which few queries do not pay for, while the bias is
-#: written once for the whole batch; a causal mask over fewer queries than keys hides few
-#: pairs. materialised / lean forward, h=8 d=64, ALiBi, T5's decoder and Swin 1-D over
-#: 1024 keys, with and without the causal mask (4096 keys in brackets), 32 queries: b=1
-#: 1.11-1.41 (0.74-1.10), b=2 0.93-1.13, b=4 0.78-1.01, b=8 0.77-0.88 (0.32-0.39); 64
-#: queries: b=2 0.92-1.11, b=4 0.87-1.13, b=8 0.78-0.91 (0.47-0.57); 128 queries: b=4
-#: 0.98-1.20, b=8 0.91-0.99 (0.60-0.78); 256 queries: b=8 0.97-1.08 (0.93-1.11)
+#: queries per sequence of the batch (32 x b) below which a bias without gradients, with
+#: no mask but the causal one, over more keys than queries (cross-attention, a few tokens
+#: decoded at once, a prompt read in chunks) stays on the materialised path past
+#: MATERIALISED_PAIRS and MATERIALISED_CAUSAL_PAIRS (fewer than MATERIALISED_QUERIES in
+#: all), within the budget and past it where SDPA's fused kernel writes the bias alone
+#: (engine/few_queries.py). The lean paths pass over every key and value once or more per
+#: call (the per-offset path reverses them), which few queries do not pay for, while the
+#: bias is written once for the whole batch; a causal mask over fewer queries than keys
+#: hides few pairs. materialised / lean forward, h=8 d=64, ALiBi, T5's decoder and Swin
+#: 1-D over 1024 keys, with and without the causal mask (4096 keys in brackets), 32
+#: queries: b=1 1.11-1.41 (0.74-1.10), b=2 0.93-1.13, b=4 0.78-1.01, b=8 0.77-0.88
+#: (0.32-0.39); 64 queries: b=2 0.92-1.11, b=4 0.87-1.13, b=8 0.78-0.91 (0.47-0.57); 128
+#: queries: b=4 0.98-1.20, b=8 0.91-0.99 (0.60-0.78); 256 queries: b=8 0.97-1.08
+#: (0.93-1.11)
 MATERIALISED_QUERIES_PER_SEQUENCE = 32
 #: the queries from which MATERIALISED_QUERIES_PER_SEQUENCE keeps none materialised
 MATERIALISED_QUERIES = 256
