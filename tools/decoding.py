@@ -176,14 +176,16 @@ def main() -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
-        "--schemes", default="alibi,t5-decoder,swin-1d,rotary", help="comma-separated, of these"
+        "--schemes",
+        default=",".join(_SCHEMES),
+        help="comma-separated, from: " + ", ".join(_SCHEMES),
     )
     parser.add_argument("--batches", default="1,8", help="comma-separated b")
     parser.add_argument("--lengths", default="256,1024,4096", help="cached tokens n")
     parser.add_argument("--tokens", type=int, default=8, help="tokens decoded per run")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--heads", type=int, default=8, help="h")
+    parser.add_argument("--head-dim", type=int, default=64, help="d")
+    parser.add_argument("--repeats", type=int, default=15, help="timings of each variant")
     parser.add_argument("--least", type=float, default=0.02, help="seconds per timing")
     args = parser.parse_args()
     names = args.schemes.split(",")
