@@ -206,13 +206,18 @@ def run_positions(start: int, n: int, device: torch.device | str | None = None) 
     """
     if torch.compiler.is_compiling():  # traced: offset_run does not read positions there
         return torch.arange(start, start + n, device=device)[None]  # [1, n]
-    if torch.is_inference_mode_enabled():  # (an inference tensor has no version counter)
-        with torch.inference_mode(False):
-            pos = torch.arange(start, start + n, device=device)[None]  # [1, n]
-    else:
-        pos = torch.arange(start, start + n, device=device)[None]  # [1, n]
+    pos = _counted_arange(start, start + n, device)[None]  # [1, n]
     pos._posenc_run = (pos._version, start)
     return pos
+
+
+def _counted_arange(start: int, stop: int, device: torch.device | str | None) -> Tensor:
+    """``arange(start, stop)`` with a version counter: built outside inference mode where
+    that is on (an inference tensor has none), so that it can be marked as a run."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return torch.arange(start, stop, device=device)
+    return torch.arange(start, stop, device=device)
 
 
 def _known_run(pos: Tensor) -> tuple[int, int] | None:
@@ -342,11 +347,7 @@ def run_offsets(q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
     if first is None:
         return None
     count = q_pos.shape[-1] + k_pos.shape[-1] - 1
-    if torch.is_inference_mode_enabled():
-        with torch.inference_mode(False):  # a version counter in inference mode too
-            offsets = torch.arange(first, first + count, device=q_pos.device)  # [count]
-    else:
-        offsets = torch.arange(first, first + count, device=q_pos.device)  # [count]
+    offsets = _counted_arange(first, first + count, q_pos.device)  # [count]
     offsets._posenc_run = (offsets._version, first)
     return offsets
 

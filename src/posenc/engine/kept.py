@@ -494,9 +494,8 @@ def _default_positions(
         q_pos, k_pos = kept
         if q_pos._version == q_pos._posenc_run[0] and k_pos._version == k_pos._posenc_run[0]:
             return kept
-    with torch.inference_mode(False):  # usable outside inference mode too, with a version
-        q_pos = run_positions(0, n_q, device)  # [1, n_q]
-        k_pos = q_pos if n_k == n_q else run_positions(0, n_k, device)  # [1, n_k]
+    q_pos = run_positions(0, n_q, device)  # [1, n_q] (with a version counter: not inference)
+    k_pos = q_pos if n_k == n_q else run_positions(0, n_k, device)  # [1, n_k]
     if len(routes.positions) >= max(tuning.KEPT_ROUTES, 1):
         routes.positions.clear()
     kept = routes.positions[n_q, n_k, device] = q_pos, k_pos

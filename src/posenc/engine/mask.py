@@ -66,6 +66,12 @@ class Mask:
             object.__setattr__(self, "causal", False)  # one query at the end sees every key
 
     @property
+    def hides_pairs(self) -> bool:
+        """Whether the causal mask hides a pair: ``causal`` over more than one query (one
+        query under a causal window keeps the flag, but sees every key the window leaves)."""
+        return self.causal and self.n_q > 1
+
+    @property
     def empty(self) -> bool:
         """True when nothing is masked nor added."""
         return not self.causal and self.causal_at_most

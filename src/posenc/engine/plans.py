@@ -445,8 +445,7 @@ def _plan_materialised(call: Call) -> Plan:
     value = hooks.value_term is not None
     term = value or hooks.score_term is not None
     clipped = False
-    # (one query under a causal window keeps the flag for the blocks, but it hides nothing)
-    causal = call.mask.causal and n_q > 1
+    causal = call.mask.hides_pairs  # (not one query under a causal window: it hides none)
     if value:
         name = "MATERIALISED_CAUSAL_VALUE_SCORES" if causal else "MATERIALISED_VALUE_SCORES"
         if (
