@@ -5,6 +5,8 @@ Every scheme's decoding parity with the full pass is in tests/test_schemes.py.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -57,14 +59,16 @@ def test_positions_from_documents():
 
 @pytest.mark.parametrize("backend", ["math", "sdpa", "lean", "auto"])
 @pytest.mark.parametrize("with_scheme", [False, True])
-def test_prefill_then_tokens_equals_full_pass(backend, with_scheme):
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_prefill_then_tokens_equals_full_pass(backend, with_scheme, grad):
     m = model(DecayBias(4) if with_scheme else None, backend)
     x = torch.randn(2, 10, 16)
     full, logit = forward(m, x, causal=True)
     cache = KVCache()
-    outs = [m(x[:, :3], causal=True, cache=cache)]
-    outs.append(m(x[:, 3:5], causal=True, cache=cache))  # a chunk of two
-    outs += [m(x[:, t : t + 1], causal=True, cache=cache) for t in range(5, 10)]
+    with torch.set_grad_enabled(grad):  # without gradients: keys and values in a room
+        outs = [m(x[:, :3], causal=True, cache=cache)]
+        outs.append(m(x[:, 3:5], causal=True, cache=cache))  # a chunk of two
+        outs += [m(x[:, t : t + 1], causal=True, cache=cache) for t in range(5, 10)]
     assert len(cache) == 10 and cache.positions.tolist() == [list(range(10))]
     # other kernel shapes, other float32 roundings: 10 keys (tests/tolerances.py)
     assert_close(torch.cat(outs, 1), full, terms=10, logit=logit)
@@ -141,23 +145,28 @@ def test_cache_and_packing_errors():
         model(NoCache(4))(x, cache=KVCache())
 
 
-def test_a_failed_step_leaves_the_cache_untouched():
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_a_failed_step_leaves_the_cache_untouched(grad):
     """A step that raises (a 1-D RelativePositionBias outgrown by the positions) had already
     appended its keys: after the suggested .resize, the retry decoded with the token cached
-    twice. Updates are all or nothing."""
+    twice. Updates are all or nothing; without gradients the failed step wrote into the
+    room past the cache's length, which the retry writes over."""
     from posenc import RelativePositionBias
 
     torch.manual_seed(0)
     attn = MultiHeadAttention(16, 4, position=RelativePositionBias(4, 4)).eval()
     x = torch.randn(1, 6, 16)
     cache = KVCache()
-    attn(x[:, :4], cache=cache, causal=True)
-    keys = cache.keys.clone()
-    with pytest.raises(ValueError, match=r"\.resize\(5\)"):
-        attn(x[:, 4:5], cache=cache, causal=True)
-    assert len(cache) == 4 and torch.equal(cache.keys, keys)
-    attn.position.resize(8)
-    step = attn(x[:, 4:5], cache=cache, causal=True)
+    with torch.set_grad_enabled(grad):
+        attn(x[:, :3], cache=cache, causal=True)
+        attn(x[:, 3:4], cache=cache, causal=True)  # without gradients: a room
+        keys = cache.keys.clone()
+        with pytest.raises(ValueError, match=r"\.resize\(5\)"):
+            attn(x[:, 4:5], cache=cache, causal=True)
+        assert len(cache) == 4 and torch.equal(cache.keys, keys)
+        assert (cache._room is None) == grad
+        attn.position.resize(8)
+        step = attn(x[:, 4:5], cache=cache, causal=True)
     assert len(cache) == 5
     full = attn(x[:, :5], causal=True)
     eps = torch.finfo(torch.float32).eps
@@ -221,3 +230,230 @@ def test_decoding_at_marked_positions_equals_the_full_pass(mode, b):
         steps.append(attn(x[:, 9:], causal=True, cache=cache))  # three at once
         assert _known_run(cache.positions) == (0, 11)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
+
+
+# ----- the room: keys and values written in place ------------------------------------------
+
+
+def _kv(b=1, h=2, m=1, d=4, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, m, d, generator=g, dtype=dtype) for _ in range(2))
+
+
+def _tokens(cache):
+    """The room's capacity in tokens, from the storage its keys are a view of."""
+    keys = cache.keys
+    return keys.untyped_storage().nbytes() // (keys.element_size() * keys[:, :, :1].numel())
+
+
+def _append(cache, seed, m=1):
+    k, v = _kv(m=m, seed=seed)
+    cache.append(k, v, cache._following(m, torch.device("cpu")), None)
+    return k, v
+
+
+def test_steps_without_gradients_write_into_one_room_that_grows_by_a_quarter():
+    cache = KVCache()
+    with torch.no_grad():
+        k0, v0 = _kv(m=3, seed=0)
+        cache.append(k0, v0, run_positions(0, 3), None)  # the prefill: held as given
+        assert cache.keys is k0
+        written = [_append(cache, seed) for seed in range(1, 6)]
+        storage = cache.keys.untyped_storage().data_ptr()
+        assert _tokens(cache) == 4 + 64  # made for 4 tokens, plus at least 64
+        for seed in range(6, 70):  # past 68 tokens: a new room, a quarter larger
+            written.append(_append(cache, seed))
+    keys = torch.cat([k0] + [k for k, _ in written], 2)
+    values = torch.cat([v0] + [v for _, v in written], 2)
+    assert torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
+    assert cache.keys.untyped_storage().data_ptr() != storage
+    assert _tokens(cache) == 69 + 64 and len(cache) == 72
+    assert _known_run(cache.positions) == (0, 71)
+
+
+def test_capacity_sizes_the_first_room_and_is_checked():
+    cache = KVCache(capacity=10)
+    with torch.no_grad():
+        cache.append(*_kv(m=3), torch.arange(3)[None], None)
+        _append(cache, 1)
+        assert _tokens(cache) == 10
+        storage = cache.keys.untyped_storage().data_ptr()
+        for seed in range(2, 8):
+            _append(cache, seed)
+        assert cache.keys.untyped_storage().data_ptr() == storage and len(cache) == 10
+        _append(cache, 8)  # the 11th token: a room for 11 + 64
+        assert _tokens(cache) == 75
+    small = KVCache(capacity=2)  # less than the first write needs: sized by need
+    with torch.no_grad():
+        small.append(*_kv(m=3), torch.arange(3)[None], None)
+        _append(small, 1)
+    assert _tokens(small) == 68
+    with pytest.raises(TypeError, match=r"capacity must be an int, got 2.5 .*or None"):
+        KVCache(capacity=2.5)
+    with pytest.raises(TypeError, match="capacity must be an int, got True"):
+        KVCache(capacity=True)
+    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+        KVCache(capacity=0)
+
+
+def test_a_tensor_handed_out_never_changes():
+    """The cache's keys and values read, what append returned, and a shallow copy's
+    tensors: later steps, a crop below them and writes after it leave them as they were."""
+    cache = KVCache()
+    with torch.no_grad():
+        cache.append(*_kv(m=3), torch.arange(3)[None], None)
+        for seed in range(1, 4):
+            _append(cache, seed)
+        keys, values = cache.keys, cache.values  # 6 tokens, views of the room
+        kept = keys.clone(), values.clone()
+        returned = _append(cache, 4) and cache.append(*_kv(seed=5), torch.tensor([[7]]), None)
+        returned_kept = [t.clone() for t in returned[:2]]
+        cache.crop(4)  # below what was handed out: the room is given up
+        for seed in range(6, 12):
+            _append(cache, seed)
+    assert torch.equal(keys, kept[0]) and torch.equal(values, kept[1])
+    assert all(torch.equal(a, b) for a, b in zip(returned[:2], returned_kept, strict=True))
+    assert len(cache) == 10 and torch.equal(cache.keys[:, :, :4], kept[0][:, :, :4])
+
+
+def test_crop_keeps_the_room_where_nothing_handed_out_reaches_past_it():
+    """Steps of MultiHeadAttention hand nothing of the room out: a crop keeps it and the
+    next steps write over the tokens forgotten; once the keys were read at 6 tokens, a
+    crop to 4 gives it up and the keys read keep their values."""
+    attn = model(ALiBi(4))
+    x = torch.randn(1, 9, 16)
+    cache = KVCache()
+    with torch.no_grad():
+        attn(x[:, :3], causal=True, cache=cache)
+        for t in range(3, 6):
+            attn(x[:, t : t + 1], causal=True, cache=cache)
+        storage = cache._keys.untyped_storage().data_ptr()
+        cache.crop(4)
+        attn(x[:, 8:9], causal=True, cache=cache)
+        assert cache._keys.untyped_storage().data_ptr() == storage and len(cache) == 5
+        attn(x[:, 5:6], causal=True, cache=cache)
+        keys = cache.keys  # 6 tokens handed out
+        kept = keys.clone()
+        cache.crop(4)
+        attn(x[:, 6:7], causal=True, cache=cache)
+    assert cache._keys.untyped_storage().data_ptr() != storage and torch.equal(keys, kept)
+    assert torch.equal(cache.keys[:, :, :4], kept[:, :, :4])
+    assert _known_run(cache.positions) == (0, 4)
+
+
+def test_crop_for_speculative_decoding_equals_the_full_pass():
+    """Three draft tokens decoded, two rejected and cropped, then the accepted sequence
+    decoded on: the outputs of the full pass over what was accepted."""
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, position=ALiBi(4)).double().eval()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    drafts = torch.randn(2, 3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        full = attn(x, causal=True)
+        cache = KVCache()
+        steps = [
+            attn(x[:, :4], causal=True, cache=cache),
+            attn(x[:, 4:5], causal=True, cache=cache),
+        ]
+        attn(drafts, causal=True, cache=cache)  # three drafts at once, rejected
+        assert len(cache) == 8
+        cache.crop(5)
+        steps += [attn(x[:, t : t + 1], causal=True, cache=cache) for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-12)
+    assert _known_run(cache.positions) == (0, 8)
+
+
+def test_crop_and_its_errors():
+    cache = KVCache()
+    padding = torch.tensor([[True, False, False]])
+    cache.append(*_kv(m=3), torch.tensor([[4, 5, 9]]), padding)
+    cache.crop(2)
+    assert len(cache) == 2 and cache.positions.tolist() == [[4, 5]]
+    assert cache.key_padding.tolist() == [[True, False]]
+    with pytest.raises(ValueError, match=r"length must be in \[0, 2\] .* got 3; cache.reset\(\)"):
+        cache.crop(3)
+    with pytest.raises(ValueError, match=r"length must be in \[0, 2\]"):
+        cache.crop(-1)
+    with pytest.raises(TypeError, match=r"length must be an int, got 1.0 \(float\)"):
+        cache.crop(1.0)
+    cache.crop(0)
+    assert len(cache) == 0 and cache.keys is None and cache.next_position == 0
+
+
+def test_copies_of_a_cache_decode_apart():
+    """A shallow copy shares the tokens held but not the room: each decodes on its own
+    (a beam split in two); a deep copy shares nothing."""
+    cache = KVCache()
+    with torch.no_grad():
+        cache.append(*_kv(m=3), torch.arange(3)[None], None)
+        _append(cache, 1)
+        _append(cache, 2)
+        before = cache._keys.clone()
+        shallow, deep = copy.copy(cache), copy.deepcopy(cache)
+        assert deep.keys.untyped_storage().data_ptr() != cache.keys.untyped_storage().data_ptr()
+        mine, theirs, deep_new = _append(cache, 3)[0], _append(shallow, 4)[0], _append(deep, 5)[0]
+        cache.crop(3)  # below what the copy holds: given up, the copy's tokens kept
+        _append(cache, 6)
+    assert torch.equal(shallow.keys[:, :, :5], before) and torch.equal(
+        shallow.keys[:, :, 5:], theirs
+    )
+    assert torch.equal(deep.keys[:, :, :5], before) and torch.equal(deep.keys[:, :, 5:], deep_new)
+    assert len(cache) == 4 and not torch.equal(mine, theirs)
+
+
+def test_extended_gives_new_tensors_and_leaves_the_room_alone():
+    cache = KVCache()
+    with torch.no_grad():
+        cache.append(*_kv(m=3), torch.arange(3)[None], None)
+        _append(cache, 1)
+        held = cache._keys.clone()
+        entries = cache.extended(*_kv(seed=7), torch.tensor([[4]]), None)
+        entries[0].zero_()
+        _append(cache, 2)
+    assert torch.equal(cache.keys[:, :, :4], held)
+    assert entries[0].untyped_storage().data_ptr() != cache.keys.untyped_storage().data_ptr()
+
+
+def test_grad_mode_concatenates_and_gradients_reach_the_cached_keys():
+    """In grad mode the cache holds no room (a write in place would change what autograd
+    saved); a room made without gradients is given up by the first step with them."""
+    cache = KVCache()
+    k0 = torch.randn(1, 2, 3, 4, requires_grad=True)
+    with torch.no_grad():
+        cache.append(k0.detach(), k0.detach(), torch.arange(3)[None], None)
+        _append(cache, 1)
+    assert cache._room is not None
+    k1 = torch.randn(1, 2, 1, 4, requires_grad=True)
+    keys, _, _, _ = cache.append(k1, k1, torch.tensor([[4]]), None)
+    assert cache._room is None and keys.requires_grad
+    keys.sum().backward()
+    assert torch.equal(k1.grad, torch.ones_like(k1))
+
+
+def test_inference_mode_steps_then_no_grad_steps_share_the_room():
+    """The room is made outside inference mode: steps without it write into the room
+    that inference-mode steps made (an inference tensor refuses writes outside)."""
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, position=ALiBi(4)).double().eval()
+    x = torch.randn(1, 10, 16, dtype=torch.float64)
+    cache = KVCache()
+    with torch.inference_mode():
+        full = attn(x, causal=True)
+        steps = [attn(x[:, :4], causal=True, cache=cache)]
+        steps += [attn(x[:, t : t + 1], causal=True, cache=cache) for t in range(4, 6)]
+    storage = cache._keys.untyped_storage().data_ptr()
+    with torch.no_grad():
+        steps += [attn(x[:, t : t + 1], causal=True, cache=cache) for t in range(6, 10)]
+    assert cache._keys.untyped_storage().data_ptr() == storage
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-12)
+
+
+def test_new_keys_of_another_dtype_concatenate_as_cat_does():
+    cache = KVCache()
+    with torch.no_grad():
+        k0, v0 = _kv(m=3)
+        cache.append(k0, v0, torch.arange(3)[None], None)
+        k1, v1 = _kv(seed=1, dtype=torch.float64)
+        keys, _, _, _ = cache.append(k1, v1, torch.tensor([[3]]), None)
+    assert keys.dtype == torch.float64 and torch.equal(keys, torch.cat((k0, k1), 2))
+    assert cache._room is None

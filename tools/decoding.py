@@ -3,23 +3,27 @@ by hand.
 
 For each scheme, batch ``b`` and cache length ``n`` it builds ``MultiHeadAttention(dim=h
 * d, heads=h, position=scheme)``, prefills a :class:`~posenc.KVCache` with ``n`` tokens,
-and times, interleaved in one process (each repeat runs both variants once, in turn),
+and times, interleaved in one process (each repeat runs every variant once, in turn),
 ``--tokens`` more tokens decoded one at a time, the cache growing by one each step (no
-gradients; the cache put back to its ``n`` tokens before each run):
+gradients; each run starts from the ``n`` prefilled tokens):
 
-- ``posenc``: ``attn(x_t, causal=True, cache=cache)`` for each token;
-- ``by hand``: the same module's projections, the keys and values concatenated to the
-  cached ones, the bias of the new query as other code writes it, SDPA, the output
-  projection: ALiBi's ``[h, L, L]`` bias kept for the longest length and sliced to the
-  new row (x-transformers' ``AlibiPositionalBias``), T5's ``compute_bias(1, p + 1,
+- ``posenc``: ``attn(x_t, causal=True, cache=cache)`` for each token, after
+  ``cache.crop(n)`` (which keeps the cache's room: each run writes over the last);
+- ``by hand (cat)``: the same module's projections, the keys and values concatenated to
+  the cached ones (``torch.cat``, as Hugging Face's ``DynamicCache`` and x-transformers
+  do), the bias of the new query as other code writes it, SDPA, the output projection:
+  ALiBi's ``[h, L, L]`` bias kept for the longest length and sliced to the new row
+  (x-transformers' ``AlibiPositionalBias``), T5's ``compute_bias(1, p + 1,
   past_seen_tokens=p)`` (Hugging Face ``transformers``, when installed), Swin 1-D's table
   gathered at the new query's offsets; rotary: the new query and key rotated by
-  rotary-embedding-torch at their position (when installed). Schemes: ``alibi``,
-  ``t5-decoder``, ``swin-1d``, ``rotary``.
+  rotary-embedding-torch at their position (when installed);
+- ``by hand (room)``: the same steps with the keys and values written into a buffer of
+  ``n + tokens`` made once, the prefilled tokens first (as Hugging Face's
+  ``StaticCache``), SDPA over its first ``p + 1`` tokens.
 
-Both give the same outputs (checked before timing). Prints a Markdown table: the median
-over the repeats of each repeat's ``posenc / by hand``, and each variant's median time per
-token.
+Schemes: ``alibi``, ``t5-decoder``, ``swin-1d``, ``rotary``. All three give the same
+outputs (checked before timing). Prints a Markdown table: the median over the repeats of
+each repeat's ``posenc / by hand`` for both, and each variant's median time per token.
 
 Run: ``.venv/bin/python tools/decoding.py [--schemes alibi,t5-decoder,swin-1d,rotary]
 [--batches 1,8] [--lengths 256,1024,4096] [--tokens 8] [--repeats 15]``. To time another
@@ -46,6 +50,9 @@ from posenc import KVCache, MultiHeadAttention, registry
 
 #: the schemes with a step by hand
 _SCHEMES = ("alibi", "t5-decoder", "swin-1d", "rotary")
+
+#: what is timed, in the order of the functions :func:`_steps` returns
+_VARIANTS = ("posenc", "by hand (cat)", "by hand (room)")
 
 
 def _scheme(name: str, h: int, d: int, n: int):
@@ -87,9 +94,10 @@ def _bias_by_hand(name: str, scheme, last: int) -> Callable[[Tensor, int], Tenso
 
 
 def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int):
-    """The two variants of ``tokens`` more tokens, one at a time, after a cache of ``n``
-    (each returns its outputs ``[b, tokens, h * d]``; the cache is put back to its ``n``
-    tokens first); None where the step by hand needs a package that is not installed."""
+    """The three variants (:data:`_VARIANTS`) of ``tokens`` more tokens, one at a time,
+    after a cache of ``n`` (each returns its outputs ``[b, tokens, h * d]``, starting from
+    the ``n`` prefilled tokens); None where the step by hand needs a package that is not
+    installed."""
     scheme = _scheme(name, h, d, n + tokens)
     bias = _bias_by_hand(name, scheme, n + tokens - 1)
     if bias is None:
@@ -100,7 +108,7 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int):
     x, new = torch.randn(b, n, dim), torch.randn(b, tokens, dim)
     cache = KVCache()
     attn(x, causal=True, cache=cache)
-    held = (cache.keys, cache.values, cache.positions, cache.key_padding)
+    held = (cache.keys.detach(), cache.values.detach())
     rotate = None
     if name == "rotary":
         from rotary_embedding_torch import RotaryEmbedding
@@ -115,12 +123,15 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int):
             return rotary.rotate_queries_or_keys(t[..., order], offset=p)[..., back]
 
     def with_posenc() -> Tensor:
-        cache.keys, cache.values, cache.positions, cache.key_padding = held
+        cache.crop(n)
         outs = [attn(new[:, t : t + 1], causal=True, cache=cache) for t in range(tokens)]
         return torch.cat(outs, dim=1)  # [b, tokens, dim]
 
-    def by_hand() -> Tensor:
-        keys, values = held[0], held[1]  # [b, h, n, d]
+    spare = torch.empty(b, h, tokens, d)
+    room = [torch.cat((t, spare), dim=2) for t in held]  # keys, values [b, h, n + tokens, d]
+
+    def by_hand(in_room: bool) -> Tensor:
+        keys, values = held  # [b, h, n, d]
         outs = []
         for t in range(tokens):
             x_t = new[:, t : t + 1]  # [b, 1, dim]
@@ -129,36 +140,49 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int):
             v = attn.v_proj(x_t).view(b, 1, h, d).transpose(1, 2)
             if rotate is not None:
                 q, k = rotate(q, n + t), rotate(k, n + t)
-            keys = torch.cat((keys, k), dim=2)  # [b, h, n + t + 1, d]
-            values = torch.cat((values, v), dim=2)
+            if in_room:
+                room[0][:, :, n + t : n + t + 1] = k
+                room[1][:, :, n + t : n + t + 1] = v
+                keys, values = room[0][:, :, : n + t + 1], room[1][:, :, : n + t + 1]
+            else:
+                keys = torch.cat((keys, k), dim=2)  # [b, h, n + t + 1, d]
+                values = torch.cat((values, v), dim=2)
             mask = bias(q, n + t)  # (in q's dtype: SDPA's fused CPU kernel misreads another)
             mask = None if mask is None else mask.to(q.dtype)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             outs.append(attn.out_proj(out.transpose(1, 2).reshape(b, 1, dim)))  # [b, 1, dim]
         return torch.cat(outs, dim=1)
 
-    return with_posenc, by_hand
+    return with_posenc, lambda: by_hand(False), lambda: by_hand(True)
 
 
 def measure(name: str, b: int, n: int, args) -> dict | None:
-    """Median seconds per token of each variant and the median ratio, or None (not
-    installed)."""
+    """Median seconds per token of each variant (``posenc``, ``by hand (cat)``, ``by hand
+    (room)``) and the median ratios ``posenc / by hand`` (``ratio cat``, ``ratio room``),
+    or None (not installed)."""
     steps = _steps(name, b, args.heads, args.head_dim, n, args.tokens)
     if steps is None:
         return None
-    with_posenc, by_hand = steps
+    variants = dict(zip(_VARIANTS, steps, strict=True))
     with torch.no_grad():
-        got, want = with_posenc(), by_hand()
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
-        calls = max(1, round(args.least / max(_timed(by_hand, 1), 1e-6)))
-        times: dict[str, list[float]] = {"posenc": [], "by hand": []}
+        got = variants["posenc"]()
+        for variant in _VARIANTS[1:]:
+            want = variants[variant]()
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        calls = max(1, round(args.least / max(_timed(variants["by hand (cat)"], 1), 1e-6)))
+        times: dict[str, list[float]] = {variant: [] for variant in _VARIANTS}
         for repeat in range(args.repeats):  # each repeat in another order
-            order = [("posenc", with_posenc), ("by hand", by_hand)]
+            order = list(variants.items())
             for variant, run in order if repeat % 2 == 0 else order[::-1]:
                 times[variant].append(_timed(run, calls) / args.tokens)
-    ratio = statistics.median(a / c for a, c in zip(times["posenc"], times["by hand"], strict=True))
+    ratios = {
+        f"ratio {variant[9:-1]}": statistics.median(
+            a / c for a, c in zip(times["posenc"], times[variant], strict=True)
+        )
+        for variant in _VARIANTS[1:]
+    }
     return {
-        "scheme": name, "b": b, "n": n, "ratio": ratio,
+        "scheme": name, "b": b, "n": n, **ratios,
         **{variant: statistics.median(ts) for variant, ts in times.items()},
     }  # fmt: skip
 
@@ -193,18 +217,22 @@ def main() -> None:
     if unknown:
         parser.error(f"no decoding step by hand for {unknown}; choose from {list(_SCHEMES)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")
-    print("| scheme | b | n | posenc / by hand | posenc (us per token) | by hand (us per token) |")
-    print("|---|---|---|---:|---:|---:|", flush=True)
+    print(
+        "| scheme | b | n | posenc / by hand (cat) | posenc / by hand (room) "
+        "| posenc (us per token) | by hand, cat | by hand, room |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|", flush=True)
     for name in names:
         for b in (int(x) for x in args.batches.split(",")):
             for n in (int(x) for x in args.lengths.split(",")):
                 r = measure(name, b, n, args)
                 if r is None:
-                    print(f"| {name} | {b} | {n} | (its package is not installed) | | |")
+                    print(f"| {name} | {b} | {n} | (its package is not installed) | | | | |")
                     continue
+                times = " | ".join(f"{r[variant] * 1e6:.0f}" for variant in _VARIANTS)
                 print(
-                    f"| {name} | {b} | {n} | **{r['ratio']:.2f}** | {r['posenc'] * 1e6:.0f} "
-                    f"| {r['by hand'] * 1e6:.0f} |",
+                    f"| {name} | {b} | {n} | **{r['ratio cat']:.2f}** | **{r['ratio room']:.2f}** "
+                    f"| {times} |",
                     flush=True,
                 )
     print(f"load after: {os.getloadavg()}")

@@ -71,6 +71,8 @@ CASES = [
         "cache with packed documents",
         lambda: attn(x, cache=KVCache(), document_ids=torch.zeros(2, 5, dtype=torch.long)),
     ),
+    ("a `KVCache` capacity that is not a whole number", lambda: KVCache(capacity=1.5)),
+    ("`KVCache.crop` past the tokens cached", lambda: KVCache().crop(3)),
     ("odd `dim` for a sinusoidal table", lambda: posenc.sinusoidal(torch.arange(3), 5)),
     ("`dim % 4 != 0` for a 2-D encoding", lambda: posenc.SinusoidalEncoding2D(6)),
     (

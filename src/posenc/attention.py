@@ -77,7 +77,7 @@ def _core(
     try:
         entries = None
         if cache is not None:  # stored by the caller once the step has succeeded
-            entries = cache.extended(k, v, k_pos, key_padding)
+            entries = cache._step(k, v, k_pos, key_padding)
             k, v, k_pos, key_padding = entries
         b, h, n_q, _ = q.shape
         n_k = k.shape[2]

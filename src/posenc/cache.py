@@ -1,6 +1,7 @@
 """A key/value cache for decoding one token (or a few) at a time.
 
-Shape legend: ``b`` batch, ``h`` heads, ``n`` cached length, ``d`` head dim.
+Shape legend: ``b`` batch, ``h`` heads, ``n`` cached length, ``d`` head dim, ``c`` the
+room's capacity (``c >= n``).
 
 :class:`KVCache` belongs to one attention layer. ``MultiHeadAttention.forward(x,
 cache=cache)`` reads what the cache holds, appends the new keys and values, and gives the
@@ -9,36 +10,126 @@ and then extended token by token gives the same outputs as one causal pass over 
 sequence. Keys are stored after the scheme's rotation (RoPE's keys are rotated once, at
 the position they were written at), with their positions, so relative schemes (T5, ALiBi,
 Swin 1-D, relative embeddings, Shaw) see the right distances.
+
+Without gradients (``torch.no_grad`` or ``torch.inference_mode``), keys and values are
+written in place into a room with spare capacity (:meth:`KVCache.append`, and the steps
+of ``MultiHeadAttention``): a step copies its new tokens, not the whole cache, which a
+``torch.cat`` per step would copy again each time.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
+from . import _validate as check
+from ._memo import eager
 from .indices import _known_run, run_positions
 
 __all__ = ["KVCache"]
 
+#: the spare tokens a room gets past what it holds when it is made or grows: a quarter of
+#: them, at least this many (each step then copies its own tokens, and a growth copies
+#: the cache once per quarter of its length)
+_SPARE_TOKENS = 64
+
 
 class KVCache:
     """The keys, values, positions and padding of the tokens seen so far, for one layer.
+
+    From the second write on (the first step after the prefill), where no gradient is
+    recorded, the keys and values live in a room of ``c`` tokens that the cache owns
+    (``[b, h, c, d]`` each), and :attr:`keys` and :attr:`values` are views of its first
+    ``n`` tokens; each step writes its tokens after them, in place. A room is made for the
+    tokens it must hold plus a quarter of them (at least 64 more), or for ``capacity``
+    tokens where that is enough, and is made anew the same way when it is full (a copy of
+    the cache, once per quarter of its length). A write in place never changes a tensor
+    the cache handed out (:attr:`keys`, :attr:`values`, what :meth:`append` returned, a
+    ``copy.copy`` of the cache): the room is written only past the tokens those reach, and
+    the cache gives it up where its length goes back below them (:meth:`crop`), where it
+    forgets everything (:meth:`reset`) and where :attr:`keys` or :attr:`values` are
+    assigned; the next write then copies the cache into a new room. In grad mode, under
+    ``torch.compile``, a ``torch.func`` transform or a dispatch mode, and where the new
+    keys' dtype or device differ from the cached ones', a write concatenates as
+    ``torch.cat`` does, and the cache holds no room.
+
+    Args:
+        capacity: the tokens a room is made for where that is enough (the prompt and the
+            tokens to generate: one room, never grown); None (the default): what the
+            room must hold plus a quarter.
 
     Attributes:
         keys: ``[b, h, n, d]`` (rotated when the scheme rotates), or None when empty.
         values: ``[b, h, n, d]``, or None.
         positions: ``[b or 1, n]`` int64 positions of the cached keys, or None.
         key_padding: ``[b, n]`` bool (True = padding), or None when nothing was padded.
+
+    Raises:
+        TypeError: ``capacity`` is not an int.
+        ValueError: ``capacity`` < 1.
     """
 
-    def __init__(self) -> None:
-        self.keys: Tensor | None = None
-        self.values: Tensor | None = None
+    def __init__(self, capacity: int | None = None) -> None:
+        if capacity is not None:
+            check.positive_int("capacity", capacity, hint=", or None to size the room by need")
+        self.capacity = capacity
+        self._keys: Tensor | None = None
+        self._values: Tensor | None = None
         self.positions: Tensor | None = None
         self.key_padding: Tensor | None = None
+        self._room: tuple[Tensor, Tensor] | None = None  # [b, h, c, d] each, or None
+        self._exposed = 0  # the room's tokens that tensors handed out may reach
+        # what the last in-place write handed out, for store to adopt: (keys, values, room)
+        self._written: tuple[Tensor, Tensor, tuple[Tensor, Tensor]] | None = None
+
+    @property
+    def keys(self) -> Tensor | None:
+        """``[b, h, n, d]`` cached keys, or None; assigning them gives up the room."""
+        self._expose()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: Tensor | None) -> None:
+        self._keys = value
+        self._room = self._written = None
+
+    @property
+    def values(self) -> Tensor | None:
+        """``[b, h, n, d]`` cached values, or None; assigning them gives up the room."""
+        self._expose()
+        return self._values
+
+    @values.setter
+    def values(self, value: Tensor | None) -> None:
+        self._values = value
+        self._room = self._written = None
+
+    def _expose(self) -> None:
+        """Record that the tokens held are handed out: the room is never written below
+        them again (:meth:`crop` shorter gives it up)."""
+        self._exposed = max(self._exposed, len(self))
 
     def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return 0 if self._keys is None else self._keys.shape[2]
+
+    def __copy__(self) -> KVCache:
+        """A cache holding the same tensors, without a room: the first write of either
+        one after the copy cannot reach the other's tokens."""
+        other = KVCache.__new__(KVCache)
+        other.__dict__.update(self.__dict__)
+        other._room = other._written = None
+        self._expose()  # the copy's tokens are the room's
+        return other
+
+    def __deepcopy__(self, memo: dict) -> KVCache:
+        """A cache with copies of every tensor (the room copied with the views of it)."""
+        other = KVCache.__new__(KVCache)
+        memo[id(self)] = other
+        other.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        other._written = None
+        return other
 
     @property
     def next_position(self) -> Tensor | int:
@@ -59,15 +150,59 @@ class KVCache:
         return self.next_position + torch.arange(m, device=device)  # [b or 1, m]
 
     def reset(self) -> None:
-        """Forget everything (start a new sequence)."""
-        self.keys = self.values = self.positions = self.key_padding = None
+        """Forget everything (start a new sequence) and let the room go."""
+        self._keys = self._values = self.positions = self.key_padding = None
+        self._room = self._written = None
+        self._exposed = 0
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens and forget the rest (draft tokens a speculative
+        decoder rejected, a beam cut short).
+
+        The room is kept where no tensor the cache handed out reaches past ``length``
+        (:attr:`keys`, :attr:`values`, what :meth:`append` returned, a ``copy.copy`` of
+        the cache): the next steps write over the tokens forgotten, in place. Otherwise it
+        is given up, so that those tensors keep their values, and the next step copies the
+        tokens kept into a new room.
+
+        Args:
+            length: how many tokens to keep, ``0 <= length <= len(cache)``.
+
+        Raises:
+            TypeError: ``length`` is not an int.
+            ValueError: ``length`` is negative or more than the cache holds.
+        """
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"length must be an int, got {length!r} ({type(length).__name__})")
+        if not 0 <= length <= len(self):
+            raise ValueError(
+                f"length must be in [0, {len(self)}] (the tokens cached), got {length}; "
+                f"cache.reset() forgets them all"
+            )
+        if length == 0:
+            self.reset()
+            return
+        run = _run_of_one_row(self.positions)  # type: ignore[arg-type]
+        self._keys = self._keys[:, :, :length]  # type: ignore[index]  # [b, h, length, d]
+        self._values = self._values[:, :, :length]  # type: ignore[index]
+        if run is not None:  # a marked run stays one (a slice would not carry the mark)
+            self.positions = run_positions(run[0], length, self.positions.device)  # type: ignore[union-attr]
+        else:
+            self.positions = self.positions[:, :length]  # type: ignore[index]  # [b or 1, length]
+        if self.key_padding is not None:
+            self.key_padding = self.key_padding[:, :length]  # [b, length]
+        self._written = None
+        if length < self._exposed:
+            self._room = None
 
     def append(
         self, keys: Tensor, values: Tensor, positions: Tensor, key_padding: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Append new entries and return everything cached, new entries last.
 
-        The same as :meth:`extended` followed by :meth:`store`.
+        Where no gradient is recorded the new keys and values are written into the
+        cache's room, and the keys and values returned are views of it (as
+        :attr:`keys` is): what :meth:`extended` and then :meth:`store` would hold.
 
         Args:
             keys: ``[b, h, m, d]`` new keys (already rotated).
@@ -81,37 +216,61 @@ class KVCache:
         Raises:
             ValueError: a batch size, head count or head dim that differs from the cache.
         """
-        entries = self.extended(keys, values, positions, key_padding)
+        entries = self._extend(keys, values, positions, key_padding, in_place=True)
         self.store(*entries)
+        self._expose()
         return entries
 
     def extended(
         self, keys: Tensor, values: Tensor, positions: Tensor, key_padding: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """What the cache would hold with new entries appended; the cache is left as it is.
-
-        ``MultiHeadAttention`` attends over this and calls :meth:`store` only once the step
-        has succeeded, so that a step that raises leaves the cache untouched.
+        """What the cache would hold with new entries appended, in new tensors; the cache
+        is left as it is.
 
         Args and Returns: as :meth:`append`.
 
         Raises:
             ValueError: a batch size, head count or head dim that differs from the cache.
         """
-        if self.keys is None:
+        return self._extend(keys, values, positions, key_padding, in_place=False)
+
+    def _step(
+        self, keys: Tensor, values: Tensor, positions: Tensor, key_padding: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """:meth:`extended` for ``MultiHeadAttention``'s step, written into the room where
+        it can be: the cache holds what it held until :meth:`store` takes the result (a
+        step that raises leaves it as it was; the next step writes over the tokens the
+        failed one wrote past the cache's length)."""
+        return self._extend(keys, values, positions, key_padding, in_place=True)
+
+    def _extend(
+        self,
+        keys: Tensor,
+        values: Tensor,
+        positions: Tensor,
+        key_padding: Tensor | None,
+        *,
+        in_place: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        self._written = None
+        old_keys, old_values = self._keys, self._values
+        if old_keys is None or old_values is None:
             return keys, values, positions, key_padding
-        if keys.shape[0] != self.keys.shape[0] or (keys.shape[1], keys.shape[3]) != (
-            self.keys.shape[1],
-            self.keys.shape[3],
+        if keys.shape[0] != old_keys.shape[0] or (keys.shape[1], keys.shape[3]) != (
+            old_keys.shape[1],
+            old_keys.shape[3],
         ):
             raise ValueError(
-                f"the cache holds keys of shape [b, h, n, d] = {tuple(self.keys.shape)} "
+                f"the cache holds keys of shape [b, h, n, d] = {tuple(old_keys.shape)} "
                 f"but new keys have shape {tuple(keys.shape)}; use one KVCache per layer "
                 f"and sequence batch, or call cache.reset()"
             )
-        n_old, b = self.keys.shape[2], keys.shape[0]
-        all_keys = torch.cat((self.keys, keys), dim=2)  # [b, h, n + m, d]
-        all_values = torch.cat((self.values, values), dim=2)  # type: ignore[arg-type]
+        n_old, b = old_keys.shape[2], keys.shape[0]
+        if in_place and self._writable(keys, values):
+            all_keys, all_values = self._write(keys, values, n_old)  # [b, h, n + m, d] each
+        else:
+            all_keys = torch.cat((old_keys, keys), dim=2)  # [b, h, n + m, d]
+            all_values = torch.cat((old_values, values), dim=2)
         old_positions = self.positions
         if old_positions.shape[0] != positions.shape[0]:  # type: ignore[union-attr]
             old_positions = old_positions.expand(b, -1)  # type: ignore[union-attr]
@@ -134,16 +293,65 @@ class KVCache:
             padding = torch.cat((old, new), dim=1)
         return all_keys, all_values, all_positions, padding
 
+    def _writable(self, keys: Tensor, values: Tensor) -> bool:
+        """Whether new keys and values may be written into a room: no gradient recorded
+        (grad mode off), eager, and the dtypes and devices of the cached ones."""
+        old_keys, old_values = self._keys, self._values
+        return (
+            not torch.is_grad_enabled()
+            and eager()
+            and keys.dtype == old_keys.dtype == values.dtype == old_values.dtype  # type: ignore[union-attr]
+            and keys.device == old_keys.device == values.device == old_values.device  # type: ignore[union-attr]
+        )
+
+    def _write(self, keys: Tensor, values: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """The ``n`` cached tokens and the new ones, as views of the room, the new ones
+        written into it after the cached ones (a new room first, the cached tokens copied
+        in, where the cache has none or it is full): ``[b, h, n + m, d]`` each. The room
+        is the cache's once :meth:`store` takes the views."""
+        need = n + keys.shape[2]
+        room = self._room
+        if room is None or room[0].shape[2] < need:
+            capacity = need + max(need // 4, _SPARE_TOKENS)
+            if self.capacity is not None and self.capacity >= need:
+                capacity = self.capacity  # asked for, and enough
+            room = tuple(_room_for(t, capacity) for t in (self._keys, self._values))  # type: ignore[arg-type]
+            room[0][:, :, :n].copy_(self._keys)  # type: ignore[arg-type]
+            room[1][:, :, :n].copy_(self._values)  # type: ignore[arg-type]
+        room[0][:, :, n:need].copy_(keys)
+        room[1][:, :, n:need].copy_(values)
+        written = (room[0][:, :, :need], room[1][:, :, :need])  # [b, h, n + m, d] each
+        self._written = (*written, room)  # type: ignore[assignment]
+        return written
+
     def store(
         self, keys: Tensor, values: Tensor, positions: Tensor, key_padding: Tensor | None
     ) -> None:
-        """Hold exactly these entries (what :meth:`extended` returned)."""
-        self.keys, self.values, self.positions = keys, values, positions
+        """Hold exactly these entries (what :meth:`extended` or a step returned): the
+        room they were written into, if any, becomes the cache's."""
+        written = self._written
+        room = None
+        if written is not None and keys is written[0] and values is written[1]:
+            room = written[2]
+        self._keys, self._values, self.positions = keys, values, positions
         self.key_padding = key_padding
+        if room is None or room is not self._room:  # a new room: nothing of it handed out
+            self._exposed = 0
+        self._room, self._written = room, None
 
     def __repr__(self) -> str:
-        shape = None if self.keys is None else tuple(self.keys.shape)
+        shape = None if self._keys is None else tuple(self._keys.shape)
         return f"KVCache(length={len(self)}, keys={shape})"
+
+
+def _room_for(cached: Tensor, capacity: int) -> Tensor:
+    """An empty ``[b, h, capacity, d]`` room in the dtype and device of ``cached``, made
+    outside inference mode (an inference tensor cannot be written into outside it)."""
+    b, h, _, d = cached.shape
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return torch.empty(b, h, capacity, d, dtype=cached.dtype, device=cached.device)
+    return torch.empty(b, h, capacity, d, dtype=cached.dtype, device=cached.device)
 
 
 def _run_of_one_row(positions: Tensor) -> tuple[int, int] | None:
