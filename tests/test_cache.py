@@ -392,6 +392,7 @@ def test_copies_of_a_cache_decode_apart():
         shallow, deep = copy.copy(cache), copy.deepcopy(cache)
         assert deep.keys.untyped_storage().data_ptr() != cache.keys.untyped_storage().data_ptr()
         mine, theirs, deep_new = _append(cache, 3)[0], _append(shallow, 4)[0], _append(deep, 5)[0]
+        assert torch.equal(cache.keys[:, :, 5:], mine)  # the copy's step wrote elsewhere
         cache.crop(3)  # below what the copy holds: given up, the copy's tokens kept
         _append(cache, 6)
     assert torch.equal(shallow.keys[:, :, :5], before) and torch.equal(
@@ -457,3 +458,94 @@ def test_new_keys_of_another_dtype_concatenate_as_cat_does():
         keys, _, _, _ = cache.append(k1, v1, torch.tensor([[3]]), None)
     assert keys.dtype == torch.float64 and torch.equal(keys, torch.cat((k0, k1), 2))
     assert cache._room is None
+
+
+def test_what_autograd_saved_of_a_tensor_handed_out_stays_valid():
+    """A later step writes the room through a version counter of its own: a graph that
+    saved the cache's keys still runs its backward."""
+    attn = model(ALiBi(4))
+    x = torch.randn(1, 6, 16)
+    cache = KVCache()
+    with torch.no_grad():
+        attn(x[:, :3], causal=True, cache=cache)
+        attn(x[:, 3:4], causal=True, cache=cache)
+    weight = torch.randn(4, requires_grad=True)
+    loss = (cache.keys * weight).sum()  # saves the keys, a view of the room
+    with torch.no_grad():
+        attn(x[:, 4:5], causal=True, cache=cache)
+        attn(x[:, 5:6], causal=True, cache=cache)
+    loss.backward()
+    assert torch.allclose(weight.grad, cache.keys[:, :, :4].sum((0, 1, 2)))
+
+
+def test_a_deep_copy_made_in_inference_mode_decodes_outside_it():
+    attn = model(ALiBi(4)).double()
+    x = torch.randn(1, 8, 16, dtype=torch.float64)
+    with torch.inference_mode():
+        full = attn(x, causal=True)
+        cache = KVCache()
+        steps = [
+            attn(x[:, :4], causal=True, cache=cache),
+            attn(x[:, 4:5], causal=True, cache=cache),
+        ]
+        beam = copy.deepcopy(cache)  # its room an inference tensor
+    with torch.no_grad():
+        steps += [attn(x[:, t : t + 1], causal=True, cache=beam) for t in range(5, 8)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-12)
+    assert not beam._room[0].is_inference()
+
+
+def test_a_failed_step_lets_the_room_it_made_go():
+    from posenc import RelativePositionBias
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, position=RelativePositionBias(4, 4)).eval()
+    cache = KVCache()
+    with torch.no_grad():
+        attn(torch.randn(1, 4, 16), causal=True, cache=cache)  # no room yet
+        with pytest.raises(ValueError, match=r"\.resize\(5\)"):
+            attn(torch.randn(1, 1, 16), causal=True, cache=cache)  # would make one
+    assert cache._written is None and cache._room is None and len(cache) == 4
+
+
+def test_copies_keep_the_class_and_subclassed_tensors_concatenate():
+    class Tagged(torch.Tensor):
+        pass
+
+    class MyCache(KVCache):
+        pass
+
+    cache = MyCache()
+    assert type(copy.copy(cache)) is MyCache and type(copy.deepcopy(cache)) is MyCache
+    with torch.no_grad():
+        k, v = (t.as_subclass(Tagged) for t in _kv(m=3))
+        cache.append(k, v, run_positions(0, 3), None)
+        keys, _, _, _ = cache.append(
+            *(t.as_subclass(Tagged) for t in _kv(seed=1)), run_positions(3, 1), None
+        )
+    assert type(keys) is Tagged and cache._room is None
+
+
+def test_values_that_do_not_match_the_keys_are_refused():
+    cache = KVCache()
+    with torch.no_grad():
+        cache.append(*_kv(m=3), run_positions(0, 3), None)
+        _append(cache, 1)  # a room, which copy_ would broadcast into
+        k, _ = _kv(m=2, seed=2)
+        with pytest.raises(
+            ValueError, match=r"cache holds values of shape .* new values have shape \(1, 1, 1, 4\)"
+        ):
+            cache.append(k, torch.randn(1, 1, 1, 4), run_positions(4, 2), None)
+        with pytest.raises(ValueError, match=r"new values have shape \(1, 2, 2, 5\)"):
+            cache.append(k, torch.randn(1, 2, 2, 5), run_positions(4, 2), None)
+    assert len(cache) == 4
+
+
+def test_crop_takes_any_integer():
+    np = pytest.importorskip("numpy")
+    cache = KVCache()
+    cache.append(*_kv(m=3), run_positions(0, 3), None)
+    cache.crop(np.int64(2))
+    assert len(cache) == 2
+    with pytest.raises(TypeError, match="length must be an int, got True"):
+        cache.crop(True)

@@ -410,15 +410,20 @@ class MultiHeadAttention(nn.Module):
             if out is not None:  # [b, h, n_q, d] -> [b, n_q, h, d] -> [b, n_q, dim]
                 return self.out_proj(out.transpose(1, 2).reshape(b, n_q, self.dim))
         q_pos, k_pos = self._positions(positions, key_positions, b, n_q, n_k, causal, query, key)
-        out, weights, entries = _core(
-            q, k, v, position=self.position, q_pos=q_pos, k_pos=k_pos, key_padding=key_padding,
-            lengths=check.valid_lens(valid_lens, b, n_q), causal=causal, documents=document_ids,
-            cache=cache, backend=self.backend,
-            dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
-            scale=None, attn_mask=attn_mask, window=check.window(window),
-        )  # fmt: skip
-        out = self.out_proj(out.transpose(1, 2).reshape(b, n_q, self.dim))
-        # [b, h, n_q, d] -> [b, n_q, h, d] -> [b, n_q, dim]
+        try:
+            out, weights, entries = _core(
+                q, k, v, position=self.position, q_pos=q_pos, k_pos=k_pos,
+                key_padding=key_padding, lengths=check.valid_lens(valid_lens, b, n_q),
+                causal=causal, documents=document_ids, cache=cache, backend=self.backend,
+                dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
+                scale=None, attn_mask=attn_mask, window=check.window(window),
+            )  # fmt: skip
+            out = self.out_proj(out.transpose(1, 2).reshape(b, n_q, self.dim))
+            # [b, h, n_q, d] -> [b, n_q, h, d] -> [b, n_q, dim]
+        except BaseException:
+            if cache is not None:  # the step failed: a room it made is let go
+                cache._discard()
+            raise
         if cache is not None and entries is not None:
             cache.store(*entries)  # all or nothing: only once the step has succeeded
         return (out, weights) if need_weights else out

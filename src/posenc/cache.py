@@ -20,6 +20,7 @@ of ``MultiHeadAttention``): a step copies its new tokens, not the whole cache, w
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 from torch import Tensor
@@ -50,10 +51,15 @@ class KVCache:
     ``copy.copy`` of the cache): the room is written only past the tokens those reach, and
     the cache gives it up where its length goes back below them (:meth:`crop`), where it
     forgets everything (:meth:`reset`) and where :attr:`keys` or :attr:`values` are
-    assigned; the next write then copies the cache into a new room. In grad mode, under
-    ``torch.compile``, a ``torch.func`` transform or a dispatch mode, and where the new
-    keys' dtype or device differ from the cached ones', a write concatenates as
-    ``torch.cat`` does, and the cache holds no room.
+    assigned; the next write then copies the cache into a new room. The room is written
+    through its ``.data``, whose version counter is its own: what autograd saved of a
+    tensor handed out stays valid. (Reading :attr:`keys` counts as handing the tokens
+    out, even for its shape: ``len(cache)`` does not.) In grad mode, where posenc runs
+    anything but plain eager code (``torch.compile``, ``torch.jit.trace``, a
+    ``torch.func`` transform, a forward-mode AD level, a dispatch or function mode, such
+    as ``with torch.device(...)``), for tensor subclasses, and where the new keys' dtype
+    or device differ from the cached ones', a write concatenates as ``torch.cat`` does,
+    and the cache holds no room.
 
     Args:
         capacity: the tokens a room is made for where that is enough (the prompt and the
@@ -117,7 +123,7 @@ class KVCache:
     def __copy__(self) -> KVCache:
         """A cache holding the same tensors, without a room: the first write of either
         one after the copy cannot reach the other's tokens."""
-        other = KVCache.__new__(KVCache)
+        other = type(self).__new__(type(self))
         other.__dict__.update(self.__dict__)
         other._room = other._written = None
         self._expose()  # the copy's tokens are the room's
@@ -125,7 +131,7 @@ class KVCache:
 
     def __deepcopy__(self, memo: dict) -> KVCache:
         """A cache with copies of every tensor (the room copied with the views of it)."""
-        other = KVCache.__new__(KVCache)
+        other = type(self).__new__(type(self))
         memo[id(self)] = other
         other.__dict__.update(copy.deepcopy(self.__dict__, memo))
         other._written = None
@@ -169,11 +175,17 @@ class KVCache:
             length: how many tokens to keep, ``0 <= length <= len(cache)``.
 
         Raises:
-            TypeError: ``length`` is not an int.
+            TypeError: ``length`` is not an integer.
             ValueError: ``length`` is negative or more than the cache holds.
         """
-        if isinstance(length, bool) or not isinstance(length, int):
-            raise TypeError(f"length must be an int, got {length!r} ({type(length).__name__})")
+        try:
+            if isinstance(length, bool):
+                raise TypeError
+            length = operator.index(length)
+        except TypeError:
+            raise TypeError(
+                f"length must be an int, got {length!r} ({type(length).__name__})"
+            ) from None
         if not 0 <= length <= len(self):
             raise ValueError(
                 f"length must be in [0, {len(self)}] (the tokens cached), got {length}; "
@@ -202,7 +214,8 @@ class KVCache:
 
         Where no gradient is recorded the new keys and values are written into the
         cache's room, and the keys and values returned are views of it (as
-        :attr:`keys` is): what :meth:`extended` and then :meth:`store` would hold.
+        :attr:`keys` is): what :meth:`extended` and then :meth:`store` would hold. Into an
+        empty cache, the tensors given are held and returned as they are.
 
         Args:
             keys: ``[b, h, m, d]`` new keys (already rotated).
@@ -214,7 +227,8 @@ class KVCache:
             ``(keys, values, positions, key_padding)`` over all ``n + m`` cached tokens.
 
         Raises:
-            ValueError: a batch size, head count or head dim that differs from the cache.
+            ValueError: a batch size, head count or head dim that differs from the cache,
+                or values whose batch, heads or length differ from the new keys'.
         """
         entries = self._extend(keys, values, positions, key_padding, in_place=True)
         self.store(*entries)
@@ -224,13 +238,14 @@ class KVCache:
     def extended(
         self, keys: Tensor, values: Tensor, positions: Tensor, key_padding: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """What the cache would hold with new entries appended, in new tensors; the cache
-        is left as it is.
+        """What the cache would hold with new entries appended, in new tensors (for an
+        empty cache, the tensors given); the cache is left as it is.
 
         Args and Returns: as :meth:`append`.
 
         Raises:
-            ValueError: a batch size, head count or head dim that differs from the cache.
+            ValueError: a batch size, head count or head dim that differs from the cache,
+                or values whose batch, heads or length differ from the new keys'.
         """
         return self._extend(keys, values, positions, key_padding, in_place=False)
 
@@ -242,6 +257,10 @@ class KVCache:
         step that raises leaves it as it was; the next step writes over the tokens the
         failed one wrote past the cache's length)."""
         return self._extend(keys, values, positions, key_padding, in_place=True)
+
+    def _discard(self) -> None:
+        """Forget what the last step wrote (a step that failed): a room it made goes."""
+        self._written = None
 
     def _extend(
         self,
@@ -264,6 +283,12 @@ class KVCache:
                 f"the cache holds keys of shape [b, h, n, d] = {tuple(old_keys.shape)} "
                 f"but new keys have shape {tuple(keys.shape)}; use one KVCache per layer "
                 f"and sequence batch, or call cache.reset()"
+            )
+        if values.shape[:3] != keys.shape[:3] or values.shape[3] != old_values.shape[3]:
+            raise ValueError(
+                f"the cache holds values of shape [b, h, n, d_v] = {tuple(old_values.shape)} "
+                f"but new values have shape {tuple(values.shape)} for new keys of shape "
+                f"{tuple(keys.shape)}; give values of the keys' batch, heads and length"
             )
         n_old, b = old_keys.shape[2], keys.shape[0]
         if in_place and self._writable(keys, values):
@@ -295,11 +320,13 @@ class KVCache:
 
     def _writable(self, keys: Tensor, values: Tensor) -> bool:
         """Whether new keys and values may be written into a room: no gradient recorded
-        (grad mode off), eager, and the dtypes and devices of the cached ones."""
+        (grad mode off), eager, plain tensors (no subclass, which a room would drop) of the
+        dtypes and devices of the cached ones."""
         old_keys, old_values = self._keys, self._values
         return (
             not torch.is_grad_enabled()
             and eager()
+            and type(keys) is type(values) is type(old_keys) is type(old_values) is Tensor
             and keys.dtype == old_keys.dtype == values.dtype == old_values.dtype  # type: ignore[union-attr]
             and keys.device == old_keys.device == values.device == old_values.device  # type: ignore[union-attr]
         )
@@ -311,15 +338,22 @@ class KVCache:
         is the cache's once :meth:`store` takes the views."""
         need = n + keys.shape[2]
         room = self._room
-        if room is None or room[0].shape[2] < need:
+        if (
+            room is None
+            or room[0].shape[2] < need
+            or (room[0].is_inference() and not torch.is_inference_mode_enabled())
+        ):  # none, full, or one a deep copy made in inference mode, written outside it
             capacity = need + max(need // 4, _SPARE_TOKENS)
             if self.capacity is not None and self.capacity >= need:
                 capacity = self.capacity  # asked for, and enough
             room = tuple(_room_for(t, capacity) for t in (self._keys, self._values))  # type: ignore[arg-type]
             room[0][:, :, :n].copy_(self._keys)  # type: ignore[arg-type]
             room[1][:, :, :n].copy_(self._values)  # type: ignore[arg-type]
-        room[0][:, :, n:need].copy_(keys)
-        room[1][:, :, n:need].copy_(values)
+        # through .data: a version counter of its own, so that the views handed out (which
+        # share the room's) keep theirs, and what autograd saved of them stays valid (the
+        # tokens they reach are never written)
+        room[0].data[:, :, n:need].copy_(keys)
+        room[1].data[:, :, n:need].copy_(values)
         written = (room[0][:, :, :need], room[1][:, :, :need])  # [b, h, n + m, d] each
         self._written = (*written, room)  # type: ignore[assignment]
         return written
