@@ -8,7 +8,10 @@ and times, interleaved in one process (each repeat runs every variant once, in t
 gradients; each run starts from the ``n`` prefilled tokens):
 
 - ``posenc``: ``attn(x_t, causal=True, cache=cache)`` for each token, after
-  ``cache.crop(n)`` (which keeps the cache's room: each run writes over the last);
+  ``cache.crop(n)`` (which keeps the cache's room: each run writes over the last) and
+  with no route kept (``posenc.engine.kept.clear()``: the first step walks the
+  dispatcher, as a generation's first step past ``n`` keys does; the others replay its
+  route, kept per power of two of the key count);
 - ``by hand (cat)``: the same module's projections, the keys and values concatenated to
   the cached ones (``torch.cat``, as Hugging Face's ``DynamicCache`` and x-transformers
   do), the bias of the new query as other code writes it, SDPA, the output projection:
@@ -47,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posenc import KVCache, MultiHeadAttention, registry
+from posenc.engine import kept
 
 #: the schemes with a step by hand
 _SCHEMES = ("alibi", "t5-decoder", "swin-1d", "rotary")
@@ -124,6 +128,7 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int):
 
     def with_posenc() -> Tensor:
         cache.crop(n)
+        kept.clear()  # a generation's first step: no route kept for its key counts yet
         outs = [attn(new[:, t : t + 1], causal=True, cache=cache) for t in range(tokens)]
         return torch.cat(outs, dim=1)  # [b, tokens, dim]
 

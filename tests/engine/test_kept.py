@@ -1648,3 +1648,80 @@ def test_a_causal_call_of_fewer_queries_than_keys_keeps_a_route_for_one_query_al
     request = kept.Request(q, k, v, scheme, q_pos, k_pos, Mask(n_q, N, causal=True), "auto",
                            0.0, False)  # fmt: skip
     assert (kept.signature(request) is None) == (n_q > 1)
+
+
+# ----- one query: the key count's band ------------------------------------------------------
+
+
+def _step(scheme, q, k, v, n_k, backend="auto"):
+    """One query at the end of ``n_k`` keys (a decoding step: its causal mask hides
+    nothing and is dropped)."""
+    return attend(
+        q, k[:, :, :n_k], v[:, :, :n_k], scheme=scheme, q_pos=run_positions(n_k - 1, 1),
+        k_pos=run_positions(0, n_k), mask=Mask(1, n_k, causal=True), backend=backend,
+    )[0]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_decoding_steps_replay_per_power_of_two_of_their_keys(name, walks):
+    """Steps of a growing cache without gradients walk once per band of key counts, ``[2^(m
+    - 1), 2^m)``, and give what the dispatcher gives at each count to the bit; with two
+    queries, or gradients, each count walks (its exact count is in the key)."""
+    scheme = _learned(name)
+    if name.startswith("swin"):  # a table long enough (a grid: 1-D instead)
+        scheme = RelativePositionBias((1, 64), H)
+    elif name == "relative":
+        scheme = RelativeQueryEmbedding(128, D)
+    torch.manual_seed(0)
+    q = torch.randn(B, H, 1, D)
+    k, v = torch.randn(B, H, 40, D), torch.randn(B, H, 40, D)
+    counts = range(3, 41)
+    with torch.no_grad():
+        steps = [_step(scheme, q, k, v, n) for n in counts]
+        assert len(walks) == len({n.bit_length() for n in counts}) == 5  # 3, 4-7 ... 32-40
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tuning, "KEPT_ROUTES", 0)  # the dispatcher at each count
+            walked = [_step(scheme, q, k, v, n) for n in counts]
+    assert all(torch.equal(a, b) for a, b in zip(steps, walked, strict=True))
+    walks.clear()
+    q2 = torch.randn(B, H, 2, D)
+    with torch.no_grad():
+        for n in range(8, 14):
+            attend(
+                q2, k[:, :, :n], v[:, :, :n], scheme=scheme, q_pos=run_positions(n - 2, 2),
+                k_pos=run_positions(0, n), mask=Mask(2, n, causal=True),
+            )  # fmt: skip
+    assert len(walks) == 6, "two queries: each key count walks"
+
+
+def test_with_gradients_each_key_count_walks(walks):
+    scheme = ALiBi(H)
+    q = torch.randn(B, H, 1, D, requires_grad=True)
+    k, v = torch.randn(B, H, 20, D), torch.randn(B, H, 20, D)
+    for n in range(9, 14):
+        _step(scheme, q, k, v, n).sum().backward()
+    assert len(walks) == 5
+
+
+def test_a_band_replays_its_route_past_a_limit_inside_it(monkeypatch, walks):
+    """The scores' budget set inside a band: the step below it keeps the materialised
+    route and the steps above, in the same band, replay it (the same values as the
+    dispatcher's); the next band walks and takes the lean path, which keeps no route."""
+    scheme = T5RelativeBias(H, num_buckets=8, max_distance=16)
+    monkeypatch.setattr(tuning, "MATERIALISED_SCORES", B * H * 20)  # 20 keys per query
+    torch.manual_seed(0)
+    q = torch.randn(B, H, 1, D)
+    k, v = torch.randn(B, H, 40, D), torch.randn(B, H, 40, D)
+    with torch.no_grad():
+        below = _step(scheme, q, k, v, 17)  # band [16, 32): walks, materialised
+        assert len(walks) == 1
+        past = [_step(scheme, q, k, v, n) for n in (24, 31)]  # past 20: replayed
+        assert len(walks) == 1
+        far = [_step(scheme, q, k, v, n) for n in (33, 34)]  # band [32, 64): lean, no route
+        assert len(walks) == 3
+        refs = [
+            _step(scheme.double(), q.double(), k.double(), v.double(), n, "math")
+            for n in (17, 24, 31, 33, 34)
+        ]
+    for out, ref in zip([below, *past, *far], refs, strict=True):
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)

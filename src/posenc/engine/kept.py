@@ -52,7 +52,17 @@ and ``v`` are finite (a value that is not takes the dispatcher, which zeroes the
 the mask hides), or the forward in one buffer with it, after that check of ``v`` alone:
 it reads ``q``'s and ``k``'s in the sum of its logits (:func:`replay`). A replay computes
 what the path computes, with the same call, so it gives the same values: only the walk's Python is
-saved. The key is read before the route runs (a hook that changes what it holds while it
+saved.
+
+One query without gradients (a decoding step, whose cache grows by a key each step) is
+keyed by its key count's power of two, ``n_k`` in ``[2^(m-1), 2^m)``, not by the count
+itself, so that the steps of a growing cache replay the route one of them chose. Any
+route computes the call's attention exactly (the hooks are called on the call's
+positions and the bias checked), so this changes only which path runs: within a band the
+dispatcher's choice of a route for one query moves only at its limits of scores and pairs
+(materialised below, lean above, and the lean paths keep no route), so a step replays the
+materialised path at most twice past such a limit, where its scores are ``[b, h, 1,
+n_k]``, a 64th of the keys at a head dim of 64. The key is read before the route runs (a hook that changes what it holds while it
 runs files no route under the state it left). Routes are kept in a weak dictionary keyed
 by the scheme (a scheme that is garbage collected takes its routes along), at most
 :data:`.tuning.KEPT_ROUTES` per scheme; they hold no tensor and no bound method.
@@ -198,8 +208,15 @@ def _key(
         hooks = hooks_signature(scheme)
         if hooks is None:
             return None
+    k_shape, v_shape = k.shape, v.shape
+    n_k = k_shape[2]
+    if grad is None and q.shape[2] == 1 and n_k > 1:  # one query: the key count's band
+        band = ("band", n_k.bit_length())  # n_k in [2^(m-1), 2^m)
+        k_shape = (k_shape[0], k_shape[1], band, k_shape[3])
+        v_shape = (v_shape[0], v_shape[1], band if v_shape[2] == n_k else v_shape[2], v_shape[3])
+        k_pos_shape = (*k_pos_shape[:-1], band if k_pos_shape[-1] == n_k else k_pos_shape[-1])
     return (
-        hooks, backend, q.shape, k.shape, v.shape, q_pos_shape, k_pos_shape, q.dtype, k.dtype,
+        hooks, backend, q.shape, k_shape, v_shape, q_pos_shape, k_pos_shape, q.dtype, k.dtype,
         v.dtype, q.device, grad, plans._threads(), tuning.key, causal,
     )  # fmt: skip
 
