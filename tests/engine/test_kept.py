@@ -1686,12 +1686,16 @@ def test_decoding_steps_replay_per_power_of_two_of_their_keys(name, walks):
     walks.clear()
     q2 = torch.randn(B, H, 2, D)
     with torch.no_grad():
-        for n in range(8, 14):
+        for n in range(8, 14):  # unmasked (a route is kept): each count its own key
             attend(
                 q2, k[:, :, :n], v[:, :, :n], scheme=scheme, q_pos=run_positions(n - 2, 2),
-                k_pos=run_positions(0, n), mask=Mask(2, n, causal=True),
+                k_pos=run_positions(0, n), mask=Mask(2, n),
             )  # fmt: skip
-    assert len(walks) == 6, "two queries: each key count walks"
+        attend(
+            q2, k[:, :, :9], v[:, :, :9], scheme=scheme, q_pos=run_positions(7, 2),
+            k_pos=run_positions(0, 9), mask=Mask(2, 9),
+        )  # fmt: skip
+    assert len(walks) == 6, "two queries: each key count walks, once"
 
 
 def test_with_gradients_each_key_count_walks(walks):
@@ -1706,19 +1710,33 @@ def test_with_gradients_each_key_count_walks(walks):
 def test_a_band_replays_its_route_past_a_limit_inside_it(monkeypatch, walks):
     """The scores' budget set inside a band: the step below it keeps the materialised
     route and the steps above, in the same band, replay it (the same values as the
-    dispatcher's); the next band walks and takes the lean path, which keeps no route."""
+    dispatcher's), which explain reports; the next band walks and takes the lean
+    per-offset path, which keeps no route."""
     scheme = T5RelativeBias(H, num_buckets=8, max_distance=16)
-    monkeypatch.setattr(tuning, "MATERIALISED_SCORES", B * H * 20)  # 20 keys per query
+    monkeypatch.setattr(tuning, "MATERIALISED_SCORES", H * 20)  # 20 keys per query, b=1
     torch.manual_seed(0)
-    q = torch.randn(B, H, 1, D)
-    k, v = torch.randn(B, H, 40, D), torch.randn(B, H, 40, D)
+    q = torch.randn(1, H, 1, D)
+    k, v = torch.randn(1, H, 40, D), torch.randn(1, H, 40, D)
+
+    def explained(n):
+        return posenc.engine.explain_call(
+            q, k[:, :, :n], v[:, :, :n], scheme=scheme, q_pos=run_positions(n - 1, 1),
+            k_pos=run_positions(0, n), mask=Mask(1, n, causal=True),
+        )  # fmt: skip
+
     with torch.no_grad():
+        assert explained(24).path == "offset-bias" and explained(17).path == "materialised"
+        walks.clear()  # (explain walks too)
         below = _step(scheme, q, k, v, 17)  # band [16, 32): walks, materialised
-        assert len(walks) == 1
         past = [_step(scheme, q, k, v, n) for n in (24, 31)]  # past 20: replayed
         assert len(walks) == 1
         far = [_step(scheme, q, k, v, n) for n in (33, 34)]  # band [32, 64): lean, no route
         assert len(walks) == 3
+        said = explained(24)
+        assert (said.path, said.replayed) == ("materialised", True)
+        assert "another count of it chose materialised" in said.reasons["offset-bias"]
+        assert "materialised" not in said.reasons and "replayed" in str(said)
+        assert explained(34).path == "offset-bias"
         refs = [
             _step(scheme.double(), q.double(), k.double(), v.double(), n, "math")
             for n in (17, 24, 31, 33, 34)

@@ -46,8 +46,11 @@ class Explanation:
     """What :func:`posenc.explain` reports: the path taken and, for each path before it in
     the order ``backend`` walks, why it was not; and whether the route is kept, so that
     after a first call the calls of the same signature (shapes, dtypes, device, backend,
-    grad flags, ...) replay it without choosing the path again (:mod:`.kept`; never for a
-    scheme that cannot key a weak dictionary: :func:`.kept.keyable`)."""
+    grad flags, ...; for one query without gradients, the key count's power of two)
+    replay it without choosing the path again (:mod:`.kept`; never for a scheme that
+    cannot key a weak dictionary: :func:`.kept.keyable`). Where a route kept at another
+    key count of a one-query call's band is replayed, ``path`` is that route's, and the
+    path the dispatcher would choose says so among the reasons."""
 
     path: str
     reasons: dict[str, str]
@@ -163,7 +166,7 @@ def _attend(
             key = kept.signature(request)  # before the run: the state the choice read
         out = run()
         if key is not None:  # (no key shift folded into the keys)
-            kept.record(route, request, key)
+            kept.record(route, request, key, name)
         return out, None
     # a probe of the hooks, for a scheme not posenc's own (the flex path takes none: on
     # CUDA it declines a call with one, on CPU it has no backward)
@@ -527,6 +530,20 @@ def explain_call(
     call = _prepared(Call(q, k, v, hooks, q_pos, k_pos, mask, scale, dropout_p, scheme))
     name, run, reasons = _walk(PATHS[backend], call, backend)
     request = kept.Request(q, k, v, scheme, q_pos, k_pos, mask, backend, dropout_p, False)
+    path = kept.kept_path(request) if kept.keyable(scheme) else None
+    if path is not None and path != name:  # a route kept at another key count of the band
+        order = [each.name for each in PATHS[backend]]
+        before = {
+            p: why
+            for p, why in reasons.items()
+            if p in order and order.index(p) < order.index(path)
+        }
+        before[name] = (
+            "the route kept for this call's signature is replayed (one query without "
+            "gradients: the signature holds the key count's power of two, and another "
+            f"count of it chose {path})"
+        )
+        return Explanation(path, before, True)
     replayed = (
         getattr(run, "route", None) is not None
         and call.read_by is None

@@ -7,7 +7,7 @@ over as many queries as keys (a decoder's call: no padding, documents, window no
 ``attn_mask``), the paths up to the materialised one (``sdpa``, ``math``, ``flex``,
 ``materialised``: :data:`.dispatch.PATHS`) decide on the mask's kind (none or causal),
 the scheme's hooks (which it defines, and where), the queries' shape, dtype and device,
-the keys' count, the backend, the modes of torch (``torch.compile``, ``torch.jit.trace``,
+the keys' count (for one query without gradients, its power of two: below), the backend, the modes of torch (``torch.compile``, ``torch.jit.trace``,
 a dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), the
 thread count and the tuning constants (:mod:`.tuning`) alone; in grad mode also on which
 of ``q, k, v`` and of the scheme's parameters and buffers ask for a gradient, and on what the
@@ -56,16 +56,17 @@ saved.
 
 One query without gradients (a decoding step, whose cache grows by a key each step) is
 keyed by its key count's power of two, ``n_k`` in ``[2^(m-1), 2^m)``, not by the count
-itself, so that the steps of a growing cache replay the route one of them chose. Any
-route computes the call's attention exactly (the hooks are called on the call's
-positions and the bias checked), so this changes only which path runs: within a band the
-dispatcher's choice of a route for one query moves only at its limits of scores and pairs
-(materialised below, lean above, and the lean paths keep no route), so a step replays the
-materialised path at most twice past such a limit, where its scores are ``[b, h, 1,
-n_k]``, a 64th of the keys at a head dim of 64. The key is read before the route runs (a hook that changes what it holds while it
-runs files no route under the state it left). Routes are kept in a weak dictionary keyed
-by the scheme (a scheme that is garbage collected takes its routes along), at most
-:data:`.tuning.KEPT_ROUTES` per scheme; they hold no tensor and no bound method.
+itself, so that the steps of a growing cache replay the route the first call of the band
+kept. Any route computes the call's attention (the hooks are called on the call's
+positions and the bias checked), so this changes only which path runs, and the last bits
+of its values, which then depend on the count that chose the route. The choice for one
+query moves with its key count only at limits of scores and pairs: the materialised path
+below them (with the bias alone through SDPA's fused kernel past the scores' budget, a
+route not kept; one buffer or SDPA by the ``OPS_IN_PLACE_*`` limits), the lean paths
+above, which keep no route. So a band replays a materialised route at up to twice the key
+count of a limit it crosses, where what it writes per call (its scores and weights, a
+term's logits per offset) is a few ``[b, h, 1, n_k]`` tensors, against the keys' and
+values' ``[b, h, n_k, d]`` each. :func:`posenc.explain` reports the route replayed.
 
 :func:`posenc.attention` and :class:`~posenc.MultiHeadAttention`, called with ``q, k, v``
 alone (default positions, nothing masked, no dropout, cache nor weights), look the route
@@ -139,14 +140,20 @@ class Request(NamedTuple):
 
 
 class _Routes(dict[tuple[Any, ...], Route]):
-    """A scheme's routes by signature, and the default positions kept for its calls of
+    """A scheme's routes by signature, the name of the path that chose each (``paths``,
+    for :func:`posenc.explain`), and the default positions kept for its calls of
     :func:`replay_unmasked` (``positions``, per sizes and device)."""
 
-    __slots__ = ("positions",)
+    __slots__ = ("paths", "positions")
 
     def __init__(self) -> None:
         super().__init__()
+        self.paths: dict[tuple[Any, ...], str] = {}
         self.positions: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def clear(self) -> None:
+        super().clear()
+        self.paths.clear()
 
 
 #: each scheme's routes by signature
@@ -259,7 +266,7 @@ def _routes(scheme: Any) -> _Routes | None:
         return None
 
 
-def record(route: Route, call: Request, key: tuple[Any, ...]) -> None:
+def record(route: Route, call: Request, key: tuple[Any, ...], path: str = "") -> None:
     """Keep ``route``, which the dispatcher chose for this call, under ``key``, the call's
     :func:`signature` read before the route ran (a hook that changes what the key holds
     while it runs must not file the route under the state it left), at most
@@ -275,6 +282,18 @@ def record(route: Route, call: Request, key: tuple[Any, ...]) -> None:
     if key not in routes and len(routes) >= tuning.KEPT_ROUTES:
         routes.clear()
     routes[key] = route
+    routes.paths[key] = path
+
+
+def kept_path(call: Request) -> str | None:
+    """The name of the path whose route a call of this signature replays, or None where
+    none is kept (for one query without gradients, a route another key count of its band
+    chose: :func:`_key`)."""
+    routes = _routes(call.scheme)
+    if not routes:
+        return None
+    key = signature(call)
+    return None if key is None or key not in routes else routes.paths.get(key)
 
 
 def keyable(scheme: Any) -> bool:
