@@ -22,7 +22,8 @@ SCHEMES += ["rotary"] if importlib.util.find_spec("rotary_embedding_torch") else
 
 @pytest.mark.parametrize("name", SCHEMES)
 @pytest.mark.parametrize(("b", "n"), [(1, 5), (2, 40), (1, 300)])
-def test_the_steps_by_hand_equal_posencs_steps(name, b, n):
+@pytest.mark.parametrize("fresh", [False, True], ids=["crop", "fresh"])
+def test_the_steps_by_hand_equal_posencs_steps(name, b, n, fresh):
     """Each scheme's steps written by hand, three tokens one at a time, give posenc's
     outputs (the tool times the two only after checking this), and a second run of the
     cache put back gives the same; in float64 so that a wrong offset or channel order shows
@@ -31,7 +32,7 @@ def test_the_steps_by_hand_equal_posencs_steps(name, b, n):
     output by at most about that, relative to its size)."""
     torch.set_default_dtype(torch.float64)
     try:
-        with_posenc, by_cat, in_room = decoding._steps(name, b, 2, 8, n, tokens=3)
+        with_posenc, by_cat, in_room = decoding._steps(name, b, 2, 8, n, tokens=3, fresh=fresh)
         with torch.no_grad():
             got, want, room = with_posenc(), by_cat(), in_room()
             again, room_again = with_posenc(), in_room()  # from the prefill again: the same
@@ -44,7 +45,7 @@ def test_the_steps_by_hand_equal_posencs_steps(name, b, n):
 
 
 def test_measure_gives_the_times_and_the_ratios():
-    args = types.SimpleNamespace(heads=2, head_dim=8, tokens=2, repeats=3, least=0.001)
+    args = types.SimpleNamespace(heads=2, head_dim=8, tokens=2, repeats=3, least=0.001, fresh=True)
     row = decoding.measure("alibi", 1, 16, args)
     assert all(row[variant] > 0 for variant in decoding._VARIANTS)
     assert row["ratio cat"] > 0 and row["ratio room"] > 0

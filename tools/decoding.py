@@ -24,12 +24,18 @@ gradients; each run starts from the ``n`` prefilled tokens):
   ``n + tokens`` made once, the prefilled tokens first (as Hugging Face's
   ``StaticCache``), SDPA over its first ``p + 1`` tokens.
 
+With ``--fresh`` each run starts a generation from the prefill's own tensors: posenc's
+cache gets them back by assignment (its first step copies them into a new room), and the
+buffer by hand is made and the prompt copied into it within the run. Both then pay one
+copy of the ``n`` tokens per run, as a generation does once; and since the tool then
+calls nothing of posenc's cache but its attributes, it times older commits too.
+
 Schemes: ``alibi``, ``t5-decoder``, ``swin-1d``, ``rotary``. All three give the same
 outputs (checked before timing). Prints a Markdown table: the median over the repeats of
 each repeat's ``posenc / by hand`` for both, and each variant's median time per token.
 
 Run: ``.venv/bin/python tools/decoding.py [--schemes alibi,t5-decoder,swin-1d,rotary]
-[--batches 1,8] [--lengths 256,1024,4096] [--tokens 8] [--repeats 15]``. To time another
+[--batches 1,8] [--lengths 256,1024,4096] [--tokens 8] [--repeats 15] [--fresh]``. To time another
 commit's posenc with this tool: ``git archive <commit> src | tar -x -C DIR`` and run it
 with ``PYTHONPATH=DIR/src``.
 
@@ -97,11 +103,12 @@ def _bias_by_hand(name: str, scheme, last: int) -> Callable[[Tensor, int], Tenso
     )
 
 
-def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int):
+def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool = False):
     """The three variants (:data:`_VARIANTS`) of ``tokens`` more tokens, one at a time,
     after a cache of ``n`` (each returns its outputs ``[b, tokens, h * d]``, starting from
-    the ``n`` prefilled tokens); None where the step by hand needs a package that is not
-    installed."""
+    the ``n`` prefilled tokens; ``fresh``: from the prefill's own tensors, each run copying
+    them into a new room or buffer, see ``--fresh``); None where the step by hand needs a
+    package that is not installed."""
     scheme = _scheme(name, h, d, n + tokens)
     bias = _bias_by_hand(name, scheme, n + tokens - 1)
     if bias is None:
@@ -126,8 +133,14 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int):
         def rotate(t: Tensor, p: int) -> Tensor:  # at position p, in posenc's channel order
             return rotary.rotate_queries_or_keys(t[..., order], offset=p)[..., back]
 
+    positions = cache.positions
+
     def with_posenc() -> Tensor:
-        cache.crop(n)
+        if fresh:  # the prefill's tensors (assigned: the cache's room is let go)
+            cache.keys, cache.values = held
+            cache.positions, cache.key_padding = positions, None
+        else:
+            cache.crop(n)
         kept.clear()  # a generation's first step: no route kept for its key counts yet
         outs = [attn(new[:, t : t + 1], causal=True, cache=cache) for t in range(tokens)]
         return torch.cat(outs, dim=1)  # [b, tokens, dim]
@@ -137,6 +150,8 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int):
 
     def by_hand(in_room: bool) -> Tensor:
         keys, values = held  # [b, h, n, d]
+        if in_room and fresh:  # a buffer made for the run, the prompt copied in
+            room[:] = [torch.cat((t, spare), dim=2) for t in held]
         outs = []
         for t in range(tokens):
             x_t = new[:, t : t + 1]  # [b, 1, dim]
@@ -165,7 +180,7 @@ def measure(name: str, b: int, n: int, args) -> dict | None:
     """Median seconds per token of each variant (``posenc``, ``by hand (cat)``, ``by hand
     (room)``) and the median ratios ``posenc / by hand`` (``ratio cat``, ``ratio room``),
     or None (not installed)."""
-    steps = _steps(name, b, args.heads, args.head_dim, n, args.tokens)
+    steps = _steps(name, b, args.heads, args.head_dim, n, args.tokens, args.fresh)
     if steps is None:
         return None
     variants = dict(zip(_VARIANTS, steps, strict=True))
@@ -216,6 +231,13 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64, help="d")
     parser.add_argument("--repeats", type=int, default=15, help="timings of each variant")
     parser.add_argument("--least", type=float, default=0.02, help="seconds per timing")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="each run from the prefill's tensors: posenc's first step copies them into a "
+        "new room, the buffer by hand is made and filled in the run (a generation's start; "
+        "the cache is restored by assigning its attributes, so older posenc runs it too)",
+    )
     args = parser.parse_args()
     names = args.schemes.split(",")
     unknown = [name for name in names if name not in _SCHEMES]
