@@ -65,7 +65,7 @@ def test_prefill_then_tokens_equals_full_pass(backend, with_scheme, grad):
     x = torch.randn(2, 10, 16)
     full, logit = forward(m, x, causal=True)
     cache = KVCache()
-    with torch.set_grad_enabled(grad):  # without gradients: keys and values in a room
+    with torch.set_grad_enabled(grad):  # without gradients: keys and values in a buffer
         outs = [m(x[:, :3], causal=True, cache=cache)]
         outs.append(m(x[:, 3:5], causal=True, cache=cache))  # a chunk of two
         outs += [m(x[:, t : t + 1], causal=True, cache=cache) for t in range(5, 10)]
@@ -150,7 +150,7 @@ def test_a_failed_step_leaves_the_cache_untouched(grad):
     """A step that raises (a 1-D RelativePositionBias outgrown by the positions) had already
     appended its keys: after the suggested .resize, the retry decoded with the token cached
     twice. Updates are all or nothing; without gradients the failed step wrote into the
-    room past the cache's length, which the retry writes over."""
+    buffer past the cache's length, which the retry writes over."""
     from posenc import RelativePositionBias
 
     torch.manual_seed(0)
@@ -159,12 +159,12 @@ def test_a_failed_step_leaves_the_cache_untouched(grad):
     cache = KVCache()
     with torch.set_grad_enabled(grad):
         attn(x[:, :3], cache=cache, causal=True)
-        attn(x[:, 3:4], cache=cache, causal=True)  # without gradients: a room
+        attn(x[:, 3:4], cache=cache, causal=True)  # without gradients: a buffer
         keys = cache.keys.clone()
         with pytest.raises(ValueError, match=r"\.resize\(5\)"):
             attn(x[:, 4:5], cache=cache, causal=True)
         assert len(cache) == 4 and torch.equal(cache.keys, keys)
-        assert (cache._room is None) == grad
+        assert (cache._buffer is None) == grad
         attn.position.resize(8)
         step = attn(x[:, 4:5], cache=cache, causal=True)
     assert len(cache) == 5
@@ -232,7 +232,7 @@ def test_decoding_at_marked_positions_equals_the_full_pass(mode, b):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
 
 
-# ----- the room: keys and values written in place ------------------------------------------
+# ----- the buffer: keys and values written in place ------------------------------------------
 
 
 def _kv(b=1, h=2, m=1, d=4, dtype=torch.float32, seed=0):
@@ -241,7 +241,7 @@ def _kv(b=1, h=2, m=1, d=4, dtype=torch.float32, seed=0):
 
 
 def _tokens(cache):
-    """The room's capacity in tokens, from the storage its keys are a view of."""
+    """The buffer's capacity in tokens, from the storage its keys are a view of."""
     keys = cache.keys
     return keys.untyped_storage().nbytes() // (keys.element_size() * keys[:, :, :1].numel())
 
@@ -252,7 +252,7 @@ def _append(cache, seed, m=1):
     return k, v
 
 
-def test_steps_without_gradients_write_into_one_room_that_grows_by_a_quarter():
+def test_steps_without_gradients_write_into_one_buffer_that_grows_by_a_quarter():
     cache = KVCache()
     with torch.no_grad():
         k0, v0 = _kv(m=3, seed=0)
@@ -261,7 +261,7 @@ def test_steps_without_gradients_write_into_one_room_that_grows_by_a_quarter():
         written = [_append(cache, seed) for seed in range(1, 6)]
         storage = cache.keys.untyped_storage().data_ptr()
         assert _tokens(cache) == 4 + 64  # made for 4 tokens, plus at least 64
-        for seed in range(6, 70):  # past 68 tokens: a new room, a quarter larger
+        for seed in range(6, 70):  # past 68 tokens: a new buffer, a quarter larger
             written.append(_append(cache, seed))
     keys = torch.cat([k0] + [k for k, _ in written], 2)
     values = torch.cat([v0] + [v for _, v in written], 2)
@@ -271,7 +271,7 @@ def test_steps_without_gradients_write_into_one_room_that_grows_by_a_quarter():
     assert _known_run(cache.positions) == (0, 71)
 
 
-def test_capacity_sizes_the_first_room_and_is_checked():
+def test_capacity_sizes_the_first_buffer_and_is_checked():
     cache = KVCache(capacity=10)
     with torch.no_grad():
         cache.append(*_kv(m=3), torch.arange(3)[None], None)
@@ -281,7 +281,7 @@ def test_capacity_sizes_the_first_room_and_is_checked():
         for seed in range(2, 8):
             _append(cache, seed)
         assert cache.keys.untyped_storage().data_ptr() == storage and len(cache) == 10
-        _append(cache, 8)  # the 11th token: a room for 11 + 64
+        _append(cache, 8)  # the 11th token: a buffer for 11 + 64
         assert _tokens(cache) == 75
     small = KVCache(capacity=2)  # less than the first write needs: sized by need
     with torch.no_grad():
@@ -304,11 +304,11 @@ def test_a_tensor_handed_out_never_changes():
         cache.append(*_kv(m=3), torch.arange(3)[None], None)
         for seed in range(1, 4):
             _append(cache, seed)
-        keys, values = cache.keys, cache.values  # 6 tokens, views of the room
+        keys, values = cache.keys, cache.values  # 6 tokens, views of the buffer
         kept = keys.clone(), values.clone()
         returned = _append(cache, 4) and cache.append(*_kv(seed=5), torch.tensor([[7]]), None)
         returned_kept = [t.clone() for t in returned[:2]]
-        cache.crop(4)  # below what was handed out: the room is given up
+        cache.crop(4)  # below what was handed out: the buffer is given up
         for seed in range(6, 12):
             _append(cache, seed)
     assert torch.equal(keys, kept[0]) and torch.equal(values, kept[1])
@@ -316,8 +316,8 @@ def test_a_tensor_handed_out_never_changes():
     assert len(cache) == 10 and torch.equal(cache.keys[:, :, :4], kept[0][:, :, :4])
 
 
-def test_crop_keeps_the_room_where_nothing_handed_out_reaches_past_it():
-    """Steps of MultiHeadAttention hand nothing of the room out: a crop keeps it and the
+def test_crop_keeps_the_buffer_where_nothing_handed_out_reaches_past_it():
+    """Steps of MultiHeadAttention hand nothing of the buffer out: a crop keeps it and the
     next steps write over the tokens forgotten; once the keys were read at 6 tokens, a
     crop to 4 gives it up and the keys read keep their values."""
     attn = model(ALiBi(4))
@@ -381,7 +381,7 @@ def test_crop_and_its_errors():
 
 
 def test_copies_of_a_cache_decode_apart():
-    """A shallow copy shares the tokens held but not the room: each decodes on its own
+    """A shallow copy shares the tokens held but not the buffer: each decodes on its own
     (a beam split in two); a deep copy shares nothing."""
     cache = KVCache()
     with torch.no_grad():
@@ -402,7 +402,7 @@ def test_copies_of_a_cache_decode_apart():
     assert len(cache) == 4 and not torch.equal(mine, theirs)
 
 
-def test_extended_gives_new_tensors_and_leaves_the_room_alone():
+def test_extended_gives_new_tensors_and_leaves_the_buffer_alone():
     cache = KVCache()
     with torch.no_grad():
         cache.append(*_kv(m=3), torch.arange(3)[None], None)
@@ -416,23 +416,23 @@ def test_extended_gives_new_tensors_and_leaves_the_room_alone():
 
 
 def test_grad_mode_concatenates_and_gradients_reach_the_cached_keys():
-    """In grad mode the cache holds no room (a write in place would change what autograd
-    saved); a room made without gradients is given up by the first step with them."""
+    """In grad mode the cache holds no buffer (a write in place would change what autograd
+    saved); a buffer made without gradients is given up by the first step with them."""
     cache = KVCache()
     k0 = torch.randn(1, 2, 3, 4, requires_grad=True)
     with torch.no_grad():
         cache.append(k0.detach(), k0.detach(), torch.arange(3)[None], None)
         _append(cache, 1)
-    assert cache._room is not None
+    assert cache._buffer is not None
     k1 = torch.randn(1, 2, 1, 4, requires_grad=True)
     keys, _, _, _ = cache.append(k1, k1, torch.tensor([[4]]), None)
-    assert cache._room is None and keys.requires_grad
+    assert cache._buffer is None and keys.requires_grad
     keys.sum().backward()
     assert torch.equal(k1.grad, torch.ones_like(k1))
 
 
-def test_inference_mode_steps_then_no_grad_steps_share_the_room():
-    """The room is made outside inference mode: steps without it write into the room
+def test_inference_mode_steps_then_no_grad_steps_share_the_buffer():
+    """The buffer is made outside inference mode: steps without it write into the buffer
     that inference-mode steps made (an inference tensor refuses writes outside)."""
     torch.manual_seed(0)
     attn = MultiHeadAttention(16, 4, position=ALiBi(4)).double().eval()
@@ -457,11 +457,11 @@ def test_new_keys_of_another_dtype_concatenate_as_cat_does():
         k1, v1 = _kv(seed=1, dtype=torch.float64)
         keys, _, _, _ = cache.append(k1, v1, torch.tensor([[3]]), None)
     assert keys.dtype == torch.float64 and torch.equal(keys, torch.cat((k0, k1), 2))
-    assert cache._room is None
+    assert cache._buffer is None
 
 
 def test_what_autograd_saved_of_a_tensor_handed_out_stays_valid():
-    """A later step writes the room through a version counter of its own: a graph that
+    """A later step writes the buffer through a version counter of its own: a graph that
     saved the cache's keys still runs its backward."""
     attn = model(ALiBi(4))
     x = torch.randn(1, 6, 16)
@@ -470,7 +470,7 @@ def test_what_autograd_saved_of_a_tensor_handed_out_stays_valid():
         attn(x[:, :3], causal=True, cache=cache)
         attn(x[:, 3:4], causal=True, cache=cache)
     weight = torch.randn(4, requires_grad=True)
-    loss = (cache.keys * weight).sum()  # saves the keys, a view of the room
+    loss = (cache.keys * weight).sum()  # saves the keys, a view of the buffer
     with torch.no_grad():
         attn(x[:, 4:5], causal=True, cache=cache)
         attn(x[:, 5:6], causal=True, cache=cache)
@@ -488,24 +488,24 @@ def test_a_deep_copy_made_in_inference_mode_decodes_outside_it():
             attn(x[:, :4], causal=True, cache=cache),
             attn(x[:, 4:5], causal=True, cache=cache),
         ]
-        beam = copy.deepcopy(cache)  # its room an inference tensor
+        beam = copy.deepcopy(cache)  # its buffer an inference tensor
     with torch.no_grad():
         steps += [attn(x[:, t : t + 1], causal=True, cache=beam) for t in range(5, 8)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-12)
-    assert not beam._room[0].is_inference()
+    assert not beam._buffer[0].is_inference()
 
 
-def test_a_failed_step_lets_the_room_it_made_go():
+def test_a_failed_step_lets_the_buffer_it_made_go():
     from posenc import RelativePositionBias
 
     torch.manual_seed(0)
     attn = MultiHeadAttention(16, 4, position=RelativePositionBias(4, 4)).eval()
     cache = KVCache()
     with torch.no_grad():
-        attn(torch.randn(1, 4, 16), causal=True, cache=cache)  # no room yet
+        attn(torch.randn(1, 4, 16), causal=True, cache=cache)  # no buffer yet
         with pytest.raises(ValueError, match=r"\.resize\(5\)"):
             attn(torch.randn(1, 1, 16), causal=True, cache=cache)  # would make one
-    assert cache._written is None and cache._room is None and len(cache) == 4
+    assert cache._written is None and cache._buffer is None and len(cache) == 4
 
 
 def test_copies_keep_the_class_and_subclassed_tensors_concatenate():
@@ -523,14 +523,14 @@ def test_copies_keep_the_class_and_subclassed_tensors_concatenate():
         keys, _, _, _ = cache.append(
             *(t.as_subclass(Tagged) for t in _kv(seed=1)), run_positions(3, 1), None
         )
-    assert type(keys) is Tagged and cache._room is None
+    assert type(keys) is Tagged and cache._buffer is None
 
 
 def test_values_that_do_not_match_the_keys_are_refused():
     cache = KVCache()
     with torch.no_grad():
         cache.append(*_kv(m=3), run_positions(0, 3), None)
-        _append(cache, 1)  # a room, which copy_ would broadcast into
+        _append(cache, 1)  # a buffer, which copy_ would broadcast into
         k, _ = _kv(m=2, seed=2)
         with pytest.raises(
             ValueError, match=r"cache holds values of shape .* new values have shape \(1, 1, 1, 4\)"

@@ -32,23 +32,25 @@ def test_the_steps_by_hand_equal_posencs_steps(name, b, n, fresh):
     output by at most about that, relative to its size)."""
     torch.set_default_dtype(torch.float64)
     try:
-        with_posenc, by_cat, in_room = decoding._steps(name, b, 2, 8, n, tokens=3, fresh=fresh)
+        with_posenc, by_cat, in_buffer = decoding._steps(name, b, 2, 8, n, tokens=3, fresh=fresh)
         with torch.no_grad():
-            got, want, room = with_posenc(), by_cat(), in_room()
-            again, room_again = with_posenc(), in_room()  # from the prefill again: the same
+            got, want, buffer = with_posenc(), by_cat(), in_buffer()
+            again, buffer_again = with_posenc(), in_buffer()  # from the prefill again: the same
     finally:
         torch.set_default_dtype(torch.float32)
     assert got.shape == (b, 3, 16)
     atol = (n + 3) * torch.finfo(torch.float32).eps if name == "rotary" else 1e-12
     torch.testing.assert_close(got, want, rtol=0, atol=atol * float(want.abs().max()))
-    assert torch.equal(room, want) and torch.equal(got, again) and torch.equal(room, room_again)
+    assert (
+        torch.equal(buffer, want) and torch.equal(got, again) and torch.equal(buffer, buffer_again)
+    )
 
 
 def test_measure_gives_the_times_and_the_ratios():
     args = types.SimpleNamespace(heads=2, head_dim=8, tokens=2, repeats=3, least=0.001, fresh=True)
     row = decoding.measure("alibi", 1, 16, args)
     assert all(row[variant] > 0 for variant in decoding._VARIANTS)
-    assert row["ratio cat"] > 0 and row["ratio room"] > 0
+    assert row["ratio cat"] > 0 and row["ratio buffer"] > 0
     assert (row["scheme"], row["b"], row["n"]) == ("alibi", 1, 16)
 
 

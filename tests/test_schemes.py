@@ -93,8 +93,8 @@ def test_relative_schemes_are_translation_invariant(name, backend):
 @pytest.mark.parametrize("backend", ["math", "auto", "lean"])
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 def test_decoding_with_cache_equals_full_pass(name, backend, grad):
-    """In grad mode the cache concatenates; without, it writes into its room (a view of
-    it holds the keys, room made on the first step and grown on the way: capacity 6)."""
+    """In grad mode the cache concatenates; without, it writes into its buffer (a view of
+    it holds the keys, buffer made on the first step and grown on the way: capacity 6)."""
     model = build(name, backend).eval()
     x = torch.randn(2, N, DIM)
     with recorded_logits() as logits:
@@ -103,7 +103,7 @@ def test_decoding_with_cache_equals_full_pass(name, backend, grad):
     with torch.set_grad_enabled(grad):
         steps = [model(x[:, :4], causal=True, cache=cache)]
         steps += [model(x[:, t : t + 1], causal=True, cache=cache) for t in range(4, N)]
-    assert (cache._room is None) == grad
+    assert (cache._buffer is None) == grad
     assert_close(torch.cat(steps, 1), full, terms=N, logit=max(logits))
 
 

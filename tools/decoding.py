@@ -5,10 +5,12 @@ For each scheme, batch ``b`` and cache length ``n`` it builds ``MultiHeadAttenti
 * d, heads=h, position=scheme)``, prefills a :class:`~posenc.KVCache` with ``n`` tokens,
 and times, interleaved in one process (each repeat runs every variant once, in turn),
 ``--tokens`` more tokens decoded one at a time, the cache growing by one each step (no
-gradients; each run starts from the ``n`` prefilled tokens):
+gradients; each run starts from the ``n`` prefilled tokens; ``p`` below is the new
+token's position, ``n .. n + tokens - 1``, and ``L`` the longest length, ``n + tokens``):
 
 - ``posenc``: ``attn(x_t, causal=True, cache=cache)`` for each token, after
-  ``cache.crop(n)`` (which keeps the cache's room: each run writes over the last) and
+  ``cache.crop(n)`` (which keeps the cache's buffer, each run writing over the last: the
+  tool never reads ``cache.keys``, which would hand its tokens out) and
   with no route kept (``posenc.engine.kept.clear()``: the first step walks the
   dispatcher, as a generation's first step past ``n`` keys does; the others replay its
   route, kept per power of two of the key count);
@@ -20,19 +22,21 @@ gradients; each run starts from the ``n`` prefilled tokens):
   past_seen_tokens=p)`` (Hugging Face ``transformers``, when installed), Swin 1-D's table
   gathered at the new query's offsets; rotary: the new query and key rotated by
   rotary-embedding-torch at their position (when installed);
-- ``by hand (room)``: the same steps with the keys and values written into a buffer of
+- ``by hand (buffer)``: the same steps with the keys and values written into a buffer of
   ``n + tokens`` made once, the prefilled tokens first (as Hugging Face's
   ``StaticCache``), SDPA over its first ``p + 1`` tokens.
 
 With ``--fresh`` each run starts a generation from the prefill's own tensors: posenc's
-cache gets them back by assignment (its first step copies them into a new room), and the
+cache gets them back by assignment (its first step copies them into a new buffer), and the
 buffer by hand is made and the prompt copied into it within the run. Both then pay one
-copy of the ``n`` tokens per run, as a generation does once; and since the tool then
-calls nothing of posenc's cache but its attributes, it times older commits too.
+copy of the ``n`` tokens per run, as a generation does once. The tool then calls nothing
+of posenc's cache but its attributes and ``posenc.engine.kept.clear``, so it times
+commits from before ``KVCache.crop`` too (those with ``posenc.engine.kept.clear``).
 
-Schemes: ``alibi``, ``t5-decoder``, ``swin-1d``, ``rotary``. All three give the same
-outputs (checked before timing). Prints a Markdown table: the median over the repeats of
-each repeat's ``posenc / by hand`` for both, and each variant's median time per token.
+Schemes: ``alibi``, ``t5-decoder``, ``swin-1d``, ``rotary``. The three variants give the
+same outputs (checked before timing). Prints a Markdown table: the median over the
+repeats of each repeat's ``posenc / by hand``, for both steps by hand (below 1, posenc is
+faster), and each variant's median time per token in microseconds.
 
 Run: ``.venv/bin/python tools/decoding.py [--schemes alibi,t5-decoder,swin-1d,rotary]
 [--batches 1,8] [--lengths 256,1024,4096] [--tokens 8] [--repeats 15] [--fresh]``. To time another
@@ -62,7 +66,7 @@ from posenc.engine import kept
 _SCHEMES = ("alibi", "t5-decoder", "swin-1d", "rotary")
 
 #: what is timed, in the order of the functions :func:`_steps` returns
-_VARIANTS = ("posenc", "by hand (cat)", "by hand (room)")
+_VARIANTS = ("posenc", "by hand (cat)", "by hand (buffer)")
 
 
 def _scheme(name: str, h: int, d: int, n: int):
@@ -107,7 +111,7 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool =
     """The three variants (:data:`_VARIANTS`) of ``tokens`` more tokens, one at a time,
     after a cache of ``n`` (each returns its outputs ``[b, tokens, h * d]``, starting from
     the ``n`` prefilled tokens; ``fresh``: from the prefill's own tensors, each run copying
-    them into a new room or buffer, see ``--fresh``); None where the step by hand needs a
+    them into a new buffer or buffer, see ``--fresh``); None where the step by hand needs a
     package that is not installed."""
     scheme = _scheme(name, h, d, n + tokens)
     bias = _bias_by_hand(name, scheme, n + tokens - 1)
@@ -136,7 +140,7 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool =
     positions = cache.positions
 
     def with_posenc() -> Tensor:
-        if fresh:  # the prefill's tensors (assigned: the cache's room is let go)
+        if fresh:  # the prefill's tensors (assigned: the cache's buffer is let go)
             cache.keys, cache.values = held
             cache.positions, cache.key_padding = positions, None
         else:
@@ -146,12 +150,12 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool =
         return torch.cat(outs, dim=1)  # [b, tokens, dim]
 
     spare = torch.empty(b, h, tokens, d)
-    room = [torch.cat((t, spare), dim=2) for t in held]  # keys, values [b, h, n + tokens, d]
+    buffer = [torch.cat((t, spare), dim=2) for t in held]  # keys, values [b, h, n + tokens, d]
 
-    def by_hand(in_room: bool) -> Tensor:
+    def by_hand(in_buffer: bool) -> Tensor:
         keys, values = held  # [b, h, n, d]
-        if in_room and fresh:  # a buffer made for the run, the prompt copied in
-            room[:] = [torch.cat((t, spare), dim=2) for t in held]
+        if in_buffer and fresh:  # a buffer made for the run, the prompt copied in
+            buffer[:] = [torch.cat((t, spare), dim=2) for t in held]
         outs = []
         for t in range(tokens):
             x_t = new[:, t : t + 1]  # [b, 1, dim]
@@ -160,10 +164,10 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool =
             v = attn.v_proj(x_t).view(b, 1, h, d).transpose(1, 2)
             if rotate is not None:
                 q, k = rotate(q, n + t), rotate(k, n + t)
-            if in_room:
-                room[0][:, :, n + t : n + t + 1] = k
-                room[1][:, :, n + t : n + t + 1] = v
-                keys, values = room[0][:, :, : n + t + 1], room[1][:, :, : n + t + 1]
+            if in_buffer:
+                buffer[0][:, :, n + t : n + t + 1] = k
+                buffer[1][:, :, n + t : n + t + 1] = v
+                keys, values = buffer[0][:, :, : n + t + 1], buffer[1][:, :, : n + t + 1]
             else:
                 keys = torch.cat((keys, k), dim=2)  # [b, h, n + t + 1, d]
                 values = torch.cat((values, v), dim=2)
@@ -178,7 +182,7 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool =
 
 def measure(name: str, b: int, n: int, args) -> dict | None:
     """Median seconds per token of each variant (``posenc``, ``by hand (cat)``, ``by hand
-    (room)``) and the median ratios ``posenc / by hand`` (``ratio cat``, ``ratio room``),
+    (buffer)``) and the median ratios ``posenc / by hand`` (``ratio cat``, ``ratio buffer``),
     or None (not installed)."""
     steps = _steps(name, b, args.heads, args.head_dim, n, args.tokens, args.fresh)
     if steps is None:
@@ -234,9 +238,10 @@ def main() -> None:
     parser.add_argument(
         "--fresh",
         action="store_true",
-        help="each run from the prefill's tensors: posenc's first step copies them into a "
-        "new room, the buffer by hand is made and filled in the run (a generation's start; "
-        "the cache is restored by assigning its attributes, so older posenc runs it too)",
+        help="start each run as a new generation: posenc's first step copies the prompt "
+        "into a new buffer, and the buffer by hand is made and filled inside the timed run "
+        "(default: both kept from run to run); the only mode for commits before "
+        "KVCache.crop",
     )
     args = parser.parse_args()
     names = args.schemes.split(",")
@@ -245,8 +250,8 @@ def main() -> None:
         parser.error(f"no decoding step by hand for {unknown}; choose from {list(_SCHEMES)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")
     print(
-        "| scheme | b | n | posenc / by hand (cat) | posenc / by hand (room) "
-        "| posenc (us per token) | by hand, cat | by hand, room |"
+        "| scheme | b | n | posenc / by hand (cat) | posenc / by hand (buffer) "
+        "| posenc (us per token) | by hand, cat | by hand, buffer |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|", flush=True)
     for name in names:
@@ -258,7 +263,7 @@ def main() -> None:
                     continue
                 times = " | ".join(f"{r[variant] * 1e6:.0f}" for variant in _VARIANTS)
                 print(
-                    f"| {name} | {b} | {n} | **{r['ratio cat']:.2f}** | **{r['ratio room']:.2f}** "
+                    f"| {name} | {b} | {n} | **{r['ratio cat']:.2f}** | **{r['ratio buffer']:.2f}** "
                     f"| {times} |",
                     flush=True,
                 )

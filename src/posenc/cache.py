@@ -1,7 +1,8 @@
 """A key/value cache for decoding one token (or a few) at a time.
 
-Shape legend: ``b`` batch, ``h`` heads, ``n`` cached length, ``d`` head dim, ``c`` the
-room's capacity (``c >= n``).
+Shape legend: ``b`` batch, ``h_kv`` the key/value heads the cache holds (``h`` where they
+are the heads), ``n`` cached length, ``d`` head dim (``d_v`` the values'), ``m`` new
+tokens, ``c`` the buffer's capacity (``c >= n``).
 
 :class:`KVCache` belongs to one attention layer. ``MultiHeadAttention.forward(x,
 cache=cache)`` reads what the cache holds, appends the new keys and values, and gives the
@@ -12,7 +13,7 @@ the position they were written at), with their positions, so relative schemes (T
 Swin 1-D, relative embeddings, Shaw) see the right distances.
 
 Without gradients (``torch.no_grad`` or ``torch.inference_mode``), keys and values are
-written in place into a room with spare capacity (:meth:`KVCache.append`, and the steps
+written in place into a buffer with spare capacity (:meth:`KVCache.append`, and the steps
 of ``MultiHeadAttention``): a step copies its new tokens, not the whole cache, which a
 ``torch.cat`` per step would copy again each time.
 """
@@ -31,7 +32,7 @@ from .indices import _known_run, run_positions
 
 __all__ = ["KVCache"]
 
-#: the spare tokens a room gets past what it holds when it is made or grows: a quarter of
+#: the spare tokens a buffer gets past what it holds when it is made or grows: a quarter of
 #: them, at least this many (each step then copies its own tokens, and a growth copies
 #: the cache once per quarter of its length)
 _SPARE_TOKENS = 64
@@ -40,37 +41,51 @@ _SPARE_TOKENS = 64
 class KVCache:
     """The keys, values, positions and padding of the tokens seen so far, for one layer.
 
-    From the second write on (the first step after the prefill), where no gradient is
-    recorded, the keys and values live in a room of ``c`` tokens that the cache owns
-    (``[b, h, c, d]`` each), and :attr:`keys` and :attr:`values` are views of its first
-    ``n`` tokens; each step writes its tokens after them, in place. A room is made for the
-    tokens it must hold plus a quarter of them (at least 64 more), or for ``capacity``
-    tokens where that is enough, and is made anew the same way when it is full (a copy of
-    the cache, once per quarter of its length). A write in place never changes a tensor
-    the cache handed out (:attr:`keys`, :attr:`values`, what :meth:`append` returned, a
-    ``copy.copy`` of the cache): the room is written only past the tokens those reach, and
-    the cache gives it up where its length goes back below them (:meth:`crop`), where it
-    forgets everything (:meth:`reset`) and where :attr:`keys` or :attr:`values` are
-    assigned; the next write then copies the cache into a new room. The room is written
-    through its ``.data``, whose version counter is its own: what autograd saved of a
-    tensor handed out stays valid. (Reading :attr:`keys` counts as handing the tokens
-    out, even for its shape: ``len(cache)`` does not.) In grad mode, where posenc runs
-    anything but plain eager code (``torch.compile``, ``torch.jit.trace``, a
-    ``torch.func`` transform, a forward-mode AD level, a dispatch or function mode, such
-    as ``with torch.device(...)``), for tensor subclasses, and where the new keys' dtype
-    or device differ from the cached ones', a write concatenates as ``torch.cat`` does,
-    and the cache holds no room.
+    **A buffer written in place.** From the first step after the prefill on, where no
+    gradient is recorded (grad mode off: ``torch.no_grad()``, ``torch.inference_mode()``;
+    ``model.eval()`` and frozen parameters are not enough), the keys and values live in a
+    buffer of ``c`` tokens that the cache owns, ``[b, h_kv, c, d]`` each (``h_kv`` the
+    key/value heads), and :attr:`keys` and :attr:`values` are views of its first ``n``
+    tokens (strided: ``.reshape`` them, not ``.view``). Each step writes its tokens after
+    them, in place, where ``torch.cat`` would copy the whole cache again. The buffer is
+    made for the tokens it must hold then plus a quarter (at least 64 more), or for
+    ``capacity`` tokens where that is enough, and is made anew the same way when it is
+    full (one copy of the cache per quarter of its length; the old and the new buffer
+    both live during that copy). It takes ``2 * b * h_kv * c * d`` elements per layer, up
+    to a quarter (or 64 tokens) more than the cache holds; a view of it kept alive keeps
+    the whole buffer alive.
+
+    **What it never changes.** A write never changes a tensor the cache handed out: its
+    :attr:`keys` or :attr:`values` read (even for their ``.shape``: ``len(cache)`` reads
+    nothing), what :meth:`append` returned, the tensors of a ``copy.copy`` of the cache.
+    The buffer is written only past the tokens those reach, and the cache gives it up
+    where its length goes back below them (:meth:`crop`), where it forgets everything
+    (:meth:`reset`, ``crop(0)``) and where :attr:`keys` or :attr:`values` are assigned:
+    the next write then copies the cache into a new buffer. Writes go through the
+    buffer's ``.data``, whose version counter is its own, so that what autograd saved of
+    a tensor handed out stays valid (the tokens it reaches are never written).
+
+    **Where the cache concatenates instead** (``torch.cat``, and holds no buffer):
+
+    - grad mode on;
+    - under ``torch.compile``, ``torch.jit.trace``, a ``torch.func`` transform, a
+      forward-mode AD level, a dispatch or function mode (including ``with
+      torch.device(...)``);
+    - tensor subclasses;
+    - new keys of another dtype or device than the cached ones.
 
     Args:
-        capacity: the tokens a room is made for where that is enough (the prompt and the
-            tokens to generate: one room, never grown); None (the default): what the
-            room must hold plus a quarter.
+        capacity: the tokens per sequence a buffer is made for (the prompt and the tokens
+            to generate), where that is at least what it must hold then; otherwise, and
+            for a buffer made later (the cache outgrew it, or gave it up), the default
+            sizing. None (the default): what the buffer must hold plus a quarter.
 
     Attributes:
-        keys: ``[b, h, n, d]`` (rotated when the scheme rotates), or None when empty.
-        values: ``[b, h, n, d]``, or None.
+        keys: ``[b, h_kv, n, d]`` (rotated when the scheme rotates), or None when empty.
+        values: ``[b, h_kv, n, d_v]``, or None.
         positions: ``[b or 1, n]`` int64 positions of the cached keys, or None.
         key_padding: ``[b, n]`` bool (True = padding), or None when nothing was padded.
+        capacity: the ``capacity`` given.
 
     Raises:
         TypeError: ``capacity`` is not an int.
@@ -79,41 +94,43 @@ class KVCache:
 
     def __init__(self, capacity: int | None = None) -> None:
         if capacity is not None:
-            check.positive_int("capacity", capacity, hint=", or None to size the room by need")
+            check.positive_int("capacity", capacity, hint=", or None to size the buffer by need")
         self.capacity = capacity
         self._keys: Tensor | None = None
         self._values: Tensor | None = None
         self.positions: Tensor | None = None
         self.key_padding: Tensor | None = None
-        self._room: tuple[Tensor, Tensor] | None = None  # [b, h, c, d] each, or None
-        self._exposed = 0  # the room's tokens that tensors handed out may reach
-        # what the last in-place write handed out, for store to adopt: (keys, values, room)
+        self._buffer: tuple[Tensor, Tensor] | None = None  # [b, h, c, d] each, or None
+        self._exposed = 0  # the buffer's tokens that tensors handed out may reach
+        # what the last in-place write handed out, for store to adopt: (keys, values, buffer)
         self._written: tuple[Tensor, Tensor, tuple[Tensor, Tensor]] | None = None
 
     @property
     def keys(self) -> Tensor | None:
-        """``[b, h, n, d]`` cached keys, or None; assigning them gives up the room."""
+        """``[b, h_kv, n, d]`` cached keys, or None. Reading them hands their tokens out;
+        assigning them gives the buffer up."""
         self._expose()
         return self._keys
 
     @keys.setter
     def keys(self, value: Tensor | None) -> None:
         self._keys = value
-        self._room = self._written = None
+        self._buffer = self._written = None
 
     @property
     def values(self) -> Tensor | None:
-        """``[b, h, n, d]`` cached values, or None; assigning them gives up the room."""
+        """``[b, h_kv, n, d_v]`` cached values, or None. Reading them hands their tokens
+        out; assigning them gives the buffer up."""
         self._expose()
         return self._values
 
     @values.setter
     def values(self, value: Tensor | None) -> None:
         self._values = value
-        self._room = self._written = None
+        self._buffer = self._written = None
 
     def _expose(self) -> None:
-        """Record that the tokens held are handed out: the room is never written below
+        """Record that the tokens held are handed out: the buffer is never written below
         them again (:meth:`crop` shorter gives it up)."""
         self._exposed = max(self._exposed, len(self))
 
@@ -121,16 +138,19 @@ class KVCache:
         return 0 if self._keys is None else self._keys.shape[2]
 
     def __copy__(self) -> KVCache:
-        """A cache holding the same tensors, without a room: the first write of either
-        one after the copy cannot reach the other's tokens."""
+        """A fork (a second beam, say): the copy shares the tensors the cache holds but
+        has no buffer (its first write copies the cache into one); the original keeps
+        its buffer, with its tokens now handed out (a later shorter :meth:`crop` gives it
+        up). The first write of either cannot reach the other's tokens."""
         other = type(self).__new__(type(self))
         other.__dict__.update(self.__dict__)
-        other._room = other._written = None
-        self._expose()  # the copy's tokens are the room's
+        other._buffer = other._written = None
+        self._expose()  # the copy's tokens are the buffer's
         return other
 
     def __deepcopy__(self, memo: dict) -> KVCache:
-        """A cache with copies of every tensor (the room copied with the views of it)."""
+        """A cache with copies of every tensor (the buffer copied whole, spare tokens
+        included, with the views of it)."""
         other = type(self).__new__(type(self))
         memo[id(self)] = other
         other.__dict__.update(copy.deepcopy(self.__dict__, memo))
@@ -156,20 +176,20 @@ class KVCache:
         return self.next_position + torch.arange(m, device=device)  # [b or 1, m]
 
     def reset(self) -> None:
-        """Forget everything (start a new sequence) and let the room go."""
+        """Forget everything (start a new sequence) and let the buffer go."""
         self._keys = self._values = self.positions = self.key_padding = None
-        self._room = self._written = None
+        self._buffer = self._written = None
         self._exposed = 0
 
     def crop(self, length: int) -> None:
-        """Keep the first ``length`` tokens and forget the rest (draft tokens a speculative
-        decoder rejected, a beam cut short).
+        """Keep the first ``length`` tokens and forget the rest (the draft tokens a
+        speculative decoder rejected), for every sequence of the batch.
 
-        The room is kept where no tensor the cache handed out reaches past ``length``
-        (:attr:`keys`, :attr:`values`, what :meth:`append` returned, a ``copy.copy`` of
-        the cache): the next steps write over the tokens forgotten, in place. Otherwise it
-        is given up, so that those tensors keep their values, and the next step copies the
-        tokens kept into a new room.
+        The buffer is kept where no tensor the cache handed out reaches past ``length``
+        (:attr:`keys`, :attr:`values` once read, what :meth:`append` returned, a
+        ``copy.copy`` of the cache): the next steps write over the tokens forgotten, in
+        place. Otherwise it is given up, so that those tensors keep their values, and the
+        next step copies the tokens kept into a new buffer. ``crop(0)`` is :meth:`reset`.
 
         Args:
             length: how many tokens to keep, ``0 <= length <= len(cache)``.
@@ -205,7 +225,7 @@ class KVCache:
             self.key_padding = self.key_padding[:, :length]  # [b, length]
         self._written = None
         if length < self._exposed:
-            self._room = None
+            self._buffer = None
 
     def append(
         self, keys: Tensor, values: Tensor, positions: Tensor, key_padding: Tensor | None
@@ -213,9 +233,10 @@ class KVCache:
         """Append new entries and return everything cached, new entries last.
 
         Where no gradient is recorded the new keys and values are written into the
-        cache's room, and the keys and values returned are views of it (as
-        :attr:`keys` is): what :meth:`extended` and then :meth:`store` would hold. Into an
-        empty cache, the tensors given are held and returned as they are.
+        cache's buffer, and the keys and values returned are views of it, handed out as
+        :attr:`keys` is (a later :meth:`crop` below them gives the buffer up): the values
+        :meth:`extended` and then :meth:`store` would hold. Into an empty cache, the
+        tensors given are held and returned as they are.
 
         Args:
             keys: ``[b, h, m, d]`` new keys (already rotated).
@@ -239,7 +260,9 @@ class KVCache:
         self, keys: Tensor, values: Tensor, positions: Tensor, key_padding: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """What the cache would hold with new entries appended, in new tensors (for an
-        empty cache, the tensors given); the cache is left as it is.
+        empty cache, the tensors given); the cache is left as it is. Storing them
+        (:meth:`store`) gives the cache's buffer up (the next write in place copies the
+        cache into a new one); :meth:`append` writes into it.
 
         Args and Returns: as :meth:`append`.
 
@@ -252,14 +275,14 @@ class KVCache:
     def _step(
         self, keys: Tensor, values: Tensor, positions: Tensor, key_padding: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """:meth:`extended` for ``MultiHeadAttention``'s step, written into the room where
+        """:meth:`extended` for ``MultiHeadAttention``'s step, written into the buffer where
         it can be: the cache holds what it held until :meth:`store` takes the result (a
         step that raises leaves it as it was; the next step writes over the tokens the
         failed one wrote past the cache's length)."""
         return self._extend(keys, values, positions, key_padding, in_place=True)
 
     def _discard(self) -> None:
-        """Forget what the last step wrote (a step that failed): a room it made goes."""
+        """Forget what the last step wrote (a step that failed): a buffer it made goes."""
         self._written = None
 
     def _extend(
@@ -319,8 +342,8 @@ class KVCache:
         return all_keys, all_values, all_positions, padding
 
     def _writable(self, keys: Tensor, values: Tensor) -> bool:
-        """Whether new keys and values may be written into a room: no gradient recorded
-        (grad mode off), eager, plain tensors (no subclass, which a room would drop) of the
+        """Whether new keys and values may be written into a buffer: no gradient recorded
+        (grad mode off), eager, plain tensors (no subclass, which a buffer would drop) of the
         dtypes and devices of the cached ones."""
         old_keys, old_values = self._keys, self._values
         return (
@@ -332,54 +355,55 @@ class KVCache:
         )
 
     def _write(self, keys: Tensor, values: Tensor, n: int) -> tuple[Tensor, Tensor]:
-        """The ``n`` cached tokens and the new ones, as views of the room, the new ones
-        written into it after the cached ones (a new room first, the cached tokens copied
-        in, where the cache has none or it is full): ``[b, h, n + m, d]`` each. The room
+        """The ``n`` cached tokens and the new ones, as views of the buffer, the new ones
+        written into it after the cached ones (a new buffer first, the cached tokens copied
+        in, where the cache has none or it is full): ``[b, h, n + m, d]`` each. The buffer
         is the cache's once :meth:`store` takes the views."""
         need = n + keys.shape[2]
-        room = self._room
+        buffer = self._buffer
         if (
-            room is None
-            or room[0].shape[2] < need
-            or (room[0].is_inference() and not torch.is_inference_mode_enabled())
+            buffer is None
+            or buffer[0].shape[2] < need
+            or (buffer[0].is_inference() and not torch.is_inference_mode_enabled())
         ):  # none, full, or one a deep copy made in inference mode, written outside it
             capacity = need + max(need // 4, _SPARE_TOKENS)
             if self.capacity is not None and self.capacity >= need:
                 capacity = self.capacity  # asked for, and enough
-            room = tuple(_room_for(t, capacity) for t in (self._keys, self._values))  # type: ignore[arg-type]
-            room[0][:, :, :n].copy_(self._keys)  # type: ignore[arg-type]
-            room[1][:, :, :n].copy_(self._values)  # type: ignore[arg-type]
+            buffer = tuple(_buffer_for(t, capacity) for t in (self._keys, self._values))  # type: ignore[arg-type]
+            buffer[0][:, :, :n].copy_(self._keys)  # type: ignore[arg-type]
+            buffer[1][:, :, :n].copy_(self._values)  # type: ignore[arg-type]
         # through .data: a version counter of its own, so that the views handed out (which
-        # share the room's) keep theirs, and what autograd saved of them stays valid (the
+        # share the buffer's) keep theirs, and what autograd saved of them stays valid (the
         # tokens they reach are never written)
-        room[0].data[:, :, n:need].copy_(keys)
-        room[1].data[:, :, n:need].copy_(values)
-        written = (room[0][:, :, :need], room[1][:, :, :need])  # [b, h, n + m, d] each
-        self._written = (*written, room)  # type: ignore[assignment]
+        buffer[0].data[:, :, n:need].copy_(keys)
+        buffer[1].data[:, :, n:need].copy_(values)
+        written = (buffer[0][:, :, :need], buffer[1][:, :, :need])  # [b, h, n + m, d] each
+        self._written = (*written, buffer)  # type: ignore[assignment]
         return written
 
     def store(
         self, keys: Tensor, values: Tensor, positions: Tensor, key_padding: Tensor | None
     ) -> None:
-        """Hold exactly these entries (what :meth:`extended` or a step returned): the
-        room they were written into, if any, becomes the cache's."""
+        """Hold exactly these entries: what :meth:`extended` returned (new tensors: the
+        cache then holds no buffer), or what ``MultiHeadAttention``'s step wrote into a
+        buffer, which becomes the cache's."""
         written = self._written
-        room = None
+        buffer = None
         if written is not None and keys is written[0] and values is written[1]:
-            room = written[2]
+            buffer = written[2]
         self._keys, self._values, self.positions = keys, values, positions
         self.key_padding = key_padding
-        if room is None or room is not self._room:  # a new room: nothing of it handed out
+        if buffer is None or buffer is not self._buffer:  # new: nothing of it handed out
             self._exposed = 0
-        self._room, self._written = room, None
+        self._buffer, self._written = buffer, None
 
     def __repr__(self) -> str:
         shape = None if self._keys is None else tuple(self._keys.shape)
         return f"KVCache(length={len(self)}, keys={shape})"
 
 
-def _room_for(cached: Tensor, capacity: int) -> Tensor:
-    """An empty ``[b, h, capacity, d]`` room in the dtype and device of ``cached``, made
+def _buffer_for(cached: Tensor, capacity: int) -> Tensor:
+    """An empty ``[b, h, capacity, d]`` buffer in the dtype and device of ``cached``, made
     outside inference mode (an inference tensor cannot be written into outside it)."""
     b, h, _, d = cached.shape
     if torch.is_inference_mode_enabled():
