@@ -549,6 +549,73 @@ def test_masked_keys_and_values_never_reach_a_query(name, backend):
                 torch.testing.assert_close(a, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["auto", "math", "sdpa", "lean"])
+@pytest.mark.parametrize("name", ["none", "alibi", "t5", "relative", "shaw"])
+def test_without_gradients_a_causal_chunk_checks_only_the_keys_it_hides(name, backend):
+    """Without gradients, under the causal mask alone over a chunk of queries at the end of
+    the keys (a decoder's chunk over its cache), a NaN or inf in a key or value some query
+    does not see still reaches none that cannot see it; a NaN in a key every query sees
+    (not checked) makes every query NaN, and a non-finite query its own row alone."""
+    from posenc.engine import Mask, attend
+    from posenc.engine.inputs import hideable
+
+    scheme = None if name == "none" else build_scheme(name, head_dim=8, n=20)
+    if backend == "sdpa" and has_value_term(scheme):
+        pytest.skip("sdpa has no value term")
+    torch.manual_seed(0)
+    b, h, n_q, n_k, d = 2, 2, 4, 20, 8
+    q = torch.randn(b, h, n_q, d, dtype=torch.float64)
+    k, v = (torch.randn(b, h, n_k, d, dtype=torch.float64) for _ in range(2))
+    q_pos, k_pos = torch.arange(n_k - n_q, n_k)[None], torch.arange(n_k)[None]
+    mask = Mask(n_q, n_k, causal=True)
+
+    def run(q, k, v):
+        with torch.no_grad():
+            return attend(
+                q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos, mask=mask, backend=backend
+            )[0]
+
+    clean = run(q, k, v)
+    with torch.no_grad():
+        checked = hideable(q, k, v, mask)
+    assert [t.shape[2] for t in checked] == [n_q, n_q - 1, n_q - 1]  # q; keys 17, 18, 19
+    for fill in (float("nan"), float("inf")):
+        k2, v2 = k.clone(), v.clone()
+        k2[1, :, 17, 0], v2[1, :, 17, 1] = fill, -fill  # hidden from query 0 alone
+        out = run(q, k2, v2)
+        torch.testing.assert_close(out[0], clean[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(out[1, :, :1], clean[1, :, :1], rtol=0, atol=1e-12)
+        assert out[1, :, 1:].isnan().all()
+    k2 = k.clone()
+    k2[1, :, 3, 0] = float("nan")  # seen by every query
+    out = run(q, k2, v)
+    assert out[1].isnan().all()
+    torch.testing.assert_close(out[0], clean[0], rtol=0, atol=1e-12)
+    for fill in (float("nan"), float("inf"), float("-inf")):  # a query's own: its row NaN
+        q2 = q.clone()
+        q2[0, :, 1, 2] = fill
+        out = run(q2, k, v)
+        assert out[0, :, 1].isnan().all()
+        rows = [0, 2, 3]
+        torch.testing.assert_close(out[0, :, rows], clean[0, :, rows], rtol=0, atol=1e-12)
+        torch.testing.assert_close(out[1], clean[1], rtol=0, atol=1e-12)
+
+
+def test_the_keys_checked_for_non_finite_values():
+    """All of q, k, v with gradients, another mask, or more queries than keys."""
+    from posenc.engine import Mask
+    from posenc.engine.inputs import hideable
+
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4)
+    with torch.no_grad():
+        assert [t.shape[2] for t in hideable(q, k, v, Mask(3, 9, causal=True))] == [3, 2, 2]
+        padding = torch.zeros(1, 9, dtype=torch.bool)
+        assert len(hideable(q, k, v, Mask(3, 9, causal=True, key_padding=padding))) == 3
+        assert len(hideable(k, q, q, Mask(9, 3, causal=True))) == 3
+        assert len(hideable(q, k, v, Mask(3, 9, causal=True, behind=4))) == 3
+    assert len(hideable(q, k, v, Mask(3, 9, causal=True))) == 3  # grad mode
+
+
 # ----- the functional form and explain ------------------------------------------------------
 
 

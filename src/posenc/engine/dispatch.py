@@ -22,7 +22,7 @@ from ..hooks import Hooks, checked_hooks, hooks_of
 from . import compiled, kept, sdpa
 from .blocks import _by_blocks, _mask_blocks
 from .flex import _flex
-from .inputs import default_scale, finite, repeat_heads, sees_any, zeroed_non_finite
+from .inputs import default_scale, finite, hideable, repeat_heads, sees_any, zeroed_non_finite
 from .lean_plans import (
     _plan_grid_bias,
     _plan_grid_term,
@@ -111,7 +111,7 @@ def attend(
     if out is not None:
         return out, None
     hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
-    if mask.empty or (not torch.compiler.is_compiling() and finite(q, k, v)):
+    if mask.empty or (not torch.compiler.is_compiling() and finite(*hideable(q, k, v, mask))):
         return _attend(
             q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale,
             request,

@@ -60,6 +60,22 @@ def finite(*xs: Tensor) -> bool:
     return _finite(xs)
 
 
+def hideable(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, ...]:
+    """What :func:`finite` must read so that a non-finite value the mask hides reaches no
+    query: ``q``, ``k`` and ``v``; without gradients (grad mode off) under the causal mask
+    alone over at most as many queries as keys (aligned at the end: a decoder's chunk over
+    its cache), ``q`` and only the keys and values some query does not see, the last
+    ``n_q - 1``. The others every query reads, as an unmasked call reads all keys: a NaN
+    among them makes every query NaN whatever the path (as the careful path would), and
+    an infinity meets the scores as in an unmasked call (NaN, or a key whose score is
+    ``-inf`` and weighs nothing). With gradients all are read: a query's NaN would reach
+    the gradients of the keys it does not see."""
+    if torch.is_grad_enabled() or not (mask.causal_at_most and mask.n_q <= mask.n_k):
+        return q, k, v
+    first = mask.n_k - mask.n_q + 1  # keys 0 .. first - 1: seen by every query
+    return q, k[:, :, first:], v[:, :, first:]  # [b, h, n_q (- 1), d] each
+
+
 def _finite(xs: tuple[Tensor, ...]) -> bool:
     """:func:`finite` with no graph recorded."""
     sums = [x.sum(dtype=torch.promote_types(x.dtype, torch.float32)) for x in xs if x.numel()]
