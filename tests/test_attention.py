@@ -553,9 +553,11 @@ def test_masked_keys_and_values_never_reach_a_query(name, backend):
 @pytest.mark.parametrize("name", ["none", "alibi", "t5", "relative", "shaw"])
 def test_without_gradients_a_causal_chunk_checks_only_the_keys_it_hides(name, backend):
     """Without gradients, under the causal mask alone over a chunk of queries at the end of
-    the keys (a decoder's chunk over its cache), a NaN or inf in a key or value some query
-    does not see still reaches none that cannot see it; a NaN in a key every query sees
-    (not checked) makes every query NaN, and a non-finite query its own row alone."""
+    the keys (a decoder's chunk over its cache), only q and the last n_q keys and values
+    are checked for non-finite values: one in a key or value some query does not see still
+    reaches none that cannot see it; a NaN in a key every query sees (not checked) makes
+    every query NaN; a non-finite query its own row alone; and keys of query 0 that all
+    score -inf leave the keys it does not see weighing nothing."""
     from posenc.engine import Mask, attend
     from posenc.engine.inputs import hideable
 
@@ -566,19 +568,21 @@ def test_without_gradients_a_causal_chunk_checks_only_the_keys_it_hides(name, ba
     b, h, n_q, n_k, d = 2, 2, 4, 20, 8
     q = torch.randn(b, h, n_q, d, dtype=torch.float64)
     k, v = (torch.randn(b, h, n_k, d, dtype=torch.float64) for _ in range(2))
-    q_pos, k_pos = torch.arange(n_k - n_q, n_k)[None], torch.arange(n_k)[None]
     mask = Mask(n_q, n_k, causal=True)
 
     def run(q, k, v):
+        n_q, n_k = q.shape[2], k.shape[2]
+        q_pos, k_pos = torch.arange(n_k - n_q, n_k)[None], torch.arange(n_k)[None]
         with torch.no_grad():
             return attend(
-                q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos, mask=mask, backend=backend
-            )[0]
+                q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos,
+                mask=Mask(n_q, n_k, causal=True), backend=backend,
+            )[0]  # fmt: skip
 
     clean = run(q, k, v)
     with torch.no_grad():
         checked = hideable(q, k, v, mask)
-    assert [t.shape[2] for t in checked] == [n_q, n_q - 1, n_q - 1]  # q; keys 17, 18, 19
+    assert [t.shape[2] for t in checked] == [n_q] * 3  # q; keys 16 .. 19
     for fill in (float("nan"), float("inf")):
         k2, v2 = k.clone(), v.clone()
         k2[1, :, 17, 0], v2[1, :, 17, 1] = fill, -fill  # hidden from query 0 alone
@@ -599,21 +603,58 @@ def test_without_gradients_a_causal_chunk_checks_only_the_keys_it_hides(name, ba
         rows = [0, 2, 3]
         torch.testing.assert_close(out[0, :, rows], clean[0, :, rows], rtol=0, atol=1e-12)
         torch.testing.assert_close(out[1], clean[1], rtol=0, atol=1e-12)
+    # query 0 of 3 over 5 keys sees keys 0 .. 2, which score -inf for it but for key 2,
+    # which is checked: the values of keys 3 and 4, which it does not see, weigh nothing
+    q3 = torch.randn(1, h, 3, d, dtype=torch.float64)
+    q3[..., 0] = 1.0
+    k3 = torch.randn(1, h, 5, d, dtype=torch.float64)
+    k3[0, :, :2, 0] = float("-inf")
+    outs = []
+    for hidden in (0.0, 100.0):
+        v3 = torch.zeros(1, h, 5, d, dtype=torch.float64)
+        v3[0, :, 3:] = hidden
+        outs.append(run(q3, k3, v3)[:, :, 0])
+    assert torch.equal(outs[0], outs[1])
+    for n in (3, 5):  # as many queries as keys: all checked, each query NaN that sees one
+        k3 = torch.randn(1, h, n, d, dtype=torch.float64)
+        k3[0, :, 0, 0] = float("nan")
+        assert run(torch.randn(1, h, n, d, dtype=torch.float64), k3, k3).isnan().all()
 
 
 def test_the_keys_checked_for_non_finite_values():
-    """All of q, k, v with gradients, another mask, or more queries than keys."""
+    """q and the last n_q keys without gradients under the causal mask alone over fewer
+    queries than keys; all of q, k, v with gradients, another mask, as many queries as
+    keys, or a contextual term."""
     from posenc.engine import Mask
     from posenc.engine.inputs import hideable
 
     q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4)
     with torch.no_grad():
-        assert [t.shape[2] for t in hideable(q, k, v, Mask(3, 9, causal=True))] == [3, 2, 2]
+        assert [t.shape[2] for t in hideable(q, k, v, Mask(3, 9, causal=True))] == [3, 3, 3]
         padding = torch.zeros(1, 9, dtype=torch.bool)
         assert len(hideable(q, k, v, Mask(3, 9, causal=True, key_padding=padding))) == 3
-        assert len(hideable(k, q, q, Mask(9, 3, causal=True))) == 3
-        assert len(hideable(q, k, v, Mask(3, 9, causal=True, behind=4))) == 3
-    assert len(hideable(q, k, v, Mask(3, 9, causal=True))) == 3  # grad mode
+        assert hideable(k, k, v, Mask(9, 9, causal=True))[1] is k
+        assert hideable(q, k, v, Mask(3, 9, causal=True, behind=4))[1] is k
+        assert hideable(q, k, v, Mask(3, 9, causal=True), contextual=True)[1] is k
+    assert hideable(q, k, v, Mask(3, 9, causal=True))[1] is k  # grad mode
+
+
+def test_a_contextual_term_in_a_causal_chunk_gives_nan_for_a_nan_key():
+    """CoPE's gates index its table with the logits: a NaN key every query sees is
+    checked, and the queries that see it get NaN (not an index error)."""
+    from posenc.engine import Mask, attend
+
+    scheme = build_scheme("cope", heads=2, head_dim=8, n=20)
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 4, 8)
+    k, v = torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    k[0, :, 2, 0] = float("nan")
+    with torch.no_grad():
+        out = attend(
+            q, k, v, scheme=scheme, q_pos=torch.arange(16, 20)[None],
+            k_pos=torch.arange(20)[None], mask=Mask(4, 20, causal=True),
+        )[0]  # fmt: skip
+    assert out.isnan().all()
 
 
 # ----- the functional form and explain ------------------------------------------------------

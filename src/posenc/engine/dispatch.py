@@ -111,7 +111,10 @@ def attend(
     if out is not None:
         return out, None
     hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
-    if mask.empty or (not torch.compiler.is_compiling() and finite(*hideable(q, k, v, mask))):
+    if mask.empty or (
+        not torch.compiler.is_compiling()
+        and finite(*hideable(q, k, v, mask, hooks.contextual_term is not None))
+    ):
         return _attend(
             q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale,
             request,

@@ -60,20 +60,28 @@ def finite(*xs: Tensor) -> bool:
     return _finite(xs)
 
 
-def hideable(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, ...]:
+def hideable(
+    q: Tensor, k: Tensor, v: Tensor, mask: Mask, contextual: bool = False
+) -> tuple[Tensor, ...]:
     """What :func:`finite` must read so that a non-finite value the mask hides reaches no
-    query: ``q``, ``k`` and ``v``; without gradients (grad mode off) under the causal mask
-    alone over at most as many queries as keys (aligned at the end: a decoder's chunk over
-    its cache), ``q`` and only the keys and values some query does not see, the last
-    ``n_q - 1``. The others every query reads, as an unmasked call reads all keys: a NaN
-    among them makes every query NaN whatever the path (as the careful path would), and
-    an infinity meets the scores as in an unmasked call (NaN, or a key whose score is
-    ``-inf`` and weighs nothing). With gradients all are read: a query's NaN would reach
-    the gradients of the keys it does not see."""
-    if torch.is_grad_enabled() or not (mask.causal_at_most and mask.n_q <= mask.n_k):
+    query: ``q``, ``k`` and ``v``; without gradients (grad mode off), under the causal mask
+    alone over fewer queries than keys (aligned at the end: a decoder's chunk over its
+    cache) and for a scheme without a contextual term, ``q`` and the last ``n_q`` keys and
+    values only. Those are the keys some query does not see, and the last key query 0
+    sees: each query then sees a checked, finite key, so that its row's largest score is
+    finite and the keys it does not see weigh exactly 0. The keys every query sees before
+    that one meet the scores as in an unmasked call, which checks nothing: a NaN there
+    makes every query NaN, an infinite key NaN (a score of ``+inf``) or nothing (a score
+    of ``-inf``), an infinite value an infinity or NaN in its channel. With gradients all
+    are read (a query's NaN would reach the gradients of the keys it does not see), and
+    so they are for a contextual term (CoPE's gates index its table with them)."""
+    n_q, n_k = mask.n_q, mask.n_k
+    if torch.is_grad_enabled() or contextual or not (mask.causal and mask.causal_at_most):
         return q, k, v
-    first = mask.n_k - mask.n_q + 1  # keys 0 .. first - 1: seen by every query
-    return q, k[:, :, first:], v[:, :, first:]  # [b, h, n_q (- 1), d] each
+    if n_q >= n_k:  # every key is some query's last: all of them
+        return q, k, v
+    first = n_k - n_q  # keys 0 .. first - 1: seen by every query, with key `first`
+    return q, k[:, :, first:], v[:, :, first:]  # [b, h, n_q, d] each
 
 
 def _finite(xs: tuple[Tensor, ...]) -> bool:
