@@ -355,3 +355,23 @@ def test_errors_name_the_argument_and_the_fix():
         posenc.as_attn_mask(cope, 4)
     with pytest.raises(TypeError, match="adds a contextual term .CoPE."):
         posenc.flex.score_mod(cope, q=q)
+
+
+@pytest.mark.parametrize("backend", ["math", "auto"])
+def test_a_nan_key_gives_nan_not_an_index_error(backend):
+    """A NaN logit makes its gate, and so the positions of the keys before it, NaN: the
+    term reads column 0 there and is NaN (an index made of NaN was out of range), and
+    every query that sees the key gets NaN."""
+    torch.manual_seed(0)
+    scheme = CoPE(2, 8, 6)
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    k[0, :, 2, 0] = float("nan")
+    positions = torch.tensor([[0.5, float("nan"), 2.0]])
+    term = interpolated_term(torch.randn(1, 1, 1, 8), positions[None, None], torch.randn(8, 6))
+    assert term[..., 1].isnan().all() and not term[..., [0, 2]].isnan().any()
+    for causal in (False, True):
+        out = attention(q, k, v, position=scheme, causal=causal, backend=backend)
+        seeing = slice(2, 5) if causal else slice(0, 5)
+        assert out[:, :, seeing].isnan().all()
+        if causal:
+            assert not out[:, :, :2].isnan().any()

@@ -73,10 +73,12 @@ def interpolated_term(q: Tensor, positions: Tensor, weight: Tensor) -> Tensor:
     wide = torch.promote_types(torch.promote_types(q.dtype, weight.dtype), positions.dtype)
     wide = torch.promote_types(wide, torch.float32)
     at_columns = q.to(wide) @ weight.to(wide)  # [b, h, n_q, P]: q_i . e[k]
-    floor = positions.floor()
-    share = (positions - floor).to(wide)  # [b, h, n_q, n_k]: the weight of e[ceil p]
-    low = at_columns.gather(-1, floor.long())  # [b, h, n_q, n_k]
-    high = at_columns.gather(-1, positions.ceil().long())
+    share = (positions - positions.floor()).to(wide)  # [b, h, n_q, n_k]: the weight of e[ceil p]
+    # a NaN position (the gate of a NaN logit) reads column 0, and its NaN share makes the
+    # term NaN (an index made of NaN would be out of range)
+    index = positions.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    low = at_columns.gather(-1, index.floor().long())  # [b, h, n_q, n_k]
+    high = at_columns.gather(-1, index.ceil().long())
     return high * share + low * (1 - share)
 
 
