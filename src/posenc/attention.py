@@ -421,7 +421,7 @@ class MultiHeadAttention(nn.Module):
             out = self.out_proj(out.transpose(1, 2).reshape(b, n_q, self.dim))
             # [b, h, n_q, d] -> [b, n_q, h, d] -> [b, n_q, dim]
         except BaseException:
-            if cache is not None:  # the step failed: a room it made is let go
+            if cache is not None:  # the step failed: a buffer it made is let go
                 cache._discard()
             raise
         if cache is not None and entries is not None:
