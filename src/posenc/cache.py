@@ -94,7 +94,7 @@ class KVCache:
 
     def __init__(self, capacity: int | None = None) -> None:
         if capacity is not None:
-            check.positive_int("capacity", capacity, hint=", or None to size the buffer by need")
+            check.positive_int("capacity", capacity, hint="; pass None to size the buffer by need")
         self.capacity = capacity
         self._keys: Tensor | None = None
         self._values: Tensor | None = None
