@@ -246,6 +246,12 @@ def _tokens(cache):
     return keys.untyped_storage().nbytes() // (keys.element_size() * keys[:, :, :1].numel())
 
 
+def _prefill_and_step(attn, x, cache):
+    """The outputs of a prefill of 4 tokens of ``x`` and of one step (the 5th): the step
+    makes the cache's buffer."""
+    return [attn(x[:, :4], causal=True, cache=cache), attn(x[:, 4:5], causal=True, cache=cache)]
+
+
 def _append(cache, seed, m=1):
     k, v = _kv(m=m, seed=seed)
     cache.append(k, v, cache._following(m, torch.device("cpu")), None)
@@ -351,10 +357,7 @@ def test_crop_for_speculative_decoding_equals_the_full_pass():
     with torch.no_grad():
         full = attn(x, causal=True)
         cache = KVCache()
-        steps = [
-            attn(x[:, :4], causal=True, cache=cache),
-            attn(x[:, 4:5], causal=True, cache=cache),
-        ]
+        steps = _prefill_and_step(attn, x, cache)
         attn(drafts, causal=True, cache=cache)  # three drafts at once, rejected
         assert len(cache) == 8
         cache.crop(5)
@@ -484,10 +487,7 @@ def test_a_deep_copy_made_in_inference_mode_decodes_outside_it():
     with torch.inference_mode():
         full = attn(x, causal=True)
         cache = KVCache()
-        steps = [
-            attn(x[:, :4], causal=True, cache=cache),
-            attn(x[:, 4:5], causal=True, cache=cache),
-        ]
+        steps = _prefill_and_step(attn, x, cache)
         beam = copy.deepcopy(cache)  # its buffer an inference tensor
     with torch.no_grad():
         steps += [attn(x[:, t : t + 1], causal=True, cache=beam) for t in range(5, 8)]

@@ -406,10 +406,8 @@ def _buffer_for(cached: Tensor, capacity: int) -> Tensor:
     """An empty ``[b, h, capacity, d]`` buffer in the dtype and device of ``cached``, made
     outside inference mode (an inference tensor cannot be written into outside it)."""
     b, h, _, d = cached.shape
-    if torch.is_inference_mode_enabled():
-        with torch.inference_mode(False):
-            return torch.empty(b, h, capacity, d, dtype=cached.dtype, device=cached.device)
-    return torch.empty(b, h, capacity, d, dtype=cached.dtype, device=cached.device)
+    with torch.inference_mode(False):  # (made once per buffer: no need to test the mode)
+        return torch.empty(b, h, capacity, d, dtype=cached.dtype, device=cached.device)
 
 
 def _run_of_one_row(positions: Tensor) -> tuple[int, int] | None:

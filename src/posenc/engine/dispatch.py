@@ -536,11 +536,7 @@ def explain_call(
     path = kept.kept_path(request) if kept.keyable(scheme) else None
     if path is not None and path != name:  # a route kept at another key count of the band
         order = [each.name for each in PATHS[backend]]
-        before = {
-            p: why
-            for p, why in reasons.items()
-            if p in order and order.index(p) < order.index(path)
-        }
+        before = {p: reasons[p] for p in order[: order.index(path)] if p in reasons}
         before[name] = (
             "the route kept for this call's signature is replayed (one query without "
             "gradients: the signature holds the key count's power of two, and another "

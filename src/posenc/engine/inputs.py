@@ -76,9 +76,8 @@ def hideable(
     are read (a query's NaN would reach the gradients of the keys it does not see), and
     so they are for a contextual term (CoPE's gates index its table with them)."""
     n_q, n_k = mask.n_q, mask.n_k
-    if torch.is_grad_enabled() or contextual or not (mask.causal and mask.causal_at_most):
-        return q, k, v
-    if n_q >= n_k:  # every key is some query's last: all of them
+    chunk = mask.causal and mask.causal_at_most and n_q < n_k  # (n_q >= n_k: every key hides)
+    if torch.is_grad_enabled() or contextual or not chunk:
         return q, k, v
     first = n_k - n_q  # keys 0 .. first - 1: seen by every query, with key `first`
     return q, k[:, :, first:], v[:, :, first:]  # [b, h, n_q, d] each

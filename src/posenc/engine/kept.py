@@ -7,7 +7,8 @@ over as many queries as keys (a decoder's call: no padding, documents, window no
 ``attn_mask``), the paths up to the materialised one (``sdpa``, ``math``, ``flex``,
 ``materialised``: :data:`.dispatch.PATHS`) decide on the mask's kind (none or causal),
 the scheme's hooks (which it defines, and where), the queries' shape, dtype and device,
-the keys' count (for one query without gradients, its power of two: below), the backend, the modes of torch (``torch.compile``, ``torch.jit.trace``,
+the keys' count (for one query without gradients, its power of two: below), the
+backend, the modes of torch (``torch.compile``, ``torch.jit.trace``,
 a dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), the
 thread count and the tuning constants (:mod:`.tuning`) alone; in grad mode also on which
 of ``q, k, v`` and of the scheme's parameters and buffers ask for a gradient, and on what the
@@ -266,11 +267,12 @@ def _routes(scheme: Any) -> _Routes | None:
         return None
 
 
-def record(route: Route, call: Request, key: tuple[Any, ...], path: str = "") -> None:
+def record(route: Route, call: Request, key: tuple[Any, ...], path: str) -> None:
     """Keep ``route``, which the dispatcher chose for this call, under ``key``, the call's
     :func:`signature` read before the route ran (a hook that changes what the key holds
     while it runs must not file the route under the state it left), at most
-    :data:`.tuning.KEPT_ROUTES` per scheme: a new signature past them empties the scheme's
+    :data:`.tuning.KEPT_ROUTES` per scheme (with ``path``, the name of the path that chose
+    it: :func:`kept_path`): a new signature past them empties the scheme's
     routes first. A scheme that cannot key a weak dictionary keeps none
     (:func:`keyable`)."""
     routes = _routes(call.scheme)
