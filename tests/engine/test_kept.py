@@ -1626,28 +1626,84 @@ def test_a_causal_replay_in_one_buffer_reads_q_and_k_in_its_logits(
         assert torch.equal(out[:, :, ~sees], clean[:, :, ~sees])
 
 
-@pytest.mark.parametrize("n_q", [1, 2])
-def test_a_causal_call_of_fewer_queries_than_keys_keeps_a_route_for_one_query_alone(n_q, walks):
-    """A few tokens decoded at once (queries aligned at the end of more keys) take the
-    dispatcher each time: the causal key holds as many queries as keys alone. One query
-    sees every key: its causal mask is none (Mask drops it), so that the step replays the
-    route kept for it as an unmasked call, and equals that call."""
-    scheme = ALiBi(H)
+@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("n_q", [1, 2, 5])
+def test_a_causal_chunk_over_more_keys_replays_what_the_dispatcher_gives(name, n_q, walks):
+    """A few tokens at once over a cache (queries aligned at the end of more keys, as a
+    speculative decoder's drafts checked at once) keep their route: the second call walks
+    no path, and equals the dispatcher's answer with no route kept to the bit, which is
+    the definition's (float64: query ``i`` sees the keys up to ``i + n_k - n_q``). One
+    query sees every key: Mask drops its causal mask, so that the step replays the route
+    of the unmasked call."""
+    scheme = _learned(name)
     torch.manual_seed(0)
     q = torch.randn(B, H, n_q, D)
     k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
     q_pos, k_pos = run_positions(N - n_q, n_q), run_positions(0, N)
+    mask = Mask(n_q, N, causal=True)
     with torch.no_grad():
         first = _causal(scheme, q, k, v)
+        walked = len(walks)
         again = _causal(scheme, q, k, v)
-        assert len(walks) == (1 if n_q == 1 else 2) and torch.equal(first, again)
+        assert len(walks) == walked == 1, "replayed"
         if n_q == 1:
             unmasked = attend(q, k, v, scheme=scheme, q_pos=q_pos, k_pos=k_pos, mask=Mask(1, N))
             assert len(walks) == 1, "the unmasked call's route is the step's"
             assert torch.equal(first, unmasked[0])
-    request = kept.Request(q, k, v, scheme, q_pos, k_pos, Mask(n_q, N, causal=True), "auto",
-                           0.0, False)  # fmt: skip
-    assert (kept.signature(request) is None) == (n_q > 1)
+        request = kept.Request(q, k, v, scheme, q_pos, k_pos, mask, "auto", 0.0, False)
+        assert kept.signature(request) is not None
+        want = _walked(lambda: _causal(scheme, q, k, v))
+    assert torch.equal(first, again) and torch.equal(first, want)
+    dscheme = None if scheme is None else scheme.double()
+    ref = attend(
+        q.double(), k.double(), v.double(), scheme=dscheme, q_pos=q_pos, k_pos=k_pos,
+        mask=mask, backend="math",
+    )[0]  # fmt: skip
+    if dscheme is None or hasattr(dscheme, "score_bias"):  # the definition, written out here
+        scores = q.double() @ k.double().transpose(-1, -2) / D**0.5  # [b, h, n_q, n_k]
+        if dscheme is not None:
+            scores = scores + dscheme.score_bias(q_pos, k_pos)
+        hidden = torch.ones(n_q, N, dtype=torch.bool).triu(N - n_q + 1)  # j > i + n_k - n_q
+        ref = scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v.double()
+    torch.testing.assert_close(first.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_a_causal_call_of_more_queries_than_keys_keeps_no_route():
+    """More queries than keys (queries that see no key): no key, the dispatcher each time."""
+    scheme = ALiBi(H)
+    q, k, v = torch.randn(B, H, 6, D), torch.randn(B, H, 4, D), torch.randn(B, H, 4, D)
+    request = kept.Request(
+        q, k, v, scheme, run_positions(0, 6), run_positions(0, 4), Mask(6, 4, causal=True),
+        "auto", 0.0, False,
+    )  # fmt: skip
+    assert kept.signature(request) is None
+
+
+@pytest.mark.parametrize("bad", [("q", 1), ("k", -1), ("k", -4), ("v", -1), ("v", 0)])
+def test_a_chunks_replay_leaves_non_finite_values_to_the_dispatcher(bad, walks):
+    """A NaN after a kept chunk's route, in ``q``, in a key or value some query does not
+    see (the last ``n_q``), or in a value every query sees: the call takes the dispatcher
+    (a value every query sees unchecked: the replay gives it to every query as the
+    dispatcher does), whose answer it is, to the bit."""
+    scheme = ALiBi(H)
+    torch.manual_seed(0)
+    n_q = 4
+    q = torch.randn(B, H, n_q, D)
+    k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    name, token = bad
+    inputs = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+    inputs[name][:, :, token, 0] = float("nan")
+    with torch.no_grad():
+        _causal(scheme, q, k, v)
+        walked = len(walks)
+        out = _causal(scheme, *inputs.values())
+        checked = len(walks) == walked + 1  # the dispatcher ran it
+        want = _walked(lambda: _causal(scheme, *inputs.values()))
+    assert checked == (name != "v" or token != 0), "what the dispatcher checks, no more"
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+    assert out.isnan().any()
+    if name == "k" and token == -1:  # hidden from every query but the last
+        assert out[:, :, -1].isnan().all() and not out[:, :, :-1].isnan().any()
 
 
 # ----- one query: the key count's band ------------------------------------------------------
@@ -1662,40 +1718,77 @@ def _step(scheme, q, k, v, n_k, backend="auto"):
     )[0]  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(SCHEMES))
-def test_decoding_steps_replay_per_power_of_two_of_their_keys(name, walks):
-    """Steps of a growing cache without gradients walk once per band of key counts, ``[2^(m
-    - 1), 2^m)``, and give what the dispatcher gives at each count to the bit; with two
-    queries, or gradients, each count walks (its exact count is in the key)."""
+def _chunk(scheme, q, k, v, n_k):
+    """``q``'s queries at the end of ``n_k`` keys, under the causal mask (a speculative
+    decoder's drafts checked at once over its cache)."""
+    n_q = q.shape[2]
+    return attend(
+        q, k[:, :, :n_k], v[:, :, :n_k], scheme=scheme, q_pos=run_positions(n_k - n_q, n_q),
+        k_pos=run_positions(0, n_k), mask=Mask(n_q, n_k, causal=True),
+    )[0]  # fmt: skip
+
+
+def _band_scheme(name):
     scheme = _learned(name)
     if name.startswith("swin"):  # a table long enough (a grid: 1-D instead)
         scheme = RelativePositionBias((1, 64), H)
     elif name == "relative":
         scheme = RelativeQueryEmbedding(128, D)
+    return scheme
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_decoding_steps_replay_per_power_of_two_of_their_keys(name, walks):
+    """Steps of a growing cache without gradients walk once per band of key counts, ``[2^(m
+    - 1), 2^m)``, and give what the dispatcher gives at each count to the bit; so do a few
+    queries at once under the causal mask (fewer than the band's least count)."""
+    scheme = _band_scheme(name)
     torch.manual_seed(0)
-    q = torch.randn(B, H, 1, D)
+    q, q3 = torch.randn(B, H, 1, D), torch.randn(B, H, 3, D)
     k, v = torch.randn(B, H, 40, D), torch.randn(B, H, 40, D)
     counts = range(3, 41)
+    chunk_counts = range(5, 41)  # 3 queries below each band's least count from [4, 8) on
     with torch.no_grad():
         steps = [_step(scheme, q, k, v, n) for n in counts]
         assert len(walks) == len({n.bit_length() for n in counts}) == 5  # 3, 4-7 ... 32-40
+        walks.clear()
+        chunks = [_chunk(scheme, q3, k, v, n) for n in chunk_counts]
+        assert len(walks) == 4  # 5-7, 8-15, 16-31, 32-40
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(tuning, "KEPT_ROUTES", 0)  # the dispatcher at each count
             walked = [_step(scheme, q, k, v, n) for n in counts]
+            walked_chunks = [_chunk(scheme, q3, k, v, n) for n in chunk_counts]
     assert all(torch.equal(a, b) for a, b in zip(steps, walked, strict=True))
-    walks.clear()
-    q2 = torch.randn(B, H, 2, D)
-    with torch.no_grad():
-        for n in range(8, 14):  # unmasked (a route is kept): each count its own key
-            attend(
-                q2, k[:, :, :n], v[:, :, :n], scheme=scheme, q_pos=run_positions(n - 2, 2),
-                k_pos=run_positions(0, n), mask=Mask(2, n),
-            )  # fmt: skip
-        attend(
-            q2, k[:, :, :9], v[:, :, :9], scheme=scheme, q_pos=run_positions(7, 2),
-            k_pos=run_positions(0, 9), mask=Mask(2, 9),
+    assert all(torch.equal(a, b) for a, b in zip(chunks, walked_chunks, strict=True))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_more_queries_than_a_band_holds_walk_at_each_key_count(causal, walks, monkeypatch):
+    """Past ``KEPT_BAND_QUERIES`` queries, or as many queries as the band's least key count
+    or more, each key count has a key of its own: each walks, once."""
+    monkeypatch.setattr(tuning, "KEPT_BAND_QUERIES", 2)
+    scheme = ALiBi(H)
+    torch.manual_seed(0)
+    k, v = torch.randn(B, H, 40, D), torch.randn(B, H, 40, D)
+
+    def call(q, n):
+        n_q = q.shape[2]
+        return attend(
+            q, k[:, :, :n], v[:, :, :n], scheme=scheme, q_pos=run_positions(n - n_q, n_q),
+            k_pos=run_positions(0, n), mask=Mask(n_q, n, causal=causal),
         )  # fmt: skip
-    assert len(walks) == 6, "two queries: each key count walks, once"
+
+    with torch.no_grad():
+        for n in (*range(8, 14), 9):  # 3 queries, past KEPT_BAND_QUERIES
+            call(torch.randn(B, H, 3, D), n)
+        assert len(walks) == 6, "each key count walks, once"
+        walks.clear()
+        for n in range(4, 8):  # 2 queries: within the band [4, 8) but for 2 <= its least 4
+            call(torch.randn(B, H, 2, D), n)
+        assert len(walks) == 1
+        for n in (2, 3):  # band [2, 4): 2 queries are not fewer than 2
+            call(torch.randn(B, H, 2, D), n)
+        assert len(walks) == 3
 
 
 def test_with_gradients_each_key_count_walks(walks):

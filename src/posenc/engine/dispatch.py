@@ -46,10 +46,10 @@ class Explanation:
     """What :func:`posenc.explain` reports: the path taken and, for each path before it in
     the order ``backend`` walks, why it was not; and whether the route is kept, so that
     after a first call the calls of the same signature (shapes, dtypes, device, backend,
-    grad flags, ...; for one query without gradients, the key count's power of two)
+    grad flags, ...; for a few queries without gradients, the key count's power of two)
     replay it without choosing the path again (:mod:`.kept`; never for a scheme that
     cannot key a weak dictionary: :func:`.kept.keyable`). Where a route kept at another
-    key count of a one-query call's band is replayed, ``path`` is that route's, and the
+    key count of a few queries' band is replayed, ``path`` is that route's, and the
     path the dispatcher would choose says so among the reasons."""
 
     path: str
@@ -538,7 +538,7 @@ def explain_call(
         order = [each.name for each in PATHS[backend]]
         before = {p: reasons[p] for p in order[: order.index(path)] if p in reasons}
         before[name] = (
-            "the route kept for this call's signature is replayed (one query without "
+            "the route kept for this call's signature is replayed (few queries without "
             "gradients: the signature holds the key count's power of two, and another "
             f"count of it chose {path})"
         )

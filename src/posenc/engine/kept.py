@@ -3,11 +3,11 @@ walk, for calls whose route is one SDPA call (or, without gradients, the forward
 in one buffer).
 
 For a call without dropout or weights asked for, unmasked or with the causal mask alone
-over as many queries as keys (a decoder's call: no padding, documents, window nor
-``attn_mask``), the paths up to the materialised one (``sdpa``, ``math``, ``flex``,
+over at most as many queries as keys, aligned at the end (a decoder's call, or its chunk
+over a cache: no padding, documents, window nor ``attn_mask``), the paths up to the materialised one (``sdpa``, ``math``, ``flex``,
 ``materialised``: :data:`.dispatch.PATHS`) decide on the mask's kind (none or causal),
 the scheme's hooks (which it defines, and where), the queries' shape, dtype and device,
-the keys' count (for one query without gradients, its power of two: below), the
+the keys' count (for a few queries without gradients, its power of two: below), the
 backend, the modes of torch (``torch.compile``, ``torch.jit.trace``,
 a dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), the
 thread count and the tuning constants (:mod:`.tuning`) alone; in grad mode also on which
@@ -49,25 +49,28 @@ the dispatcher, which calls the hooks again and raises where it must; the forwar
 buffer calls the checked hooks themselves, which raise the dispatcher's error). A causal
 call runs the path's own SDPA call with its mask (:func:`~.sdpa._sdpa`: the mask folded
 into the bias, or SDPA's ``is_causal``) after the dispatcher's check that ``q``, ``k``
-and ``v`` are finite (a value that is not takes the dispatcher, which zeroes the tokens
-the mask hides), or the forward in one buffer with it, after that check of ``v`` alone:
-it reads ``q``'s and ``k``'s in the sum of its logits (:func:`replay`). A replay computes
+and ``v`` are finite (:func:`~.inputs.hideable`: for a chunk without gradients, ``q`` and
+the last ``n_q`` keys and values; a value that is not takes the dispatcher, which zeroes
+the tokens the mask hides), or the forward in one buffer with it, after that check of
+``v`` alone: it reads ``q``'s and ``k``'s in the sum of its logits (:func:`replay`). A replay computes
 what the path computes, with the same call, so it gives the same values: only the walk's Python is
 saved.
 
-One query without gradients (a decoding step, whose cache grows by a key each step) is
-keyed by its key count's power of two, ``n_k`` in ``[2^(m-1), 2^m)``, not by the count
-itself, so that the steps of a growing cache replay the route the first call of the band
-kept. Any route computes the call's attention (the hooks are called on the call's
-positions and the bias checked), so this changes only which path runs, and the last bits
-of its values, which then depend on the count that chose the route. The choice for one
-query moves with its key count only at limits of scores and pairs: the materialised path
-below them (with the bias alone through SDPA's fused kernel past the scores' budget, a
-route not kept; one buffer or SDPA by the ``OPS_IN_PLACE_*`` limits), the lean paths
-above, which keep no route. So a band replays a materialised route at up to twice the key
-count of a limit it crosses, where what it writes per call (its scores and weights, a
-term's logits per offset) is a few ``[b, h, 1, n_k]`` tensors, against the keys' and
-values' ``[b, h, n_k, d]`` each. :func:`posenc.explain` reports the route replayed.
+A few queries without gradients over more keys (at most :data:`.tuning.KEPT_BAND_QUERIES`,
+fewer than the least key count of the band: a decoding step, or a speculative decoder's
+drafts checked at once, whose cache grows from one call to the next) are keyed by the key
+count's power of two, ``n_k`` in ``[2^(m-1), 2^m)``, not by the count itself, so that the
+calls of a growing cache replay the route the first call of the band kept. Any route
+computes the call's attention (the hooks are called on the call's positions and the bias
+checked), so this changes only which path runs, and the last bits of its values, which
+then depend on the count that chose the route. The choice for few queries moves with
+their key count only at limits of scores and pairs: the materialised path below them (with
+the bias alone through SDPA's fused kernel past the scores' budget, a route not kept; one
+buffer or SDPA by the ``OPS_IN_PLACE_*`` limits), the lean paths above, which keep no
+route. So a band replays a materialised route at up to twice the key count of a limit it
+crosses, where what it writes per call (its scores and weights, a term's logits per
+offset) is a few ``[b, h, n_q, n_k]`` tensors, against the keys' and values' ``[b, h,
+n_k, d]`` each. :func:`posenc.explain` reports the route replayed.
 
 :func:`posenc.attention` and :class:`~posenc.MultiHeadAttention`, called with ``q, k, v``
 alone (default positions, nothing masked, no dropout, cache nor weights), look the route
@@ -108,7 +111,7 @@ from ..hooks import (
 )
 from ..indices import run_positions
 from . import plans, sdpa, tuning
-from .inputs import default_scale, finite
+from .inputs import default_scale, finite, hideable
 from .learned import own_hook, own_learning
 from .mask import Mask
 from .reference import _forward_in_place, _math
@@ -166,7 +169,7 @@ _UNSCHEMED = _Routes()
 def signature(call: Request) -> tuple[Any, ...] | None:
     """What the dispatcher's choice of a kept route reads for this call (see the module
     docstring), as a key; None for a call whose route is not kept: a mask other than the
-    causal mask alone over as many queries as keys (:func:`_causal_alone`), dropout,
+    causal mask alone over at most as many queries as keys (:func:`_causal_alone`), dropout,
     weights asked for, a mode of torch that changes what runs (``torch.compile``,
     ``torch.jit.trace``, a dispatch or function mode, a ``torch.func`` transform, a
     forward-mode AD level), a scheme whose hooks have no key
@@ -184,10 +187,12 @@ def signature(call: Request) -> tuple[Any, ...] | None:
 
 
 def _causal_alone(mask: Mask) -> bool:
-    """Whether ``mask`` is the causal mask alone over as many queries as keys (each query
-    sees itself and the keys before it; no padding, documents, window nor ``attn_mask``):
-    a mask whose paths read its kind and the sizes alone, which the key holds."""
-    return mask.causal and mask.n_q == mask.n_k and mask.causal_at_most
+    """Whether ``mask`` is the causal mask alone over at most as many queries as keys,
+    aligned at the end (query ``i`` sees the keys up to ``i + n_k - n_q``: self-attention,
+    or a decoder's chunk over its cache; no padding, documents, window nor
+    ``attn_mask``): a mask whose paths read its kind and the sizes alone, which the key
+    holds."""
+    return mask.causal and mask.n_q <= mask.n_k and mask.causal_at_most
 
 
 def _key(
@@ -218,7 +223,9 @@ def _key(
             return None
     k_shape, v_shape = k.shape, v.shape
     n_k = k_shape[2]
-    if grad is None and q.shape[2] == 1 and n_k > 1:  # one query: the key count's band
+    n_q = q.shape[2]
+    # few queries below the band's least key count: the key count's band
+    if grad is None and n_q <= tuning.KEPT_BAND_QUERIES and n_q < 1 << (n_k.bit_length() - 1):
         band = ("band", n_k.bit_length())  # n_k in [2^(m-1), 2^m)
         k_shape = (k_shape[0], k_shape[1], band, k_shape[3])
         v_shape = (v_shape[0], v_shape[1], band if v_shape[2] == n_k else v_shape[2], v_shape[3])
@@ -289,8 +296,8 @@ def record(route: Route, call: Request, key: tuple[Any, ...], path: str) -> None
 
 def kept_path(call: Request) -> str | None:
     """The name of the path whose route a call of this signature replays, or None where
-    none is kept (for one query without gradients, a route another key count of its band
-    chose: :func:`_key`)."""
+    none is kept (for a few queries without gradients, a route another key count of their
+    band chose: :func:`_key`)."""
     routes = _routes(call.scheme)
     if not routes:
         return None
@@ -316,9 +323,12 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
     ``[b, h, n_q, d_v]``; None where none is kept, or where the scheme's bias has a shape
     the route does not take, or none, or where a causal call's ``q``, ``k`` or ``v`` holds
     a value that is not finite (the dispatcher then runs the call: such tokens are zeroed
-    where the mask hides them, :func:`~.inputs.finite`). On the route of the forward in
-    one buffer, with a scale that is a normal number of the queries' dtype (the GEMM then
-    reads ``q`` and ``k``), ``v`` alone is checked first, and ``q`` and ``k`` through the
+    where the mask hides them, :func:`~.inputs.finite`; of a chunk without gradients, the
+    tensors the dispatcher checks: ``q`` and the last ``n_q`` keys and values,
+    :func:`~.inputs.hideable`). On the route of the forward in one buffer, with a scale
+    that is a normal number of the queries' dtype (the GEMM then reads ``q`` and ``k``),
+    ``v`` (of a chunk, its last ``n_q`` tokens) alone is checked first, and ``q`` and
+    ``k`` through the
     logits' sum that its fill takes where the scores are many (at least
     :data:`~.tuning.FILLED_ELEMENTS`; below, one sum of its own):
     :func:`~.reference._forward_in_place` returns None where it is not finite, after
@@ -342,7 +352,10 @@ def replay(call: Request, scale: float | None) -> Tensor | None:
         and not torch.is_grad_enabled()
         and (scale is None or abs(scale) >= torch.finfo(q.dtype).tiny)
     )
-    if not (finite(v) if checks_logits else finite(q, k, v)):
+    # (what the dispatcher checks: a chunk's hidden keys and values alone, :func:`hideable`;
+    # no route is kept for a contextual term, whose paths keep none)
+    q_c, k_c, v_c = hideable(q, k, v, mask)
+    if not (finite(v_c) if checks_logits else finite(q_c, k_c, v_c)):
         return None
     return _run(route, q, k, v, scheme, q_pos, k_pos, scale, mask, checked=not checks_logits)
 
