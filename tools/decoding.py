@@ -33,13 +33,21 @@ copy of the ``n`` tokens per run, as a generation does once. The tool then calls
 of posenc's cache but its attributes and ``posenc.engine.kept.clear``, so it times
 commits from before ``KVCache.crop`` too (those with ``posenc.engine.kept.clear``).
 
+With ``--chunk c`` each step takes ``c`` tokens at once under the causal mask (query ``i``
+at position ``p + i`` sees the keys ``0 .. p + i``), as a speculative decoder checks its
+drafts or a prompt is read in chunks: posenc's ``attn(x[:, t : t + c], causal=True,
+cache=cache)``; by hand the rows ``p .. p + c - 1`` of the bias over the keys ``0 .. p + c
+- 1`` (T5's ``compute_bias(c, p + c, past_seen_tokens=p)``), ``-inf`` where a key is
+hidden, as SDPA's float mask (rotary: the boolean mask alone); the times stay per token.
+
 Schemes: ``alibi``, ``t5-decoder``, ``swin-1d``, ``rotary``. The three variants give the
 same outputs (checked before timing). Prints a Markdown table: the median over the
 repeats of each repeat's ``posenc / by hand``, for both steps by hand (below 1, posenc is
 faster), and each variant's median time per token in microseconds.
 
 Run: ``.venv/bin/python tools/decoding.py [--schemes alibi,t5-decoder,swin-1d,rotary]
-[--batches 1,8] [--lengths 256,1024,4096] [--tokens 8] [--repeats 15] [--fresh]``. To time another
+[--batches 1,8] [--lengths 256,1024,4096] [--tokens 8] [--chunk 1] [--repeats 15]
+[--fresh]``. To time another
 commit's posenc with this tool: ``git archive <commit> src | tar -x -C DIR`` and run it
 with ``PYTHONPATH=DIR/src``.
 
@@ -73,17 +81,25 @@ def _scheme(name: str, h: int, d: int, n: int):
     return registry.build(name, registry.Shape(h, d, n + 1, causal=True))
 
 
-def _bias_by_hand(name: str, scheme, last: int) -> Callable[[Tensor, int], Tensor | None] | None:
-    """``bias(q, p)``: the bias of a new query at position ``p`` over the keys ``0 .. p``
-    as other code writes it, ``[1, h, 1, p + 1]`` (None: a scheme that rotates instead),
-    for positions up to ``last``; None where no such code is installed."""
+def _bias_by_hand(
+    name: str, scheme, last: int
+) -> Callable[[Tensor, int, int], Tensor | None] | None:
+    """``bias(q, p, c)``: the bias of ``c`` new queries at positions ``p .. p + c - 1``
+    over the keys ``0 .. p + c - 1`` as other code writes it, ``[1, h, c, p + c]`` (None: a
+    scheme that rotates instead), for positions up to ``last``; None where no such code is
+    installed."""
     if name == "alibi":  # x-transformers' AlibiPositionalBias: one buffer, sliced
         i = torch.arange(last + 1)
         kept = -scheme.slopes(torch.device("cpu"))[:, None, None] * (i[None, :] - i[:, None]).abs()
-        return lambda q, p: kept[None, :, p : p + 1, : p + 1]  # [1, h, 1, p + 1]
-    if name == "swin-1d":  # the table gathered by the relative index of the new row
+        return lambda q, p, c: kept[None, :, p : p + c, : p + c]  # [1, h, c, p + c]
+    if name == "swin-1d":  # the table gathered by the relative index of the new rows
         width = scheme.window[0]
-        return lambda q, p: scheme.table[p - torch.arange(p + 1) + width - 1].t()[None, :, None]
+
+        def swin(q: Tensor, p: int, c: int) -> Tensor:
+            index = torch.arange(p, p + c)[:, None] - torch.arange(p + c) + width - 1  # [c, p + c]
+            return scheme.table[index].permute(2, 0, 1)[None]  # [1, h, c, p + c]
+
+        return swin
     if name == "t5-decoder":
         if importlib.util.find_spec("transformers") is None:
             return None
@@ -97,22 +113,24 @@ def _bias_by_hand(name: str, scheme, last: int) -> Callable[[Tensor, int], Tenso
         )  # fmt: skip
         hf = T5Attention(config, has_relative_attention_bias=True, layer_idx=0)
         hf.relative_attention_bias.weight = scheme.embedding.weight  # posenc's table
-        return lambda q, p: hf.compute_bias(1, p + 1, device=q.device, past_seen_tokens=p)
+        return lambda q, p, c: hf.compute_bias(c, p + c, device=q.device, past_seen_tokens=p)
     if name == "rotary":
         if importlib.util.find_spec("rotary_embedding_torch") is None:
             return None
-        return lambda q, p: None
+        return lambda q, p, c: None
     raise ValueError(
         f"no decoding step by hand for {name!r}; choose from alibi, t5-decoder, swin-1d, rotary"
     )
 
 
-def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool = False):
-    """The three variants (:data:`_VARIANTS`) of ``tokens`` more tokens, one at a time,
-    after a cache of ``n`` (each returns its outputs ``[b, tokens, h * d]``, starting from
-    the ``n`` prefilled tokens; ``fresh``: from the prefill's own tensors, each run copying
-    them into a new buffer or buffer, see ``--fresh``); None where the step by hand needs a
-    package that is not installed."""
+def _steps(
+    name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool = False, chunk: int = 1
+):
+    """The three variants (:data:`_VARIANTS`) of ``tokens`` more tokens, ``chunk`` at a
+    time (a multiple of it), after a cache of ``n`` (each returns its outputs ``[b, tokens,
+    h * d]``, starting from the ``n`` prefilled tokens; ``fresh``: from the prefill's own
+    tensors, each run copying them into a new buffer, see ``--fresh``); None where the
+    step by hand needs a package that is not installed."""
     scheme = _scheme(name, h, d, n + tokens)
     bias = _bias_by_hand(name, scheme, n + tokens - 1)
     if bias is None:
@@ -146,7 +164,9 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool =
         else:
             cache.crop(n)
         kept.clear()  # a generation's first step: no route kept for its key counts yet
-        outs = [attn(new[:, t : t + 1], causal=True, cache=cache) for t in range(tokens)]
+        outs = [
+            attn(new[:, t : t + chunk], causal=True, cache=cache) for t in range(0, tokens, chunk)
+        ]
         return torch.cat(outs, dim=1)  # [b, tokens, dim]
 
     spare = torch.empty(b, h, tokens, d)
@@ -157,24 +177,28 @@ def _steps(name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool =
         if in_buffer and fresh:  # a buffer made for the run, the prompt copied in
             buffer[:] = [torch.cat((t, spare), dim=2) for t in held]
         outs = []
-        for t in range(tokens):
-            x_t = new[:, t : t + 1]  # [b, 1, dim]
-            q = attn.q_proj(x_t).view(b, 1, h, d).transpose(1, 2)  # [b, h, 1, d]
-            k = attn.k_proj(x_t).view(b, 1, h, d).transpose(1, 2)
-            v = attn.v_proj(x_t).view(b, 1, h, d).transpose(1, 2)
+        c = chunk
+        for t in range(0, tokens, c):
+            p, x_t = n + t, new[:, t : t + c]  # [b, c, dim]
+            q = attn.q_proj(x_t).view(b, c, h, d).transpose(1, 2)  # [b, h, c, d]
+            k = attn.k_proj(x_t).view(b, c, h, d).transpose(1, 2)
+            v = attn.v_proj(x_t).view(b, c, h, d).transpose(1, 2)
             if rotate is not None:
-                q, k = rotate(q, n + t), rotate(k, n + t)
+                q, k = rotate(q, p), rotate(k, p)
             if in_buffer:
-                buffer[0][:, :, n + t : n + t + 1] = k
-                buffer[1][:, :, n + t : n + t + 1] = v
-                keys, values = buffer[0][:, :, : n + t + 1], buffer[1][:, :, : n + t + 1]
+                buffer[0][:, :, p : p + c] = k
+                buffer[1][:, :, p : p + c] = v
+                keys, values = buffer[0][:, :, : p + c], buffer[1][:, :, : p + c]
             else:
-                keys = torch.cat((keys, k), dim=2)  # [b, h, n + t + 1, d]
+                keys = torch.cat((keys, k), dim=2)  # [b, h, p + c, d]
                 values = torch.cat((values, v), dim=2)
-            mask = bias(q, n + t)  # (in q's dtype: SDPA's fused CPU kernel misreads another)
-            mask = None if mask is None else mask.to(q.dtype)
+            mask = bias(q, p, c)  # (in q's dtype: SDPA's fused CPU kernel misreads another)
+            mask = None if mask is None else mask.to(q.dtype)  # [1, h, c, p + c]
+            if c > 1:  # query i (position p + i) sees the keys 0 .. p + i
+                sees = torch.ones(c, p + c, dtype=torch.bool).tril(p)  # [c, p + c]
+                mask = sees if mask is None else mask.masked_fill(~sees, float("-inf"))
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            outs.append(attn.out_proj(out.transpose(1, 2).reshape(b, 1, dim)))  # [b, 1, dim]
+            outs.append(attn.out_proj(out.transpose(1, 2).reshape(b, c, dim)))  # [b, c, dim]
         return torch.cat(outs, dim=1)
 
     return with_posenc, lambda: by_hand(False), lambda: by_hand(True)
@@ -184,7 +208,7 @@ def measure(name: str, b: int, n: int, args) -> dict | None:
     """Median seconds per token of each variant (``posenc``, ``by hand (cat)``, ``by hand
     (buffer)``) and the median ratios ``posenc / by hand`` (``ratio cat``, ``ratio buffer``),
     or None (not installed)."""
-    steps = _steps(name, b, args.heads, args.head_dim, n, args.tokens, args.fresh)
+    steps = _steps(name, b, args.heads, args.head_dim, n, args.tokens, args.fresh, args.chunk)
     if steps is None:
         return None
     variants = dict(zip(_VARIANTS, steps, strict=True))
@@ -231,6 +255,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="comma-separated b")
     parser.add_argument("--lengths", default="256,1024,4096", help="cached tokens n")
     parser.add_argument("--tokens", type=int, default=8, help="tokens decoded per run")
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=1,
+        help="tokens per step, under the causal mask (a speculative decoder's drafts checked "
+        "at once, a prompt read in chunks); --tokens is a multiple of it",
+    )
     parser.add_argument("--heads", type=int, default=8, help="h")
     parser.add_argument("--head-dim", type=int, default=64, help="d")
     parser.add_argument("--repeats", type=int, default=15, help="timings of each variant")
@@ -244,6 +275,8 @@ def main() -> None:
         "KVCache.crop",
     )
     args = parser.parse_args()
+    if args.chunk < 1 or args.tokens % args.chunk:
+        parser.error(f"--tokens {args.tokens} is not a multiple of --chunk {args.chunk}")
     names = args.schemes.split(",")
     unknown = [name for name in names if name not in _SCHEMES]
     if unknown:
