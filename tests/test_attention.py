@@ -487,7 +487,8 @@ def test_a_scheme_class_instead_of_an_instance_says_so():
 @pytest.mark.parametrize("backend", ["auto", "lean", "sdpa"])
 @pytest.mark.parametrize("name", scheme_names())
 def test_empty_batches_and_sequences_run_forward_and_backward(name, backend):
-    """An empty batch raised ZeroDivisionError in the backward of every lean scheme."""
+    """An empty batch raised ZeroDivisionError in the backward of every lean scheme; and,
+    twice, without gradients (the second call replays a kept route where one is kept)."""
     scheme = build_scheme(name, head_dim=8, n=8)
     if backend == "sdpa" and has_value_term(scheme):
         pytest.skip("sdpa has no value term")
@@ -498,6 +499,9 @@ def test_empty_batches_and_sequences_run_forward_and_backward(name, backend):
             out = m(x, causal=causal)
             out.sum().backward()
             assert out.shape == shape and x.grad.shape == shape
+            with torch.no_grad():
+                for _ in range(2):
+                    assert m(x, causal=causal).shape == shape
 
 
 @pytest.mark.parametrize("backend", ["auto", "math", "sdpa", "lean"])

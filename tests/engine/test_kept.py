@@ -1706,7 +1706,7 @@ def test_a_chunks_replay_leaves_non_finite_values_to_the_dispatcher(bad, walks):
         assert out[:, :, -1].isnan().all() and not out[:, :, :-1].isnan().any()
 
 
-# ----- one query: the key count's band ------------------------------------------------------
+# ----- few queries: the key count's band -------------------------------------------------
 
 
 def _step(scheme, q, k, v, n_k, backend="auto"):
@@ -1789,6 +1789,24 @@ def test_more_queries_than_a_band_holds_walk_at_each_key_count(causal, walks, mo
         for n in (2, 3):  # band [2, 4): 2 queries are not fewer than 2
             call(torch.randn(B, H, 2, D), n)
         assert len(walks) == 3
+
+
+@pytest.mark.parametrize("name", ["none", "alibi"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_keys_without_gradients_give_zeros(name, mode):
+    """Queries over no key (an empty cache, cross-attention to nothing), twice without
+    gradients: no band (a key count of 0 has none), each query 0."""
+    scheme = SCHEMES[name]()
+    q, empty = torch.randn(B, H, 3, D), torch.randn(B, H, 0, D)
+    with getattr(torch, mode)():
+        for _ in range(2):
+            out = posenc.attention(q, empty, empty, position=scheme)
+            assert torch.equal(out, torch.zeros_like(q))
+            step = attend(
+                q[:, :, :1], empty, empty, scheme=scheme, q_pos=run_positions(0, 1),
+                k_pos=run_positions(0, 0), mask=Mask(1, 0),
+            )[0]  # fmt: skip
+            assert torch.equal(step, torch.zeros_like(q[:, :, :1]))
 
 
 def test_with_gradients_each_key_count_walks(walks):

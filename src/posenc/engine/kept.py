@@ -4,21 +4,21 @@ in one buffer).
 
 For a call without dropout or weights asked for, unmasked or with the causal mask alone
 over at most as many queries as keys, aligned at the end (a decoder's call, or its chunk
-over a cache: no padding, documents, window nor ``attn_mask``), the paths up to the materialised one (``sdpa``, ``math``, ``flex``,
-``materialised``: :data:`.dispatch.PATHS`) decide on the mask's kind (none or causal),
-the scheme's hooks (which it defines, and where), the queries' shape, dtype and device,
-the keys' count (for a few queries without gradients, its power of two: below), the
-backend, the modes of torch (``torch.compile``, ``torch.jit.trace``,
-a dispatch or function mode, a ``torch.func`` transform, a forward-mode AD level), the
-thread count and the tuning constants (:mod:`.tuning`) alone; in grad mode also on which
-of ``q, k, v`` and of the scheme's parameters and buffers ask for a gradient, and on what the
-scheme's hooks may read that asks for one, which the key holds only for a scheme that can
-read nothing but its parameters (posenc's own modules: :func:`_grad_flags`). The
-:func:`signature` of the call holds all of them, and the shapes of ``k``, ``v`` and the
-positions and the dtypes of ``k`` and ``v`` besides. (The lean paths after them read the
-positions' and the bias's values, and keep no route; a path placed before the
-materialised one must read nothing the signature does not hold.) Where that choice was
-one of
+over a cache: no padding, documents, window nor ``attn_mask``), the paths up to the
+materialised one (``sdpa``, ``math``, ``flex``, ``materialised``: :data:`.dispatch.PATHS`)
+decide on the mask's kind (none or causal), the scheme's hooks (which it defines, and
+where), the queries' shape, dtype and device, the keys' count (for a few queries without
+gradients, its power of two: below), the backend, the modes of torch (``torch.compile``,
+``torch.jit.trace``, a dispatch or function mode, a ``torch.func`` transform, a
+forward-mode AD level), the thread count and the tuning constants (:mod:`.tuning`) alone;
+in grad mode also on which of ``q, k, v`` and of the scheme's parameters and buffers ask
+for a gradient, and on what the scheme's hooks may read that asks for one, which the key
+holds only for a scheme that can read nothing but its parameters (posenc's own modules:
+:func:`_grad_flags`). The :func:`signature` of the call holds all of them, and the shapes
+of ``k``, ``v`` and the positions and the dtypes of ``k`` and ``v`` besides. (The lean
+paths after them read the positions' and the bias's values, and keep no route; a path
+placed before the materialised one must read nothing the signature does not hold.) Where
+that choice was one of
 
 - SDPA's kernel on ``q, k, v`` (nothing positional in the scores: no scheme, or a
   rotation applied before the call), or
@@ -48,13 +48,13 @@ it (a bias of another shape, or none, or in grad mode one that asks for a gradie
 the dispatcher, which calls the hooks again and raises where it must; the forward in one
 buffer calls the checked hooks themselves, which raise the dispatcher's error). A causal
 call runs the path's own SDPA call with its mask (:func:`~.sdpa._sdpa`: the mask folded
-into the bias, or SDPA's ``is_causal``) after the dispatcher's check that ``q``, ``k``
-and ``v`` are finite (:func:`~.inputs.hideable`: for a chunk without gradients, ``q`` and
-the last ``n_q`` keys and values; a value that is not takes the dispatcher, which zeroes
-the tokens the mask hides), or the forward in one buffer with it, after that check of
-``v`` alone: it reads ``q``'s and ``k``'s in the sum of its logits (:func:`replay`). A replay computes
-what the path computes, with the same call, so it gives the same values: only the walk's Python is
-saved.
+into the bias, or SDPA's ``is_causal``) after the dispatcher's check that ``q``, ``k`` and
+``v`` are finite (:func:`~.inputs.hideable`: for a chunk without gradients, ``q`` and the
+last ``n_q`` keys and values; a value that is not takes the dispatcher, which zeroes the
+tokens the mask hides), or the forward in one buffer with it, after that check of ``v``
+alone: it reads ``q``'s and ``k``'s in the sum of its logits (:func:`replay`). A replay
+computes what the path computes, with the same call, so it gives the same values: only the
+walk's Python is saved.
 
 A few queries without gradients over more keys (at most :data:`.tuning.KEPT_BAND_QUERIES`,
 fewer than the least key count of the band: a decoding step, or a speculative decoder's
@@ -225,7 +225,7 @@ def _key(
     n_k = k_shape[2]
     n_q = q.shape[2]
     # few queries below the band's least key count: the key count's band
-    if grad is None and n_q <= tuning.KEPT_BAND_QUERIES and n_q < 1 << (n_k.bit_length() - 1):
+    if grad is None and n_q <= tuning.KEPT_BAND_QUERIES and n_q < (1 << n_k.bit_length()) >> 1:
         band = ("band", n_k.bit_length())  # n_k in [2^(m-1), 2^m)
         k_shape = (k_shape[0], k_shape[1], band, k_shape[3])
         v_shape = (v_shape[0], v_shape[1], band if v_shape[2] == n_k else v_shape[2], v_shape[3])

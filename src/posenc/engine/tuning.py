@@ -182,9 +182,10 @@ FILLED_ELEMENTS = 1 << 15
 #: signature, replayed without the walk); one more empties the scheme's routes first; 0
 #: keeps none
 KEPT_ROUTES = 16
-#: queries at most of a call without gradients over more keys (a decoding step, a
-#: speculative decoder's drafts checked at once) whose kept route is keyed by its key
-#: count's power of two, not the count (engine/kept.py): the steps of a growing cache
+#: queries at most of a call without gradients over more keys, and fewer than the least
+#: key count of its band [2^(m-1), 2^m) (a decoding step, a speculative decoder's drafts
+#: checked at once), whose kept route is keyed by its key count's power of two, not the
+#: count (engine/kept.py): the steps of a growing cache
 #: replay the route of the first step of each band. Its scores [b, h, n_q, n_k] are then
 #: at most a quarter of the keys' [b, h, n_k, d] at d = 64, where a band replays a
 #: materialised route past a limit
