@@ -634,6 +634,21 @@ def test_bench_with_a_busy_neighbour(tmp_path, capsys, monkeypatch):
     assert len(started) == 1 and started[0].poll() is not None
 
 
+def test_the_openmp_settings_are_recorded(monkeypatch, tmp_path, capsys):
+    """How OpenMP's threads wait (set in the environment) moves the figures taken beside
+    busy neighbours: the header and the JSON say what was set, and only that."""
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    record = tmp_path / "bench.json"
+    assert main(_tiny("--schemes", "alibi", "--json", str(record))) == 0
+    assert "GOMP_SPINCOUNT" not in capsys.readouterr().out
+    assert json.loads(record.read_text())["config"]["openmp"] == {}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    assert main(_tiny("--schemes", "alibi", "--json", str(record))) == 0
+    assert "GOMP_SPINCOUNT=10000, median of 1" in capsys.readouterr().out
+    assert json.loads(record.read_text())["config"]["openmp"] == {"GOMP_SPINCOUNT": "10000"}
+
+
 class _Entered:
     """A context manager already entered: ``with`` gives ``value`` and exits ``manager``."""
 

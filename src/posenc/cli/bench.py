@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pickle
 import sys
 from dataclasses import asdict
@@ -300,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
         "processes": args.processes,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "openmp": _openmp_settings(),
     }
     if torch.device(args.device).type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
@@ -367,6 +369,19 @@ def _bench(args: argparse.Namespace, dtype: torch.dtype) -> list[Case]:
     )
 
 
+#: the environment variables that set how torch's OpenMP threads wait at each kernel's end
+#: (GNU OpenMP's, which torch's CPU wheels use on Linux): with busy neighbours, threads that
+#: spin there take the cores a preempted thread of the same kernel waits for
+_OPENMP_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def _openmp_settings() -> dict[str, str]:
+    """The OpenMP settings of this process's environment (:data:`_OPENMP_VARIABLES`, those
+    set), recorded beside the thread count: a figure taken with busy neighbours depends on
+    them (docs/performance.md, "Thirty-second pass")."""
+    return {name: os.environ[name] for name in _OPENMP_VARIABLES if name in os.environ}
+
+
 def _sizes(name: str) -> str:
     return " ".join(f"{k}={v}" for k, v in zip("bhnd", SHAPES[name], strict=True))
 
@@ -384,6 +399,7 @@ def _header(args: argparse.Namespace, gpu: str | None) -> str:
         masks += "every variant under torch.compile, "
     if args.busy:
         masks += f"{args.busy} busy neighbour process{'es' if args.busy > 1 else ''}, "
+    masks += "".join(f"{name}={value}, " for name, value in _openmp_settings().items())
     if args.processes > 1:
         masks += f"in each of {args.processes} processes the "
     baselines = "".join(f", to {_BASELINE_WORDS[b]}" for b in args.baselines)
