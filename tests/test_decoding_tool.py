@@ -52,13 +52,27 @@ def test_the_steps_by_hand_equal_posencs_steps(name, b, n, fresh, chunk):
 
 
 @pytest.mark.parametrize("chunk", [1, 2])
-def test_measure_gives_the_times_and_the_ratios(chunk):
+@pytest.mark.parametrize("walked", [False, True])
+def test_measure_gives_the_times_and_the_ratios(chunk, walked, monkeypatch):
+    """Each variant's time and the ratios; ``walked``: posenc once more with no route kept,
+    set only while its steps run."""
+    limits = []
+    real = decoding._walked
+
+    def spy(run):
+        walked_run = real(run)
+        return lambda: limits.append(0) or walked_run()
+
+    monkeypatch.setattr(decoding, "_walked", spy)
     args = types.SimpleNamespace(
-        heads=2, head_dim=8, tokens=2, repeats=3, least=0.001, fresh=True, chunk=chunk
-    )
+        heads=2, head_dim=8, tokens=2, repeats=3, least=0.001, fresh=True, chunk=chunk,
+        walked=walked,
+    )  # fmt: skip
     row = decoding.measure("alibi", 1, 16, args)
     assert all(row[variant] > 0 for variant in decoding._VARIANTS)
     assert row["ratio cat"] > 0 and row["ratio buffer"] > 0
+    assert ("ratio walked" in row) == walked == (decoding._WALKED in row) == bool(limits)
+    assert decoding.tuning.KEPT_ROUTES == 16
     assert (row["scheme"], row["b"], row["n"]) == ("alibi", 1, 16)
 
 
@@ -71,8 +85,32 @@ def test_a_scheme_without_a_step_by_hand_is_refused(monkeypatch, capsys):
     assert "no decoding step by hand for ['t5']" in capsys.readouterr().err
 
 
-def test_tokens_that_are_not_a_multiple_of_the_chunk_are_refused(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["decoding.py", "--tokens", "8", "--chunk", "3"])
+@pytest.mark.parametrize(
+    ("chunk", "error"),
+    [
+        ("3", "--tokens 8 is not a multiple of --chunk 3"),
+        ("0", "--chunk must be at least 1, got 0"),
+    ],
+)
+def test_a_chunk_that_does_not_divide_the_tokens_is_refused(monkeypatch, capsys, chunk, error):
+    monkeypatch.setattr(sys, "argv", ["decoding.py", "--tokens", "8", "--chunk", chunk])
     with pytest.raises(SystemExit):
         decoding.main()
-    assert "--tokens 8 is not a multiple of --chunk 3" in capsys.readouterr().err
+    assert error in capsys.readouterr().err
+
+
+def test_the_header_says_what_was_timed(monkeypatch, capsys):
+    argv = ["decoding.py", "--schemes", "alibi", "--batches", "1", "--lengths", "8"]
+    argv += ["--tokens", "4", "--chunk", "2", "--repeats", "1", "--least", "0.001", "--fresh"]
+    monkeypatch.setattr(sys, "argv", argv)
+    decoding.main()
+    out = capsys.readouterr().out
+    assert "--tokens 4 --chunk 2 --repeats 1 --fresh, h=8 d=64; times per token" in out
+    assert "| alibi | 1 | 8 |" in out
+
+
+def test_walked_runs_with_no_route_kept():
+    seen = []
+    run = decoding._walked(lambda: seen.append(decoding.tuning.KEPT_ROUTES) or torch.zeros(1))
+    run()
+    assert seen == [0] and decoding.tuning.KEPT_ROUTES == 16

@@ -4,16 +4,18 @@ by hand.
 For each scheme, batch ``b`` and cache length ``n`` it builds ``MultiHeadAttention(dim=h
 * d, heads=h, position=scheme)``, prefills a :class:`~posenc.KVCache` with ``n`` tokens,
 and times, interleaved in one process (each repeat runs every variant once, in turn),
-``--tokens`` more tokens decoded one at a time, the cache growing by one each step (no
-gradients; each run starts from the ``n`` prefilled tokens; ``p`` below is the new
-token's position, ``n .. n + tokens - 1``, and ``L`` the longest length, ``n + tokens``):
+``--tokens`` more tokens decoded one at a time (``--chunk``: so many at a time, below),
+the cache growing by one each step (no gradients; each run starts from the ``n``
+prefilled tokens; ``p`` below is the new token's position, ``n .. n + tokens - 1``, and
+``L`` the longest length, ``n + tokens``):
 
 - ``posenc``: ``attn(x_t, causal=True, cache=cache)`` for each token, after
   ``cache.crop(n)`` (which keeps the cache's buffer, each run writing over the last: the
   tool never reads ``cache.keys``, which would hand its tokens out) and
   with no route kept (``posenc.engine.kept.clear()``: the first step walks the
   dispatcher, as a generation's first step past ``n`` keys does; the others replay its
-  route, kept per power of two of the key count);
+  route, kept per power of two of the key count for up to
+  ``posenc.engine.tuning.KEPT_BAND_QUERIES`` tokens a step, per key count for more);
 - ``by hand (cat)``: the same module's projections, the keys and values concatenated to
   the cached ones (``torch.cat``, as Hugging Face's ``DynamicCache`` and x-transformers
   do), the bias of the new query as other code writes it, SDPA, the output projection:
@@ -32,6 +34,10 @@ buffer by hand is made and the prompt copied into it within the run. Both then p
 copy of the ``n`` tokens per run, as a generation does once. The tool then calls nothing
 of posenc's cache but its attributes and ``posenc.engine.kept.clear``, so it times
 commits from before ``KVCache.crop`` too (those with ``posenc.engine.kept.clear``).
+
+With ``--walked`` posenc's steps are timed once more with no route kept
+(``posenc.engine.tuning.KEPT_ROUTES`` 0: each call chooses its path anew), and a column
+gives ``posenc / posenc walked``: what keeping the routes saves.
 
 With ``--chunk c`` each step takes ``c`` tokens at once under the causal mask (query ``i``
 at position ``p + i`` sees the keys ``0 .. p + i``), as a speculative decoder checks its
@@ -68,13 +74,30 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posenc import KVCache, MultiHeadAttention, registry
-from posenc.engine import kept
+from posenc.engine import kept, tuning
 
 #: the schemes with a step by hand
 _SCHEMES = ("alibi", "t5-decoder", "swin-1d", "rotary")
 
 #: what is timed, in the order of the functions :func:`_steps` returns
 _VARIANTS = ("posenc", "by hand (cat)", "by hand (buffer)")
+#: with ``--walked``: posenc's steps with no route kept (``tuning.KEPT_ROUTES`` 0), each
+#: call choosing its path anew
+_WALKED = "posenc, walked"
+
+
+def _walked(run: Callable[[], Tensor]) -> Callable[[], Tensor]:
+    """``run`` with no route kept: what keeping the routes saves (:mod:`posenc.engine.kept`)."""
+
+    def walked() -> Tensor:
+        limit = tuning.KEPT_ROUTES
+        tuning.KEPT_ROUTES = 0
+        try:
+            return run()
+        finally:
+            tuning.KEPT_ROUTES = limit
+
+    return walked
 
 
 def _scheme(name: str, h: int, d: int, n: int):
@@ -206,28 +229,31 @@ def _steps(
 
 def measure(name: str, b: int, n: int, args) -> dict | None:
     """Median seconds per token of each variant (``posenc``, ``by hand (cat)``, ``by hand
-    (buffer)``) and the median ratios ``posenc / by hand`` (``ratio cat``, ``ratio buffer``),
+    (buffer)``, and with ``args.walked`` ``posenc, walked``) and the median ratios ``posenc
+    / by hand`` (``ratio cat``, ``ratio buffer``; ``ratio walked``: posenc / posenc walked),
     or None (not installed)."""
     steps = _steps(name, b, args.heads, args.head_dim, n, args.tokens, args.fresh, args.chunk)
     if steps is None:
         return None
     variants = dict(zip(_VARIANTS, steps, strict=True))
+    if getattr(args, "walked", False):
+        variants[_WALKED] = _walked(variants["posenc"])
     with torch.no_grad():
         got = variants["posenc"]()
-        for variant in _VARIANTS[1:]:
+        for variant in list(variants)[1:]:
             want = variants[variant]()
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
         calls = max(1, round(args.least / max(_timed(variants["by hand (cat)"], 1), 1e-6)))
-        times: dict[str, list[float]] = {variant: [] for variant in _VARIANTS}
+        times: dict[str, list[float]] = {variant: [] for variant in variants}
         for repeat in range(args.repeats):  # each repeat in another order
             order = list(variants.items())
             for variant, run in order if repeat % 2 == 0 else order[::-1]:
                 times[variant].append(_timed(run, calls) / args.tokens)
     ratios = {
-        f"ratio {variant[9:-1]}": statistics.median(
+        "ratio walked" if variant == _WALKED else f"ratio {variant[9:-1]}": statistics.median(
             a / c for a, c in zip(times["posenc"], times[variant], strict=True)
         )
-        for variant in _VARIANTS[1:]
+        for variant in list(variants)[1:]
     }
     return {
         "scheme": name, "b": b, "n": n, **ratios,
@@ -274,8 +300,16 @@ def main() -> None:
         "(default: both kept from run to run); the only mode for commits before "
         "KVCache.crop",
     )
+    parser.add_argument(
+        "--walked",
+        action="store_true",
+        help="also time posenc's steps with no route kept (posenc.engine.tuning.KEPT_ROUTES "
+        "0), each call choosing its path anew, and print posenc / posenc walked",
+    )
     args = parser.parse_args()
-    if args.chunk < 1 or args.tokens % args.chunk:
+    if args.chunk < 1:
+        parser.error(f"--chunk must be at least 1, got {args.chunk}")
+    if args.tokens % args.chunk:
         parser.error(f"--tokens {args.tokens} is not a multiple of --chunk {args.chunk}")
     names = args.schemes.split(",")
     unknown = [name for name in names if name not in _SCHEMES]
@@ -283,10 +317,18 @@ def main() -> None:
         parser.error(f"no decoding step by hand for {unknown}; choose from {list(_SCHEMES)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}")
     print(
-        "| scheme | b | n | posenc / by hand (cat) | posenc / by hand (buffer) "
-        "| posenc (us per token) | by hand, cat | by hand, buffer |"
+        f"--tokens {args.tokens} --chunk {args.chunk} --repeats {args.repeats}"
+        + (" --fresh" if args.fresh else "")
+        + f", h={args.heads} d={args.head_dim}; times per token"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|", flush=True)
+    walked = " posenc / posenc walked |" if args.walked else ""
+    print(
+        "| scheme | b | n | posenc / by hand (cat) | posenc / by hand (buffer) |"
+        f"{walked} posenc (us per token) | by hand, cat | by hand, buffer |"
+    )
+    print(
+        "|---|---|---|---:|---:|" + ("---:|" if args.walked else "") + "---:|---:|---:|", flush=True
+    )
     for name in names:
         for b in (int(x) for x in args.batches.split(",")):
             for n in (int(x) for x in args.lengths.split(",")):
@@ -295,9 +337,10 @@ def main() -> None:
                     print(f"| {name} | {b} | {n} | (its package is not installed) | | | | |")
                     continue
                 times = " | ".join(f"{r[variant] * 1e6:.0f}" for variant in _VARIANTS)
+                ratio_walked = f" {r['ratio walked']:.2f} |" if args.walked else ""
                 print(
                     f"| {name} | {b} | {n} | **{r['ratio cat']:.2f}** | **{r['ratio buffer']:.2f}** "
-                    f"| {times} |",
+                    f"|{ratio_walked} {times} |",
                     flush=True,
                 )
     print(f"load after: {os.getloadavg()}")
