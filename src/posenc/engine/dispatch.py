@@ -46,7 +46,7 @@ class Explanation:
     """What :func:`posenc.explain` reports: the path taken and, for each path before it in
     the order ``backend`` walks, why it was not; and whether the route is kept, so that
     after a first call the calls of the same signature (shapes, dtypes, device, backend,
-    grad flags, ...; for a few queries without gradients, the key count's power of two)
+    grad flags, ...; for a few queries in no-grad mode, the key count's power of two)
     replay it without choosing the path again (:mod:`.kept`; never for a scheme that
     cannot key a weak dictionary: :func:`.kept.keyable`). Where a route kept at another
     key count of a few queries' band is replayed, ``path`` is that route's, and the
@@ -538,8 +538,8 @@ def explain_call(
         order = [each.name for each in PATHS[backend]]
         before = {p: reasons[p] for p in order[: order.index(path)] if p in reasons}
         before[name] = (
-            "the route kept for this call's signature is replayed (few queries without "
-            "gradients: the signature holds the key count's power of two, and another "
+            "the route kept for this call's signature is replayed (few queries in no-grad "
+            "mode: the signature holds the key count's power of two, and another "
             f"count of it chose {path})"
         )
         return Explanation(path, before, True)

@@ -56,7 +56,7 @@ alone: it reads ``q``'s and ``k``'s in the sum of its logits (:func:`replay`). A
 computes what the path computes, with the same call, so it gives the same values: only the
 walk's Python is saved.
 
-A few queries without gradients over more keys (at most :data:`.tuning.KEPT_BAND_QUERIES`,
+A few queries in no-grad mode over more keys (at most :data:`.tuning.KEPT_BAND_QUERIES`,
 fewer than the least key count of the band: a decoding step, or a speculative decoder's
 drafts checked at once, whose cache grows from one call to the next) are keyed by the key
 count's power of two, ``n_k`` in ``[2^(m-1), 2^m)``, not by the count itself, so that the
@@ -296,7 +296,7 @@ def record(route: Route, call: Request, key: tuple[Any, ...], path: str) -> None
 
 def kept_path(call: Request) -> str | None:
     """The name of the path whose route a call of this signature replays, or None where
-    none is kept (for a few queries without gradients, a route another key count of their
+    none is kept (for a few queries in no-grad mode, a route another key count of their
     band chose: :func:`_key`)."""
     routes = _routes(call.scheme)
     if not routes:
