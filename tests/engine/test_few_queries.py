@@ -1,7 +1,7 @@
 """posenc.engine.few_queries: a bias asked of few queries over more keys stays on the
 materialised path past the pairs' limits (and past the scores' budget where SDPA's fused
-kernel writes the bias alone); a window keeps the mask blocks, one query under a causal
-window hides no pair."""
+kernel writes the bias alone, within the budget or the call's keys and values); a window
+keeps the mask blocks, one query under a causal window hides no pair."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ def test_few_queries_over_more_keys_stay_materialised_past_the_pairs(monkeypatch
     MATERIALISED_QUERIES_PER_SEQUENCE per sequence of the batch (at most
     MATERIALISED_QUERIES), stays on the materialised path past MATERIALISED_PAIRS and
     MATERIALISED_CAUSAL_PAIRS, and equals the math path; from those queries on, with
-    gradients, or past the budget, the lean path, for the reasons it had."""
+    gradients, or past the budget (where SDPA's fused kernel does not write the bias
+    alone, or that bias is larger than the budget and than the call's keys and values),
+    the lean path, for the reasons it had."""
     monkeypatch.setattr(tuning, "MATERIALISED_QUERIES_PER_SEQUENCE", 5)
     monkeypatch.setattr(tuning, "MATERIALISED_QUERIES", 12)
     monkeypatch.setattr(tuning, "MATERIALISED_PAIRS", 2**6)
@@ -75,8 +77,9 @@ def test_few_queries_over_more_keys_stay_materialised_past_the_pairs(monkeypatch
             "(MATERIALISED_SCORES)"
         )
         t5 = t5.float()
-        k, v = k.float(), v.float()
-        q = torch.randn(3, 2, 4, 8)
+        # one channel: the keys and values (3 x 2 x 64 x (1 + 1) = 768) below the biases
+        # weighed here, which they would let past the budget (below)
+        q, k, v = torch.randn(3, 2, 4, 1), torch.randn(3, 2, 64, 1), torch.randn(3, 2, 64, 1)
         at = {"positions": torch.arange(60, 64), "key_positions": torch.arange(64)}
         before = set(kept._routes(t5) or ())  # (the float64 calls above kept theirs)
         for causal in (False, True):  # 2 x 4 x 64, twice under the causal mask: at most 2^10
@@ -107,8 +110,16 @@ def test_few_queries_over_more_keys_stay_materialised_past_the_pairs(monkeypatch
         padding[0, :3] = True  # its own paths: the mask blocks
         told = posenc.explain(q, k, v, position=t5, key_padding_mask=padding, **at)
         assert told.path != "materialised" and told.reasons["materialised"] == budget, told
+        # past the budget, a bias alone within the call's keys and values: as much as the
+        # per-offset path writes (the keys and values reversed)
         monkeypatch.setattr(tuning, "MATERIALISED_SCORES", 2**9 - 1)  # the bias alone is above
-        _refused(posenc.explain(q, k, v, position=t5, **at), "offset-bias", budget)
+        assert posenc.explain(q, k, v, position=t5, **at).path == "materialised"  # 512 <= 768
+        out = posenc.attention(q, k, v, position=t5, **at)
+        want = posenc.attention(q, k, v, position=t5, backend="math", **at)
+        assert_close(out, want, terms=64, logit=logit_size(q, k))
+        one = (q[:1], k[:1], v[:1])  # keys and values 1 x 2 x 64 x 2 = 256 < 512
+        _refused(posenc.explain(*one, position=t5, **at), "offset-bias", budget)
+        assert posenc.explain(*one, position=t5, causal=True, **at).path != "materialised"
 
 
 def test_few_queries_under_a_window_keep_the_rules_of_a_window(monkeypatch):

@@ -1822,12 +1822,13 @@ def test_a_band_replays_its_route_past_a_limit_inside_it(monkeypatch, walks):
     """The scores' budget set inside a band: the step below it keeps the materialised
     route and the steps above, in the same band, replay it (the same values as the
     dispatcher's), which explain reports; the next band walks and takes the lean
-    per-offset path, which keeps no route."""
-    scheme = T5RelativeBias(H, num_buckets=8, max_distance=16)
+    per-offset path, which keeps no route. (In float64: past the budget SDPA's fused
+    kernel would take a float32 step's bias alone, a row within the keys and values.)"""
+    scheme = T5RelativeBias(H, num_buckets=8, max_distance=16).double()
     monkeypatch.setattr(tuning, "MATERIALISED_SCORES", H * 20)  # 20 keys per query, b=1
     torch.manual_seed(0)
-    q = torch.randn(1, H, 1, D)
-    k, v = torch.randn(1, H, 40, D), torch.randn(1, H, 40, D)
+    q = torch.randn(1, H, 1, D, dtype=torch.float64)
+    k, v = (torch.randn(1, H, 40, D, dtype=torch.float64) for _ in range(2))
 
     def explained(n):
         return posenc.engine.explain_call(

@@ -52,8 +52,11 @@ def bias_alone_fits(call: Call) -> bool:
     for a gradient sends SDPA to its math kernel), so that the call writes the bias
     ``[B', h, n_q, n_k]`` (``B'`` the positions' batch; float32 queries: the bias's own
     dtype, no cast; twice under the causal mask, which is folded into a copy) and no
-    scores, and that is within :data:`.tuning.MATERIALISED_SCORES`. Such a call keeps no
-    route (what it reads, the kernel SDPA takes, is not in the route's key)."""
+    scores, and that is within :data:`.tuning.MATERIALISED_SCORES` or within the call's
+    keys and values (``k.numel() + v.numel()``: as much as the per-offset bias path
+    writes, the keys and values reversed, where it runs the call past the budget). Such a
+    call keeps no route (what it reads, the kernel SDPA takes, is not in the route's
+    key)."""
     if call.dropout_p or not call.mask.causal_at_most or torch.is_grad_enabled():
         return False
     if call.q.dtype != torch.float32 or not fused_cpu_runs(call.q, call.k, call.v):
@@ -61,4 +64,5 @@ def bias_alone_fits(call: Call) -> bool:
     _, h, n_q, _ = call.q.shape
     rows = max(call.q_pos.shape[0], call.k_pos.shape[0])
     written = rows * h * n_q * call.k.shape[2] * (2 if call.mask.causal else 1)
-    return written <= tuning.MATERIALISED_SCORES and not call.op_by_op
+    budget = max(tuning.MATERIALISED_SCORES, call.k.numel() + call.v.numel())
+    return written <= budget and not call.op_by_op

@@ -416,8 +416,9 @@ def _plan_materialised(call: Call) -> Plan:
     without gradients asked of fewer queries than keys, too few for the lean paths
     (:func:`~.few_queries.few_queries`), stays past the pairs' limits, within the budget;
     past the scores' budget, where SDPA's fused kernel writes the bias alone and that is
-    within it (:func:`~.few_queries.bias_alone_fits`). Past all of these, a bias the scheme
-    keeps between calls, through SDPA's fused kernel (:func:`_kept_bias_fused`).
+    within it or within the call's keys and values
+    (:func:`~.few_queries.bias_alone_fits`). Past all of these, a bias the scheme keeps
+    between calls, through SDPA's fused kernel (:func:`_kept_bias_fused`).
     """
     hooks = call.hooks
     if hooks.contextual_term is not None:
