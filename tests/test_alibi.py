@@ -200,3 +200,67 @@ def test_one_querys_kept_bias_is_a_slice_of_a_row_shared_by_the_steps():
     assert later._base.shape == (4, 64 + 1) and later._base.data_ptr() in rows  # -64 .. 0
     ahead = scheme.kept_score_bias(torch.tensor([[2]]), torch.arange(5, 9)[None])  # 3 .. 6
     assert ahead._base.shape == (4, 8 + 1)  # offsets 0 .. 8
+
+
+def test_a_chunks_kept_bias_is_the_last_columns_of_a_block_shared_by_its_band():
+    """Fewer queries than keys at the end of them (a chunk of tokens over a cache): the last
+    ``n_k`` columns of one block kept per key count rounded up to a power of two, shared by
+    the chunks of that band, of the paper's values; queries as many as keys, or not at
+    the end, or a block past 2^22 elements keep the dense bias of their own shape."""
+    import posenc.alibi as alibi_module
+
+    alibi_module._paper_end_block.cache_clear()
+    scheme = ALiBi(4)
+    slopes = torch.tensor(reference_slopes(4), dtype=torch.float64)
+    blocks = {}
+    for n_q, n_k in ((3, 9), (3, 12), (3, 16), (3, 17), (5, 40), (2, 3)):
+        q_pos = torch.arange(n_k - n_q, n_k)[None]
+        k_pos = torch.arange(n_k)[None]
+        kept = scheme.kept_score_bias(q_pos, k_pos)
+        distance = (k_pos[0][None, :] - q_pos[0][:, None]).abs().double()  # [n_q, n_k]
+        expected = -slopes[:, None, None] * distance  # [h, n_q, n_k]
+        assert kept.shape == (1, 4, n_q, n_k)
+        torch.testing.assert_close(kept[0].double(), expected, rtol=1e-6, atol=0)
+        width = 1 << (n_k - 1).bit_length()
+        assert kept._base.shape == (1, 4, n_q, width) and kept._base._base is None
+        assert kept.storage_offset() == width - n_k  # the last columns, every row
+        blocks.setdefault((n_q, width), set()).add(kept._base.data_ptr())
+    assert all(len(ptrs) == 1 for ptrs in blocks.values())  # one block per band
+    assert len(blocks) == 4 and alibi_module._paper_end_block.cache_info().currsize == 4
+    square = scheme.kept_score_bias(torch.arange(8)[None], torch.arange(8)[None])
+    shifted = scheme.kept_score_bias(torch.arange(4, 7)[None], torch.arange(8)[None])
+    large = ALiBi(16).kept_score_bias(torch.arange(900, 1100)[None], torch.arange(1100)[None])
+    for dense in (square, shifted, large):  # 16 x 200 x 2048 > 2^22; 16 x 200 x 1100 is not
+        assert dense._base is None or dense._base.shape[-1] == dense.shape[-1]
+
+
+@pytest.mark.parametrize("n_q", [3, 20])
+def test_chunks_over_a_growing_cache_read_one_masked_block_per_band(n_q):
+    """Chunks of ``n_q`` tokens at the end of a growing count of keys under the causal
+    mask, through the engine (3 queries replay a route kept per band of key counts, 20
+    choose their path in each call): each equals the definition (float64), and the bias
+    the engine hands SDPA is the last columns of one block masked once for the band."""
+    import posenc
+    from posenc.engine import kept, sdpa
+
+    kept.clear()
+    torch.manual_seed(0)
+    scheme = ALiBi(4)
+    slopes = torch.tensor(reference_slopes(4), dtype=torch.float64)
+    k, v = torch.randn(2, 4, 64, 8), torch.randn(2, 4, 64, 8)
+    for n_k in range(40, 65, n_q):  # keys 33 .. 64: one band
+        q = torch.randn(2, 4, n_q, 8)
+        q_pos = torch.arange(n_k - n_q, n_k)
+        with torch.no_grad():
+            out = posenc.attention(
+                q, k[:, :, :n_k], v[:, :, :n_k], position=scheme, positions=q_pos,
+                key_positions=torch.arange(n_k), causal=True,
+            )  # fmt: skip
+        blocks = [bias for bias in sdpa._MASKED if bias.shape[-1] == 64]
+        assert len(sdpa._MASKED) == 1 and len(blocks) == 1, "one masked block"
+        distance = torch.arange(n_k)[None, :] - q_pos[:, None]  # [n_q, n_k]: j - i
+        scores = q.double() @ k[:, :, :n_k].double().transpose(-1, -2) / 8**0.5
+        scores = scores - slopes[:, None, None] * distance.abs()
+        scores = scores.masked_fill(distance > 0, float("-inf"))
+        want = scores.softmax(-1) @ v[:, :, :n_k].double()
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)

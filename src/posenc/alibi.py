@@ -86,6 +86,18 @@ def _paper_row(heads: int, below: int, above: int, device: torch.device) -> Tens
     return _paper_run_bias.__wrapped__(heads, -below, below + above + 1, device)
 
 
+@memo(maxsize=4)
+def _paper_end_block(heads: int, n_q: int, width: int, device: torch.device) -> Tensor:
+    """ALiBi's dense bias with the paper's slopes for ``n_q`` consecutive queries at the end
+    of ``width`` consecutive keys (the last query at the last key's position): ``[1, heads,
+    n_q, width]`` float32, kept (shared: read, never written; a tensor of its own, no
+    view). The bias of ``n_q`` queries at the end of any ``n_k <= width`` keys, whose
+    offsets are the same from the end, is its last ``n_k`` columns (a chunk of tokens
+    over a growing cache)."""
+    block = _paper_dense_bias.__wrapped__(heads, 1 - width, n_q, width, device)
+    return block.clone()  # [1, heads, n_q, width] (not a view: its columns' views name it)
+
+
 def _power_of_two_at_least(x: int) -> int:
     """The smallest power of two ``>= x`` for ``x >= 1``; 0 for ``x <= 0``."""
     return 0 if x <= 0 else 1 << (x - 1).bit_length()
@@ -172,7 +184,10 @@ class ALiBi(OffsetBias):
         n_k]`` shared by every ALiBi of ``h`` heads in the process (never write into it; the
         last four kept, at most 64 MiB in all; one query's, a decoding step's, a view of a
         row kept for its offsets rounded to powers of two, the last eight kept, at most 16
-        MiB each: :func:`_paper_row`);
+        MiB each: :func:`_paper_row`; fewer queries than keys at the end of them, a chunk
+        of tokens over a cache, the last columns of a block kept for the key count rounded
+        up to a power of two, the last four kept, at most 16 MiB each:
+        :func:`_paper_end_block`);
         None otherwise (learned slopes, a :meth:`slopes`, :meth:`bias`,
         :meth:`offset_bias` or ``score_bias`` of a subclass's, a mixin's or set on the
         instance, other positions, a larger bias).
@@ -200,6 +215,11 @@ class ALiBi(OffsetBias):
             if self.heads * (below + above + 1) <= _KEPT_DENSE:
                 row = _paper_row(self.heads, below, above, q_pos.device)  # [h, below+above+1]
                 return row[None, :, None, first + below : first + below + n_k]  # [1, h, 1, n_k]
+        elif n_q < n_k and first == 1 - n_k and _plain():  # a chunk at the end of its keys
+            width = _power_of_two_at_least(n_k)  # the last columns of a block kept per power
+            if self.heads * n_q * width <= _KEPT_DENSE:
+                block = _paper_end_block(self.heads, n_q, width, q_pos.device)
+                return block[..., width - n_k :]  # [1, h, n_q, n_k]
         return _paper_dense_bias(self.heads, first, n_q, n_k, q_pos.device)
 
     def bias(self, offsets: Tensor) -> Tensor:

@@ -309,10 +309,11 @@ def test_a_backward_that_names_no_node_keeps_the_kernels_gradients(monkeypatch):
 # ----- the masked bias kept for the next call ---------------------------------------------
 
 
-def _causal_keep(n):
+def _causal_keep(n, n_k=None):
     from posenc.engine import Mask
 
-    return Mask(n, n, causal=True).shared_keep(device=torch.device("cpu"))  # [1, 1, n, n]
+    n_k = n if n_k is None else n_k
+    return Mask(n, n_k, causal=True).shared_keep(device=torch.device("cpu"))  # [1, 1, n, n_k]
 
 
 def _filled(bias, keep, dtype):
@@ -340,6 +341,36 @@ def test_a_bias_masked_again_with_the_causal_mask_is_the_kept_tensor():
     gone = weakref.ref(bias)
     del bias
     assert gone() is None and len(sdpa._MASKED) == 0
+
+
+def test_the_last_columns_of_a_tensor_are_its_columns_masked_once():
+    """A bias that is the last ``n_k`` columns of a tensor, every row (ALiBi's for a chunk
+    at the end of a growing count of keys): the same columns of that tensor masked once
+    under the causal mask over its width, which hides what the causal mask over ``n_k``
+    keys hides (query ``i`` of ``n_q`` sees key ``j <= i + n_k - n_q``); other views (the
+    first columns, some rows) are masked as they are; a write into the tensor masks anew."""
+    gen = torch.Generator().manual_seed(0)
+    whole = torch.randn(1, 2, 3, 16, generator=gen)
+    masked = set()
+    for n_k in (9, 12, 16):  # (16: every column, a view all the same)
+        bias, keep = whole[..., 16 - n_k :], _causal_keep(3, n_k)
+        out = sdpa._causal_masked(bias, keep, torch.float32)
+        hidden = torch.ones(3, n_k, dtype=torch.bool).triu(n_k - 3 + 1)  # j > i + n_k - n_q
+        assert torch.equal(out, bias.masked_fill(hidden, float("-inf")))
+        assert out._base is not None and out._base.shape == (1, 2, 3, 16)
+        masked.add(out._base.data_ptr())
+    assert len(masked) == 1  # masked once
+    for bias in (whole[..., :9], whole[..., 1:, 7:]):  # not the last columns of every row
+        n_q, n_k = bias.shape[-2:]
+        keep = _causal_keep(n_q, n_k)
+        out = sdpa._causal_masked(bias, keep, torch.float32)
+        assert torch.equal(out, bias.masked_fill(~keep, float("-inf")))
+        assert out._base is None or out._base.data_ptr() not in masked
+    whole.mul_(2.0)  # its version moves: masked anew, of the new values
+    bias, keep = whole[..., 4:], _causal_keep(3, 12)
+    out = sdpa._causal_masked(bias, keep, torch.float32)
+    assert out._base.data_ptr() not in masked
+    assert torch.equal(out, bias.masked_fill(~keep, float("-inf")))
 
 
 def test_a_bias_that_asks_for_a_gradient_or_an_inference_bias_is_masked_in_each_call():

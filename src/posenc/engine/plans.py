@@ -21,7 +21,7 @@ from torch.autograd import forward_ad
 from ..hooks import Hooks
 from . import common, tuning
 from .few_queries import bias_alone_fits, few_queries
-from .learned import learned_inputs, scheme_parameters
+from .learned import learned_inputs, own_hook, scheme_parameters
 from .mask import Mask
 from .reference import _forward_in_place, _math, _run_rows
 from .sdpa import _sdpa, fused_cpu_runs
@@ -528,12 +528,20 @@ def _plan_materialised(call: Call) -> Plan:
     run = lambda: _sdpa(  # noqa: E731
         call.q, call.k, call.v, hooks, call.q_pos, call.k_pos, call.mask, call.scale,
         call.dropout_p, bias=None if hooks.score_bias is None else call.dense_bias,
+        kept_bias=hooks.score_bias is not None and _own_kept_bias(call),
     )  # fmt: skip
     if hooks.score_term is not None or hooks.score_bias is None or bias_alone:
         return run  # (bias_alone: what it read, the kernel SDPA takes, is not in the key)
     if kept:
         return routed(run, _KEPT_FUSED_ROUTE)
     return routed(run, _BIAS_ROUTE if hooks.kept_score_bias is None else _KEPT_BIAS_ROUTE)
+
+
+def _own_kept_bias(call: Call) -> bool:
+    """Whether the call's bias is the one a scheme of posenc's keeps between calls (its own
+    ``kept_score_bias``, as the replay's route reads it: :func:`~.kept._run`), whose
+    causal-masked form :func:`~.sdpa._causal_masked` may keep too."""
+    return call.bias_kept and own_hook(call.scheme, "kept_score_bias")
 
 
 def _kept_bias_fused(call: Call) -> bool:

@@ -14,6 +14,7 @@ Shape legend: ``b`` batch, ``h`` heads, ``n_q`` queries, ``n_k`` keys, ``d`` hea
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -102,21 +103,63 @@ def _causal_masked(bias: Tensor, keep: Tensor, dtype: torch.dtype) -> Tensor:
     posenc's keeps between calls (``kept_score_bias``: ALiBi's, a tensor it keeps to
     itself and never writes): the same tensor call after call, masked once. One is kept,
     per process, while its bias lives (a weak reference); made outside inference mode, so
-    that it serves calls in and out of it. Not for a bias that asks for a gradient in grad
-    mode, an inference tensor (which has no version counter), nor under
-    ``torch.compile`` or a ``torch.func`` transform."""
+    that it serves calls in and out of it. A bias that is the last columns of a tensor
+    (every row: ALiBi's for a chunk of queries at the end of a growing count of keys,
+    kept for a count rounded up) is the same columns of that tensor masked once under the
+    causal mask over its own width, which hides the same keys of those columns (query
+    ``i`` of ``n_q`` sees key ``j`` of ``n_k`` where ``j <= i + n_k - n_q``; the column
+    ``W - n_k + j`` of ``W``, where ``W - n_k + j <= i + W - n_q``). Not for a bias that
+    asks for a gradient in grad mode, an inference tensor (which has no version counter),
+    nor under ``torch.compile`` or a ``torch.func`` transform."""
     if (bias.requires_grad and torch.is_grad_enabled()) or not eager() or bias.is_inference():
         return bias.to(dtype).masked_fill(~keep, float("-inf"))
+    whole = _columns_of(bias)
+    if whole is not None:  # [.., n_q, W]: masked over its width, then its last n_k columns
+        width, n_q = whole.shape[-1], whole.shape[-2]
+        sizes = (*keep.shape[:-1], width)
+        masked = _masked_kept(
+            whole, sizes, dtype, lambda: _causal_keep(n_q, width, keep.device).expand(sizes)
+        )
+        return masked[..., width - bias.shape[-1] :]  # [.., n_q, n_k], a view
+    return _masked_kept(bias, keep.shape, dtype, lambda: keep)
+
+
+def _masked_kept(
+    bias: Tensor, sizes: tuple[int, ...], dtype: torch.dtype, keep: Callable[[], Tensor]
+) -> Tensor:
+    """``bias`` in ``dtype`` filled with ``-inf`` where ``keep()`` (of ``sizes``) is False,
+    kept for the next call of this bias, unchanged, of these sizes and dtype
+    (:func:`_causal_masked`)."""
     found = _MASKED.get(bias)
     if found is not None:
-        version, sizes, kept_dtype, masked = found
-        if version == bias._version and sizes == keep.shape and kept_dtype == dtype:
+        version, kept_sizes, kept_dtype, masked = found
+        if version == bias._version and kept_sizes == sizes and kept_dtype == dtype:
             return masked
     with torch.inference_mode(False), torch.no_grad():
-        masked = bias.to(dtype).masked_fill(~keep, float("-inf"))
+        masked = bias.to(dtype).masked_fill(~keep(), float("-inf"))
     _MASKED.clear()
-    _MASKED[bias] = (bias._version, keep.shape, dtype, masked)
+    _MASKED[bias] = (bias._version, sizes, dtype, masked)
     return masked
+
+
+def _columns_of(bias: Tensor) -> Tensor | None:
+    """The tensor whose last columns ``bias [.., n_q, n_k]`` is, every row of it (``bias =
+    whole[..., W - n_k:]``, ``n_q <= n_k <= W``), or None."""
+    whole = bias._base
+    if whole is None or whole.shape[:-1] != bias.shape[:-1] or whole.stride() != bias.stride():
+        return None
+    width, n_k = whole.shape[-1], bias.shape[-1]
+    if not bias.shape[-2] <= n_k <= width or whole.stride(-1) != 1:
+        return None
+    if bias.storage_offset() != whole.storage_offset() + width - n_k:
+        return None
+    return whole
+
+
+def _causal_keep(n_q: int, n_k: int, device: torch.device) -> Tensor:
+    """``[n_q, n_k]`` bool: the causal mask aligned at the end (query ``i`` sees the keys
+    ``j <= i + n_k - n_q``)."""
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(n_k - n_q)
 
 
 #: the last causal-masked kept bias, by the bias it was made from (:func:`_causal_masked`)
