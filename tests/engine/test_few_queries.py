@@ -76,6 +76,10 @@ def test_few_queries_over_more_keys_stay_materialised_past_the_pairs(monkeypatch
             "the [b, h, n_q, n_k] scores would be 0.0 MiB, above the budget 0.0 MiB "
             "(MATERIALISED_SCORES)"
         )
+        alone = (  # where SDPA's fused kernel would take the bias alone, but it is too large
+            "; the bias alone as SDPA's float mask would be 0.0 MiB, above the call's keys "
+            "and values (0.0 MiB)"
+        )
         t5 = t5.float()
         # one channel: the keys and values (3 x 2 x 64 x (1 + 1) = 768) below the biases
         # weighed here, which they would let past the budget (below)
@@ -100,12 +104,12 @@ def test_few_queries_over_more_keys_stay_materialised_past_the_pairs(monkeypatch
             patched.setattr(tuning, "MATERIALISED_SCORES", 2**10 - 1)
             assert posenc.explain(q, k, v, position=t5, **at).path == "materialised"
             _refused(posenc.explain(q, k, v, position=t5, causal=True, **at), "offset-bias",
-                     budget)  # fmt: skip
+                     budget, alone)  # fmt: skip
         per_sequence = torch.arange(60, 64).expand(3, 4)  # a bias per sequence: 3 x 2 x 4 x 64
         told = posenc.explain(
             q, k, v, position=t5, positions=per_sequence, key_positions=torch.arange(64)
         )
-        _refused(told, "lean-fused", budget)  # (not one run of positions: no offset path)
+        _refused(told, "lean-fused", budget, alone)  # (not one run of positions: no offset path)
         padding = torch.zeros(3, 64, dtype=torch.bool)
         padding[0, :3] = True  # its own paths: the mask blocks
         told = posenc.explain(q, k, v, position=t5, key_padding_mask=padding, **at)
@@ -118,7 +122,7 @@ def test_few_queries_over_more_keys_stay_materialised_past_the_pairs(monkeypatch
         want = posenc.attention(q, k, v, position=t5, backend="math", **at)
         assert_close(out, want, terms=64, logit=logit_size(q, k))
         one = (q[:1], k[:1], v[:1])  # keys and values 1 x 2 x 64 x 2 = 256 < 512
-        _refused(posenc.explain(*one, position=t5, **at), "offset-bias", budget)
+        _refused(posenc.explain(*one, position=t5, **at), "offset-bias", budget, alone)
         assert posenc.explain(*one, position=t5, causal=True, **at).path != "materialised"
 
 

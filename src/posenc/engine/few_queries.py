@@ -57,12 +57,35 @@ def bias_alone_fits(call: Call) -> bool:
     writes, the keys and values reversed, where it runs the call past the budget). Such a
     call keeps no route (what it reads, the kernel SDPA takes, is not in the route's
     key)."""
+    sizes = _bias_alone_sizes(call)
+    return sizes is not None and sizes[0] <= sizes[1]
+
+
+def bias_alone_refusal(call: Call) -> str:
+    """Why :func:`bias_alone_fits` refused a call SDPA's fused kernel would take with the
+    bias alone, for the materialised path's reason: the bias larger than the budget and
+    the keys and values (``""`` where the kernel would not take it, or it fits)."""
+    sizes = _bias_alone_sizes(call)
+    if sizes is None or sizes[0] <= sizes[1]:
+        return ""
+    written = sizes[0]
+    mib = 2**20 / call.q.dtype.itemsize
+    return (
+        f"; the bias alone as SDPA's float mask would be {written / mib:.1f} MiB, above the "
+        f"call's keys and values ({(call.k.numel() + call.v.numel()) / mib:.1f} MiB)"
+    )
+
+
+def _bias_alone_sizes(call: Call) -> tuple[int, int] | None:
+    """``(written, budget)`` in elements for :func:`bias_alone_fits`, or None where SDPA's
+    fused kernel would not take the call with the bias alone."""
     if call.dropout_p or not call.mask.causal_at_most or torch.is_grad_enabled():
-        return False
+        return None
     if call.q.dtype != torch.float32 or not fused_cpu_runs(call.q, call.k, call.v):
-        return False
+        return None
+    if call.op_by_op:
+        return None
     _, h, n_q, _ = call.q.shape
     rows = max(call.q_pos.shape[0], call.k_pos.shape[0])
     written = rows * h * n_q * call.k.shape[2] * (2 if call.mask.causal else 1)
-    budget = max(tuning.MATERIALISED_SCORES, call.k.numel() + call.v.numel())
-    return written <= budget and not call.op_by_op
+    return written, max(tuning.MATERIALISED_SCORES, call.k.numel() + call.v.numel())

@@ -20,7 +20,7 @@ from torch.autograd import forward_ad
 
 from ..hooks import Hooks
 from . import common, tuning
-from .few_queries import bias_alone_fits, few_queries
+from .few_queries import bias_alone_fits, bias_alone_refusal, few_queries
 from .learned import learned_inputs, own_hook, scheme_parameters
 from .mask import Mask
 from .reference import _forward_in_place, _math, _run_rows
@@ -438,6 +438,8 @@ def _plan_materialised(call: Call) -> Plan:
     # bias alone
     bias_alone = few and too_large is not None and not kept and bias_alone_fits(call)
     if too_large is not None and not (kept or bias_alone):
+        if few and not torch.compiler.is_compiling():
+            return too_large + bias_alone_refusal(call)
         return too_large
     b, h, n_q, _ = call.q.shape
     n_k = call.k.shape[2]
