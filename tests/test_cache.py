@@ -549,3 +549,91 @@ def test_crop_takes_any_integer():
     assert len(cache) == 2
     with pytest.raises(TypeError, match="length must be an int, got True"):
         cache.crop(True)
+
+
+def test_padded_steps_check_only_the_keys_they_add(monkeypatch):
+    """A left-padded batch's cached steps check for non-finite values (which the padding
+    must hide) only the keys and values the cache has not found finite yet: in the first
+    step over a buffer all of them, then each step's new token alone; the outputs are each
+    sequence's alone. A write through ``cache.keys`` (its version counter) makes the next
+    step read them all again, and a NaN written at a padded key stays hidden."""
+    import posenc.engine.inputs as inputs
+
+    checked = []
+    finite = inputs._finite
+    monkeypatch.setattr(inputs, "_finite", lambda xs: checked.append(xs) or finite(xs))
+    m = model(ALiBi(4))
+    torch.manual_seed(1)
+    first, second = torch.randn(1, 9, 16), torch.randn(1, 12, 16)
+    prompt = torch.cat((torch.cat((torch.zeros(1, 3, 16), first[:, :4]), 1), second[:, :7]))
+    padding = torch.tensor([[True] * 3 + [False] * 4, [False] * 7])  # [2, 7]: 3 pads
+    alone = [forward(m, x, causal=True) for x in (first, second)]
+    cache = KVCache()
+    element = 2 * 4 * 4  # b * h * d: one token of q, k or v
+    with torch.no_grad():
+        m(prompt, causal=True, key_padding_mask=padding, cache=cache)
+        steps = []
+        for t in range(5):
+            checked.clear()
+            x = torch.cat((first[:, 4 + t : 5 + t], second[:, 7 + t : 8 + t]))  # [2, 1, 16]
+            steps.append(m(x, causal=True, cache=cache))
+            read = sum(part.numel() for xs in checked for part in xs) // element
+            assert read == (1 + 2 * (8 + t) if t == 0 else 1 + 2), (t, read)  # q, k, v
+        out = torch.cat(steps, 1)  # [2, 5, 16]
+        for row, (full, logit) in enumerate(alone):
+            n = full.shape[1]
+            assert_close(out[row], full[0, n - 5 :], terms=16, logit=logit)
+        x = torch.randn(2, 1, 16)
+        clean = m(x, causal=True, cache=copy.deepcopy(cache))
+        cache.keys[0, :, 1] = float("nan")  # a padded key of the first sequence
+        checked.clear()
+        again = m(x, causal=True, cache=cache)
+        read = sum(part.numel() for xs in checked for part in xs) // element
+        assert read >= 2 * 13, "all the keys and values read again"
+        torch.testing.assert_close(again, clean, rtol=0, atol=1e-6)  # the NaN hidden
+        cache.keys[1, :, 2] = float("nan")  # a key the second sequence sees
+        out = m(x, causal=True, cache=cache)
+    assert out[1].isnan().all() and not out[0].isnan().any()
+
+
+def test_what_a_cache_found_finite_holds_while_its_buffer_is_unchanged():
+    """The count of keys a step found finite (``_found_finite``) serves the next steps over
+    the same buffer, capped at the tokens cached (a crop, the tokens a failed step wrote);
+    none after a write through the buffer's views, a new buffer (grown, or after keys
+    assigned), a copy, or a step that found nothing."""
+    torch.manual_seed(0)
+    cache = KVCache(capacity=32)
+
+    def step(n=1, found=True):
+        k, v = torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4)
+        keys, values, positions, padding = cache._step(k, v, torch.arange(n)[None], None)
+        known = cache._finite_keys(keys, values)
+        if found:
+            cache._found_finite(keys.shape[2])
+        cache.store(keys, values, positions, padding)
+        return known
+
+    with torch.no_grad():
+        assert step(4) == 0  # the first tensors held as given: no buffer
+        assert step() == 0  # a new buffer
+        assert [step() for _ in range(3)] == [5, 6, 7]
+        assert step(found=False) == 8 and step() == 8  # (that step found nothing)
+        cache.crop(6)
+        assert step() == 6
+        cache._step(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), torch.arange(3)[None], None)
+        cache._found_finite(10)
+        cache._discard()  # a failed step: its count is not held
+        assert step() == 7
+        cache.values[0, 0, 0, 0] = 1.0  # a write through a view of the buffer
+        assert step() == 0 and step() == 9
+        other = copy.copy(cache)
+        deep = copy.deepcopy(cache)
+        assert step() == 10
+        for fork in (other, deep):
+            cache, kept = fork, cache
+            assert step() == 0  # a buffer of its own
+            cache = kept
+        cache.keys = cache.keys.clone()  # the buffer given up
+        cache.values = cache.values.clone()
+        assert step() == 0 and step() == 12
+        assert step(20) == 0  # past the buffer's capacity: a new, larger one

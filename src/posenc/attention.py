@@ -39,9 +39,11 @@ from torch import Tensor, nn
 
 from . import _validate as check
 from ._arguments import check_scheme, default_query_positions, plain_number, prepare
+from ._memo import eager
 from ._rotary_buffer import rotated
 from .cache import KVCache
 from .engine import BACKENDS, Explanation, Mask, attend, explain_call
+from .engine.inputs import finite
 from .engine.kept import replay_unmasked
 from .indices import positions_from_documents, run_positions
 
@@ -98,9 +100,18 @@ def _core(
         args = dict(scheme=position, q_pos=q_pos, k_pos=k_pos, mask=mask, backend=backend)
         if explain_only:
             return explain_call(q, k, v, dropout_p=dropout_p, scale=scale, **args), None, None
+        finite_keys = 0
+        if cache is not None and not mask.causal_at_most and eager():
+            # a mask that may hide cached keys (padding, a window): the check for values it
+            # must hide reads the keys and values the cache has not found finite yet
+            finite_keys = cache._finite_keys(k, v)
+            if finite_keys < n_k and finite(k[:, :, finite_keys:], v[:, :, finite_keys:]):
+                finite_keys = n_k  # [b, h_kv, n_k, d] each: all finite
+                cache._found_finite(n_k)
         out, weights = attend(
-            q, k, v, dropout_p=dropout_p, need_weights=need_weights, scale=scale, **args
-        )
+            q, k, v, dropout_p=dropout_p, need_weights=need_weights, scale=scale,
+            finite_keys=finite_keys, **args,
+        )  # fmt: skip
         return out, weights, entries
     finally:
         if lent is not None:  # the kept buffer q and k were rotated into

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import weakref
 
 import torch
 from torch import Tensor
@@ -104,6 +105,10 @@ class KVCache:
         self._exposed = 0  # the buffer's tokens that tensors handed out may reach
         # what the last in-place write handed out, for store to adopt: (keys, values, buffer)
         self._written: tuple[Tensor, Tensor, tuple[Tensor, Tensor]] | None = None
+        # the buffer's first tokens known finite: (the keys buffer, count, the versions of
+        # the keys and values buffers then); the step's count, for store to adopt
+        self._finite: tuple[weakref.ref, int, int, int] | None = None
+        self._checked = 0
 
     @property
     def keys(self) -> Tensor | None:
@@ -283,7 +288,7 @@ class KVCache:
 
     def _discard(self) -> None:
         """Forget what the last step wrote (a step that failed): a buffer it made goes."""
-        self._written = None
+        self._written, self._checked = None, 0
 
     def _extend(
         self,
@@ -295,6 +300,7 @@ class KVCache:
         in_place: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         self._written = None
+        self._checked = 0
         old_keys, old_values = self._keys, self._values
         if old_keys is None or old_values is None:
             return keys, values, positions, key_padding
@@ -395,7 +401,33 @@ class KVCache:
         self.key_padding = key_padding
         if buffer is None or buffer is not self._buffer:  # new: nothing of it handed out
             self._exposed = 0
-        self._buffer, self._written = buffer, None
+        if buffer is not None and self._checked:  # the step found its keys all finite
+            versions = (buffer[0]._version, buffer[1]._version)
+            self._finite = (weakref.ref(buffer[0]), self._checked, *versions)
+        self._buffer, self._written, self._checked = buffer, None, 0
+
+    def _finite_keys(self, keys: Tensor, values: Tensor) -> int:
+        """How many of the first tokens of ``keys`` and ``values``, what this step's
+        :meth:`_step` wrote into the buffer, a step before found finite (:meth:`_found_finite`):
+        those of the cache's buffer up to its length, where nothing has written into the
+        buffer since (its version counters, which the cache's own writes through ``.data``
+        do not move, and a write through :attr:`keys` or :attr:`values` does); 0 for keys
+        and values that are not the buffer's (the step made a new one, or wrote none). A
+        write that bypasses the version counters (``.data``, a NumPy view) is not seen."""
+        written, kept = self._written, self._finite
+        if written is None or kept is None or keys is not written[0] or values is not written[1]:
+            return 0
+        buffer = written[2]
+        if buffer is not self._buffer or kept[0]() is not buffer[0]:
+            return 0
+        if (buffer[0]._version, buffer[1]._version) != kept[2:]:
+            return 0
+        return min(kept[1], len(self))  # (the tokens past it: written again, through .data)
+
+    def _found_finite(self, count: int) -> None:
+        """Record that this step's first ``count`` keys and values are finite, for the steps
+        after it once :meth:`store` holds them (:meth:`_finite_keys`)."""
+        self._checked = count
 
     def __repr__(self) -> str:
         shape = None if self._keys is None else tuple(self._keys.shape)

@@ -55,3 +55,30 @@ def test_the_careful_path_on_finite_inputs_equals_the_fast_one(monkeypatch, caus
         results.append([out, *(x.grad for x in leaves)])
     for careful, fast in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(careful, fast, rtol=0, atol=0)
+
+
+def test_keys_known_finite_are_not_read_again():
+    """``hideable`` leaves out the first ``finite_keys`` keys and values (a cache's, found
+    finite before), with or without gradients, and with a chunk's own rule (only the last
+    ``n_q`` keys without gradients) the later of the two starts; ``q`` always."""
+    from posenc.engine import Mask
+    from posenc.engine.inputs import hideable
+
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4)
+    padding = torch.zeros(1, 9, dtype=torch.bool)
+    padding[0, :2] = True
+    cases = (  # mask, finite_keys, grad mode: the keys read
+        (Mask(3, 9, key_padding=padding), 0, False, 9),
+        (Mask(3, 9, key_padding=padding), 5, False, 4),
+        (Mask(3, 9, key_padding=padding), 5, True, 4),
+        (Mask(3, 9, key_padding=padding), 9, False, 0),
+        (Mask(3, 9, causal=True), 0, False, 3),
+        (Mask(3, 9, causal=True), 8, False, 1),
+        (Mask(3, 9, causal=True), 2, False, 3),
+        (Mask(3, 9, causal=True), 2, True, 7),
+    )
+    for mask, known, grad, keys in cases:
+        with torch.set_grad_enabled(grad):
+            got = hideable(q, k, v, mask, finite_keys=known)
+        assert got[0] is q and [t.shape[2] for t in got[1:]] == [keys, keys], (known, grad)
+        assert torch.equal(got[1], k[:, :, 9 - keys :]) and torch.equal(got[2], v[:, :, 9 - keys :])

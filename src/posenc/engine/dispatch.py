@@ -77,6 +77,7 @@ def attend(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     scale: float | None = None,
+    finite_keys: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """Scaled dot-product attention with a positional scheme's hooks.
 
@@ -97,6 +98,9 @@ def attend(
         need_weights: also return the weights ``[b, h, n_q, n_k]`` (before dropout),
             computed with the math path.
         scale: the scores' scale (default ``1 / sqrt(d)``).
+        finite_keys: how many of the first keys and values are known finite (a cache's,
+            checked when they were written and unchanged since), which the check for
+            non-finite values a mask must hide does not read again.
 
     Returns:
         ``(out [b, h, n_q, d_v], weights or None)``. A query with no visible key gets 0.
@@ -113,7 +117,7 @@ def attend(
     hooks = checked_hooks(hooks_of(scheme), scheme, q.shape[0], q.shape[1], v.shape[-1])
     if mask.empty or (
         not torch.compiler.is_compiling()
-        and finite(*hideable(q, k, v, mask, hooks.contextual_term is not None))
+        and finite(*hideable(q, k, v, mask, hooks.contextual_term is not None, finite_keys))
     ):
         return _attend(
             q, k, v, hooks, scheme, q_pos, k_pos, mask, backend, dropout_p, need_weights, scale,

@@ -61,7 +61,7 @@ def finite(*xs: Tensor) -> bool:
 
 
 def hideable(
-    q: Tensor, k: Tensor, v: Tensor, mask: Mask, contextual: bool = False
+    q: Tensor, k: Tensor, v: Tensor, mask: Mask, contextual: bool = False, finite_keys: int = 0
 ) -> tuple[Tensor, ...]:
     """What :func:`finite` must read so that a non-finite value the mask hides reaches no
     query: ``q``, ``k`` and ``v``; without gradients (grad mode off), under the causal mask
@@ -74,13 +74,17 @@ def hideable(
     makes every query NaN, an infinite key NaN (a score of ``+inf``) or nothing (a score
     of ``-inf``), an infinite value an infinity or NaN in its channel. With gradients all
     are read (a query's NaN would reach the gradients of the keys it does not see), and
-    so they are for a contextual term (CoPE's gates index its table with them)."""
+    so they are for a contextual term (CoPE's gates index its table with them). The first
+    ``finite_keys`` keys and values, known finite (a cache's, checked in an earlier step
+    and unchanged since: ``KVCache._finite_keys``), are never read again."""
     n_q, n_k = mask.n_q, mask.n_k
     chunk = mask.causal and mask.causal_at_most and n_q < n_k  # (n_q >= n_k: every key hides)
-    if torch.is_grad_enabled() or contextual or not chunk:
+    first = finite_keys
+    if chunk and not (torch.is_grad_enabled() or contextual):
+        first = max(first, n_k - n_q)  # keys 0 .. n_k - n_q - 1: seen by every query
+    if first <= 0:
         return q, k, v
-    first = n_k - n_q  # keys 0 .. first - 1: seen by every query, with key `first`
-    return q, k[:, :, first:], v[:, :, first:]  # [b, h, n_q, d] each
+    return q, k[:, :, first:], v[:, :, first:]  # [b, h, n_k - first, d] each
 
 
 def _finite(xs: tuple[Tensor, ...]) -> bool:
