@@ -51,6 +51,31 @@ def test_the_steps_by_hand_equal_posencs_steps(name, b, n, fresh, chunk):
     )
 
 
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize(("fresh", "chunk"), [(False, 1), (True, 3)], ids=["crop", "fresh"])
+def test_a_left_padded_batch_by_hand_equals_posencs_steps(name, fresh, chunk):
+    """With ``padding`` the prompt's rows are left-padded (row r of 3 by r * 40 // 6
+    tokens), which posenc's prefill takes as its key padding mask and each step by hand
+    hides: the same outputs (float64), every row's finite, and the padding moves them
+    (the padded keys are hidden, not read)."""
+    assert decoding._padding(3, 40).sum(dim=1).tolist() == [0, 6, 13]
+    torch.set_default_dtype(torch.float64)
+    try:
+        with_posenc, by_cat, in_buffer = decoding._steps(
+            name, 3, 2, 8, 40, tokens=6, fresh=fresh, chunk=chunk, padding=True
+        )
+        plain = decoding._steps(name, 3, 2, 8, 40, tokens=6, fresh=fresh, chunk=chunk)[0]
+        with torch.no_grad():
+            got, want, buffer, unpadded = with_posenc(), by_cat(), in_buffer(), plain()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    atol = 46 * torch.finfo(torch.float32).eps if name == "rotary" else 1e-12
+    torch.testing.assert_close(got, want, rtol=0, atol=atol * float(want.abs().max()))
+    torch.testing.assert_close(buffer, want, rtol=0, atol=1e-12 * float(want.abs().max()))
+    assert got.isfinite().all() and not torch.allclose(got[1:], unpadded[1:])
+    torch.testing.assert_close(got[0], unpadded[0], rtol=0, atol=atol * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("chunk", [1, 2])
 @pytest.mark.parametrize("walked", [False, True])
 def test_measure_gives_the_times_and_the_ratios(chunk, walked, monkeypatch):
@@ -102,10 +127,10 @@ def test_a_chunk_that_does_not_divide_the_tokens_is_refused(monkeypatch, capsys,
 def test_the_header_says_what_was_timed(monkeypatch, capsys):
     argv = ["decoding.py", "--schemes", "alibi", "--batches", "1", "--lengths", "8"]
     argv += ["--tokens", "4", "--chunk", "2", "--repeats", "1", "--least", "0.001", "--fresh"]
-    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "argv", [*argv, "--padding"])
     decoding.main()
     out = capsys.readouterr().out
-    assert "--tokens 4 --chunk 2 --repeats 1 --fresh, h=8 d=64; times per token" in out
+    assert "--tokens 4 --chunk 2 --repeats 1 --fresh --padding, h=8 d=64; times per token" in out
     assert "| alibi | 1 | 8 |" in out
 
 

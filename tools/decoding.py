@@ -46,6 +46,12 @@ cache=cache)``; by hand the rows ``p .. p + c - 1`` of the bias over the keys ``
 - 1`` (T5's ``compute_bias(c, p + c, past_seen_tokens=p)``), ``-inf`` where a key is
 hidden, as SDPA's float mask (rotary: the boolean mask alone); the times stay per token.
 
+With ``--padding`` the batch is left-padded, as batched generation pads its prompts:
+row ``r`` of ``b`` has its first ``r * n // (2 * b)`` cached tokens padding (none in the
+first row, almost a half in the last), which posenc's prefill is given as
+``key_padding_mask`` (the cache keeps it) and each step by hand fills with ``-inf`` in
+its mask (the default positions: the schemes are relative).
+
 Schemes: ``alibi``, ``t5-decoder``, ``swin-1d``, ``rotary``. The three variants give the
 same outputs (checked before timing). Prints a Markdown table: the median over the
 repeats of each repeat's ``posenc / by hand``, for both steps by hand (below 1, posenc is
@@ -53,7 +59,7 @@ faster), and each variant's median time per token in microseconds.
 
 Run: ``.venv/bin/python tools/decoding.py [--schemes alibi,t5-decoder,swin-1d,rotary]
 [--batches 1,8] [--lengths 256,1024,4096] [--tokens 8] [--chunk 1] [--repeats 15]
-[--fresh]``. To time another
+[--fresh] [--padding]``. To time another
 commit's posenc with this tool: ``git archive <commit> src | tar -x -C DIR`` and run it
 with ``PYTHONPATH=DIR/src``.
 
@@ -146,14 +152,24 @@ def _bias_by_hand(
     )
 
 
+def _padding(b: int, n: int) -> Tensor:
+    """``[b, n]`` bool, True = padding: row ``r``'s first ``r * n // (2 * b)`` tokens."""
+    pad = torch.zeros(b, n, dtype=torch.bool)
+    for r in range(b):
+        pad[r, : r * n // (2 * b)] = True
+    return pad
+
+
 def _steps(
-    name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool = False, chunk: int = 1
-):
+    name: str, b: int, h: int, d: int, n: int, tokens: int, fresh: bool = False, chunk: int = 1,
+    padding: bool = False,
+):  # fmt: skip
     """The three variants (:data:`_VARIANTS`) of ``tokens`` more tokens, ``chunk`` at a
     time (a multiple of it), after a cache of ``n`` (each returns its outputs ``[b, tokens,
     h * d]``, starting from the ``n`` prefilled tokens; ``fresh``: from the prefill's own
-    tensors, each run copying them into a new buffer, see ``--fresh``); None where the
-    step by hand needs a package that is not installed."""
+    tensors, each run copying them into a new buffer, see ``--fresh``; ``padding``: the
+    prompt left-padded, see ``--padding``); None where the step by hand needs a package
+    that is not installed."""
     scheme = _scheme(name, h, d, n + tokens)
     bias = _bias_by_hand(name, scheme, n + tokens - 1)
     if bias is None:
@@ -162,9 +178,13 @@ def _steps(
     torch.manual_seed(0)
     attn = MultiHeadAttention(dim, h, position=scheme).eval()
     x, new = torch.randn(b, n, dim), torch.randn(b, tokens, dim)
+    pad = _padding(b, n) if padding else None  # [b, n]
     cache = KVCache()
-    attn(x, causal=True, cache=cache)
+    attn(x, causal=True, cache=cache, key_padding_mask=pad)
     held = (cache.keys.detach(), cache.values.detach())
+    # [b, 1, 1, n + tokens]: the keys each step by hand hides (None: none)
+    hidden = None if pad is None else torch.cat((pad, torch.zeros(b, tokens, dtype=torch.bool)), 1)
+    hidden = None if hidden is None else hidden[:, None, None, :]
     rotate = None
     if name == "rotary":
         from rotary_embedding_torch import RotaryEmbedding
@@ -183,7 +203,7 @@ def _steps(
     def with_posenc() -> Tensor:
         if fresh:  # the prefill's tensors (assigned: the cache's buffer is let go)
             cache.keys, cache.values = held
-            cache.positions, cache.key_padding = positions, None
+            cache.positions, cache.key_padding = positions, pad
         else:
             cache.crop(n)
         kept.clear()  # a generation's first step: no route kept for its key counts yet
@@ -220,6 +240,12 @@ def _steps(
             if c > 1:  # query i (position p + i) sees the keys 0 .. p + i
                 sees = torch.ones(c, p + c, dtype=torch.bool).tril(p)  # [c, p + c]
                 mask = sees if mask is None else mask.masked_fill(~sees, float("-inf"))
+            if hidden is not None:  # the padding: [b, 1, 1, p + c]
+                hides = hidden[..., : p + c]
+                if mask is None or mask.dtype == torch.bool:
+                    mask = ~hides if mask is None else mask & ~hides  # True = attend
+                else:
+                    mask = mask.masked_fill(hides, float("-inf"))  # [b, h, c, p + c]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             outs.append(attn.out_proj(out.transpose(1, 2).reshape(b, c, dim)))  # [b, c, dim]
         return torch.cat(outs, dim=1)
@@ -232,7 +258,10 @@ def measure(name: str, b: int, n: int, args) -> dict | None:
     (buffer)``, and with ``args.walked`` ``posenc, walked``) and the median ratios ``posenc
     / by hand`` (``ratio cat``, ``ratio buffer``; ``ratio walked``: posenc / posenc walked),
     or None (not installed)."""
-    steps = _steps(name, b, args.heads, args.head_dim, n, args.tokens, args.fresh, args.chunk)
+    steps = _steps(
+        name, b, args.heads, args.head_dim, n, args.tokens, args.fresh, args.chunk,
+        getattr(args, "padding", False),
+    )  # fmt: skip
     if steps is None:
         return None
     variants = dict(zip(_VARIANTS, steps, strict=True))
@@ -301,6 +330,13 @@ def main() -> None:
         "KVCache.crop",
     )
     parser.add_argument(
+        "--padding",
+        action="store_true",
+        help="left-pad the batch as batched generation does: row r's first r * n // (2 * b) "
+        "cached tokens are padding, given to posenc's prefill as key_padding_mask and "
+        "hidden by each step by hand",
+    )
+    parser.add_argument(
         "--walked",
         action="store_true",
         help="also time posenc's steps with no route kept (posenc.engine.tuning.KEPT_ROUTES "
@@ -319,6 +355,7 @@ def main() -> None:
     print(
         f"--tokens {args.tokens} --chunk {args.chunk} --repeats {args.repeats}"
         + (" --fresh" if args.fresh else "")
+        + (" --padding" if args.padding else "")
         + f", h={args.heads} d={args.head_dim}; times per token"
     )
     walked = " posenc / posenc walked |" if args.walked else ""
