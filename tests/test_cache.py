@@ -618,22 +618,53 @@ def test_what_a_cache_found_finite_holds_while_its_buffer_is_unchanged():
         assert step() == 0  # a new buffer
         assert [step() for _ in range(3)] == [5, 6, 7]
         assert step(found=False) == 8 and step() == 8  # (that step found nothing)
-        cache.crop(6)
-        assert step() == 6
+        cache.crop(6)  # the tokens past 6 are written again: the count goes down with it
+        assert step(found=False) == 6 and step() == 6
         cache._step(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), torch.arange(3)[None], None)
-        cache._found_finite(10)
+        cache._found_finite(11)
         cache._discard()  # a failed step: its count is not held
-        assert step() == 7
+        assert step() == 8
         cache.values[0, 0, 0, 0] = 1.0  # a write through a view of the buffer
-        assert step() == 0 and step() == 9
+        assert step() == 0 and step() == 10
         other = copy.copy(cache)
         deep = copy.deepcopy(cache)
-        assert step() == 10
+        assert step() == 11
         for fork in (other, deep):
             cache, kept = fork, cache
             assert step() == 0  # a buffer of its own
             cache = kept
         cache.keys = cache.keys.clone()  # the buffer given up
         cache.values = cache.values.clone()
-        assert step() == 0 and step() == 12
+        assert step() == 0 and step() == 13
         assert step(20) == 0  # past the buffer's capacity: a new, larger one
+    with torch.inference_mode():  # a deep copy made here writes into its inference tensors
+        deep = copy.deepcopy(cache)
+        cache = deep
+        assert [step(), step()] == [0, 0]  # (which have no version counter: nothing found)
+
+
+def test_a_hidden_nan_written_after_a_crop_stays_hidden():
+    """A crop, then a step whose new token is padding and NaN (written over a token a step
+    before found finite): the later steps check it again, and the query that cannot see
+    it gets what it gets when the token is finite."""
+    m = model(ALiBi(4))
+    torch.manual_seed(2)
+    prompt, steps = torch.randn(2, 8, 16), torch.randn(5, 2, 1, 16)
+    padding = torch.zeros(2, 8, dtype=torch.bool)
+    padding[0, :3] = True
+
+    def run(bad):
+        cache = KVCache()
+        with torch.no_grad():
+            m(prompt, causal=True, key_padding_mask=padding, cache=cache)
+            for x in steps[:3]:
+                m(x, causal=True, cache=cache)
+            cache.crop(9)
+            x = steps[3].clone()
+            x[0, 0, 0] = bad  # row 0's new token: padding
+            m(x, causal=True, cache=cache, key_padding_mask=torch.tensor([[True], [False]]))
+            return m(steps[4], causal=True, cache=cache)
+
+    clean, out = run(0.5), run(float("nan"))
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, clean, rtol=0, atol=1e-6)

@@ -229,6 +229,9 @@ class KVCache:
         if self.key_padding is not None:
             self.key_padding = self.key_padding[:, :length]  # [b, length]
         self._written = None
+        if self._finite is not None:  # the tokens past it are written again (through .data)
+            ref, count, *versions = self._finite
+            self._finite = (ref, min(count, length), *versions)
         if length < self._exposed:
             self._buffer = None
 
@@ -401,7 +404,8 @@ class KVCache:
         self.key_padding = key_padding
         if buffer is None or buffer is not self._buffer:  # new: nothing of it handed out
             self._exposed = 0
-        if buffer is not None and self._checked:  # the step found its keys all finite
+        if buffer is not None and self._checked and not buffer[0].is_inference():
+            # the step found its keys all finite (an inference tensor has no version counter)
             versions = (buffer[0]._version, buffer[1]._version)
             self._finite = (weakref.ref(buffer[0]), self._checked, *versions)
         self._buffer, self._written, self._checked = buffer, None, 0
@@ -418,11 +422,11 @@ class KVCache:
         if written is None or kept is None or keys is not written[0] or values is not written[1]:
             return 0
         buffer = written[2]
-        if buffer is not self._buffer or kept[0]() is not buffer[0]:
+        if buffer is not self._buffer or kept[0]() is not buffer[0] or buffer[0].is_inference():
             return 0
         if (buffer[0]._version, buffer[1]._version) != kept[2:]:
             return 0
-        return min(kept[1], len(self))  # (the tokens past it: written again, through .data)
+        return min(kept[1], len(self))  # (a failed step's tokens past it: written again)
 
     def _found_finite(self, count: int) -> None:
         """Record that this step's first ``count`` keys and values are finite, for the steps
