@@ -43,6 +43,36 @@ def test_toeplitz_and_skew_rows_match_the_definition(n_q, n_k):
     assert torch.autograd.gradcheck(lambda t: skew_rows(t, n_k), (x,))
 
 
+def test_toeplitz_spreads_many_rows_a_matrix_at_a_time(monkeypatch):
+    """Past ``_MATRIX_PAIRS`` pairs and ``_MATRIX_ROWS`` rows the spread runs one matrix at
+    a time: the definition's values (an index of offsets, float64), for values laid out
+    any way, under autograd and without, and a new tensor."""
+    import posenc.diagonals as diagonals
+
+    def definition(values, n_q, n_k):
+        offsets = torch.arange(n_k)[None, :] - torch.arange(n_q)[:, None] + n_q - 1  # [n_q, n_k]
+        return values[..., offsets]  # [..., n_q, n_k]
+
+    torch.manual_seed(0)
+    n_q, n_k = 16, 2100  # 33,600 pairs: past the defaults
+    assert n_q >= diagonals._MATRIX_ROWS and n_q * n_k >= diagonals._MATRIX_PAIRS
+    values = torch.randn(n_q + n_k - 1, 2, 3, dtype=torch.float64).permute(1, 2, 0)
+    spread = diagonals.toeplitz(values, n_q, n_k)
+    assert spread.is_contiguous() and torch.equal(spread, definition(values, n_q, n_k))
+    monkeypatch.setattr(diagonals, "_MATRIX_PAIRS", 1)
+    monkeypatch.setattr(diagonals, "_MATRIX_ROWS", 1)
+    for n_q, n_k in ((2, 9), (3, 5), (5, 12)):
+        values = torch.randn(2, 3, n_q + n_k - 1, dtype=torch.float64, requires_grad=True)
+        assert torch.equal(diagonals.toeplitz(values, n_q, n_k), definition(values, n_q, n_k))
+        assert torch.autograd.gradcheck(lambda v: diagonals.toeplitz(v, n_q, n_k), (values,))  # noqa: B023
+        wide = torch.randn(2, 3, n_q + n_k + 4, dtype=torch.float64)
+        inner = wide.view(-1)[5 : 5 + 6 * (n_q + n_k - 1)].view(2, 3, n_q + n_k - 1)
+        out = diagonals.toeplitz(inner, n_q, n_k)
+        assert torch.equal(out, definition(inner, n_q, n_k))
+        out.fill_(7.0)
+        assert not (inner == 7.0).any()
+
+
 @pytest.mark.parametrize(("n_q", "n_k"), [(1, 4), (3, 3), (3, 8), (6, 2), (5, 12)])
 def test_diagonal_sums_is_the_adjoint_of_toeplitz(n_q, n_k):
     from posenc.diagonals import diagonal_sums
