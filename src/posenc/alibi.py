@@ -185,8 +185,8 @@ class ALiBi(OffsetBias):
         last four kept, at most 64 MiB in all; one query's, a decoding step's, a view of a
         row kept for its offsets rounded to powers of two, the last eight kept, at most 16
         MiB each: :func:`_paper_row`; fewer queries than keys at the end of them, a chunk
-        of tokens over a cache, the last columns of a block kept for the key count rounded
-        up to a power of two, the last four kept, at most 16 MiB each:
+        of tokens over a cache, the last columns of a block kept per chunk size and key
+        count rounded up to a power of two, the last four kept, at most 16 MiB each:
         :func:`_paper_end_block`);
         None otherwise (learned slopes, a :meth:`slopes`, :meth:`bias`,
         :meth:`offset_bias` or ``score_bias`` of a subclass's, a mixin's or set on the

@@ -54,7 +54,10 @@ class KVCache:
     full (one copy of the cache per quarter of its length; the old and the new buffer
     both live during that copy). It takes ``2 * b * h_kv * c * d`` elements per layer, up
     to a quarter (or 64 tokens) more than the cache holds; a view of it kept alive keeps
-    the whole buffer alive.
+    the whole buffer alive. The cache also remembers how many of the buffer's first tokens
+    a masked step found finite, while nothing writes into the buffer through its version
+    counters, so that later masked steps check only their new tokens for NaN and
+    infinities.
 
     **What it never changes.** A write never changes a tensor the cache handed out: its
     :attr:`keys` or :attr:`values` read (even for their ``.shape``: ``len(cache)`` reads

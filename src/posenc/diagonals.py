@@ -80,7 +80,10 @@ def _toeplitz(values: Tensor, n_q: int, n_k: int) -> Tensor:
     strides ``(1, 1)``; its rows in reverse order are the Toeplitz matrix
     (``out[i] = H[n_q - 1 - i]``): one copy and no ``[n_q, n_k]`` index. With fewer rows
     than columns ``flip`` would keep the view's column-major order, so the rows are
-    picked in reverse by ``index_select`` instead."""
+    picked in reverse by ``index_select`` instead: in eager code on the CPU, from
+    :data:`_MATRIX_ROWS` rows and :data:`_MATRIX_PAIRS` pairs, one matrix at a time (a
+    2-D view's rows are copied in one piece each, where over more dimensions the kernel
+    reads them element by element)."""
     values = values.contiguous()  # [..., n_q + n_k - 1]
     sizes, strides = (*values.shape[:-1], n_q, n_k), (*values.stride()[:-1], 1, 1)
     hankel = values.as_strided(sizes, strides)  # [..., n_q, n_k], at values' storage offset
@@ -106,9 +109,7 @@ def _toeplitz(values: Tensor, n_q: int, n_k: int) -> Tensor:
 
 
 #: query-key pairs per matrix, and rows, from which :func:`_toeplitz` spreads one matrix
-#: at a time (one process, one after the other: ``[8, 128, 4224]`` 0.29x the time of one
-#: call over all, ``[32, 128, 8192]`` 0.38x, ``[16, 200, 2000]`` 0.32x, ``[8, 64, 4160]``
-#: 0.53x; below them each matrix's call costs more than it saves: ``[8, 2, 16400]`` 1.48x)
+#: at a time (measured: docs/performance.md, "Thirty-third pass")
 _MATRIX_PAIRS = 1 << 15
 _MATRIX_ROWS = 16
 

@@ -77,8 +77,8 @@ def test_few_queries_over_more_keys_stay_materialised_past_the_pairs(monkeypatch
             "(MATERIALISED_SCORES)"
         )
         alone = (  # where SDPA's fused kernel would take the bias alone, but it is too large
-            "; the bias alone as SDPA's float mask would be 0.0 MiB, above the call's keys "
-            "and values (0.0 MiB)"
+            "; the bias alone as SDPA's float mask would write 0.0 MiB (with its causal-masked "
+            "copy), above the budget and the call's keys and values (0.0 MiB)"
         )
         t5 = t5.float()
         # one channel: the keys and values (3 x 2 x 64 x (1 + 1) = 768) below the biases

@@ -71,8 +71,9 @@ def bias_alone_refusal(call: Call) -> str:
     written = sizes[0]
     mib = 2**20 / call.q.dtype.itemsize
     return (
-        f"; the bias alone as SDPA's float mask would be {written / mib:.1f} MiB, above the "
-        f"call's keys and values ({(call.k.numel() + call.v.numel()) / mib:.1f} MiB)"
+        f"; the bias alone as SDPA's float mask would write {written / mib:.1f} MiB (with its "
+        f"causal-masked copy), above the budget and the call's keys and values "
+        f"({(call.k.numel() + call.v.numel()) / mib:.1f} MiB)"
     )
 
 

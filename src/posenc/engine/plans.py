@@ -434,8 +434,8 @@ def _plan_materialised(call: Call) -> Plan:
     few = few_queries(call)
     too_large = materialised_size(call, pairs=not few)
     kept = too_large is not None and _kept_bias_fused(call)  # (only past a bound)
-    # few queries past the scores' budget: within it where SDPA's fused kernel writes the
-    # bias alone
+    # few queries past the scores' budget: within it, or within the call's keys and values,
+    # where SDPA's fused kernel writes the bias alone
     bias_alone = few and too_large is not None and not kept and bias_alone_fits(call)
     if too_large is not None and not (kept or bias_alone):
         if few and not torch.compiler.is_compiling():

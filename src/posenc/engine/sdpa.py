@@ -99,8 +99,8 @@ def _causal_masked(bias: Tensor, keep: Tensor, dtype: torch.dtype) -> Tensor:
     call that masked this very bias, unchanged since (its version counter), over as many
     queries and keys in this dtype.
 
-    For the replay of a causal call (:mod:`.kept`) whose bias is the one a scheme of
-    posenc's keeps between calls (``kept_score_bias``: ALiBi's, a tensor it keeps to
+    For a causal call, replayed (:mod:`.kept`) or walked (``plans._own_kept_bias``), whose
+    bias is the one a scheme of posenc's keeps between calls (``kept_score_bias``: ALiBi's, a tensor it keeps to
     itself and never writes): the same tensor call after call, masked once. One is kept,
     per process, while its bias lives (a weak reference); made outside inference mode, so
     that it serves calls in and out of it. A bias that is the last columns of a tensor

@@ -43,7 +43,8 @@ MASK_BLOCK_PAIRS = 1 << 15
 #: query rows per call, at least, of a causal sliding window run in blocks
 WINDOW_BLOCK_ROWS = 128
 #: scores [b, h, n_q, n_k] at most that the materialised path writes out (memory budget;
-#: under torch.compile, past it or MATERIALISED_PAIRS a call runs the lean engine as one
+#: a few queries' bias alone through SDPA's fused kernel: it or the call's keys and values,
+#: engine/few_queries.py; under torch.compile, past it or MATERIALISED_PAIRS a call runs the lean engine as one
 #: operator: engine/compiled.py)
 MATERIALISED_SCORES = 1 << 23
 #: query-key pairs per head at most on the materialised path (past it the lean paths win)
@@ -52,8 +53,8 @@ MATERIALISED_PAIRS = 1 << 16
 #: no mask but the causal one, over more keys than queries (cross-attention, a few tokens
 #: decoded at once, a prompt read in chunks) stays on the materialised path past
 #: MATERIALISED_PAIRS and MATERIALISED_CAUSAL_PAIRS (fewer than MATERIALISED_QUERIES in
-#: all), within the budget and past it where SDPA's fused kernel writes the bias alone
-#: (engine/few_queries.py). The lean paths pass over every key and value once or more per
+#: all), within the budget and past it where SDPA's fused kernel writes the bias alone,
+#: within the budget or the call's keys and values (engine/few_queries.py). The lean paths pass over every key and value once or more per
 #: call (the per-offset path reverses them), which few queries do not pay for, while the
 #: bias is written once for the whole batch; a causal mask over fewer queries than keys
 #: hides few pairs. materialised / lean forward, h=8 d=64, ALiBi, T5's decoder and Swin
